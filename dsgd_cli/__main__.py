@@ -1,0 +1,3 @@
+from dsgd_cli.cli import main
+
+main()

@@ -1,0 +1,239 @@
+"""The public plugin API: everything a plugin, built-in or third-party, may import.
+
+Four kinds of plugin, each found through an entry-point group:
+
+=================  =====================  =============================================
+group              base class             what it does
+=================  =====================  =============================================
+dsgd.aggregators   `Aggregator`           the distributed algorithm (hooks in the loop)
+dsgd.compressors   `Compressor`           turns a tensor into a payload and back
+dsgd.optimizers    `OptimizerPlugin`      builds the local torch optimizer
+dsgd.tasks         `Task`                 data and model
+=================  =====================  =============================================
+
+Each plugin class may declare `Options`, a dataclass whose fields use `option(...)`; the spec
+loader validates a spec section against it before anything launches and the plugin receives
+the instance as `self.options`.
+
+The worker loop (dsgd_cli/runtime.py) owns the order; the aggregator owns the algorithm::
+
+    aggregator.setup(ctx)
+    for each step:
+        aggregator.before_forward(step)
+        loss = task.loss(model(x), y); loss.backward()
+        aggregator.after_backward(step)     # e.g. average the gradients
+        optimizer.step()
+        aggregator.after_step(step)         # e.g. average or gossip the models
+    aggregator.finish()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import nn
+
+from dsgd_cli.comm import Comm, Group, Handle, NetworkModel, Traffic
+from dsgd_cli.options import option
+
+__all__ = [
+    "Aggregator", "AggregatorOptions", "Comm", "Compressor", "ErrorFeedback", "Group",
+    "Handle", "MetricsLogger", "NetworkModel", "NoOptions", "OptimizerPlugin", "Payload",
+    "Plugin", "Task", "TaskData", "Traffic", "WorkerContext", "flatten", "option",
+    "unflatten_into",
+]
+
+
+@dataclass
+class NoOptions:
+    """For plugins that take no options."""
+
+
+class Plugin:
+    """Common base: typed options, and the name the registry found the plugin under."""
+
+    Options: ClassVar[type] = NoOptions
+    plugin_name: ClassVar[str] = ""
+
+    def __init__(self, options: Any = None):
+        self.options = options if options is not None else self.Options()
+
+
+# -- tasks ------------------------------------------------------------------------------------
+
+@dataclass
+class TaskData:
+    """A whole dataset in memory; the runtime shards the training part across workers."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+
+class Task(Plugin):
+    """Data and model. Models are built after `torch.manual_seed(run seed)` on every worker,
+    so all workers start from the same parameters."""
+
+    def load_data(self, seed: int) -> TaskData:
+        raise NotImplementedError
+
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(output, target)
+
+    def count_correct(self, output: torch.Tensor, target: torch.Tensor) -> int:
+        return int((output.argmax(dim=1) == target).sum())
+
+
+# -- optimizers -------------------------------------------------------------------------------
+
+class OptimizerPlugin(Plugin):
+    """Builds the worker's local optimizer, applied to whatever the aggregator left in .grad."""
+
+    def build(self, params) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+
+# -- compressors ------------------------------------------------------------------------------
+
+@dataclass
+class Payload:
+    """A compressed tensor: `tensors` travel over the network, `context` stays local."""
+
+    tensors: list[torch.Tensor]
+    context: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+class Compressor(Plugin):
+    """Turns a flat tensor into a `Payload` and back. Never communicates.
+
+    `summable = True` means the aggregator may all-reduce (sum) the payload tensors of all
+    workers and decompress the sum once; otherwise it all-gathers the payloads and
+    decompresses each.
+    """
+
+    summable: ClassVar[bool] = True
+
+    def compress(self, tensor: torch.Tensor, key: str, step: int) -> Payload:
+        raise NotImplementedError
+
+    def decompress(self, payload: Payload, like: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ErrorFeedback:
+    """Keeps per-key residuals: e <- (g + e) - decompress(compress(g + e))."""
+
+    def __init__(self):
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def compensate(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        residual = self.residuals.get(key)
+        return tensor if residual is None else tensor + residual
+
+    def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
+        self.residuals[key] = compensated - transmitted
+
+
+# -- aggregators ------------------------------------------------------------------------------
+
+@dataclass
+class AggregatorOptions:
+    """Options every aggregator accepts. Subclass it for an aggregator's own options.
+
+    The spec's `compressor` section is resolved by the spec loader and reaches the
+    aggregator as `ctx.compressor`.
+    """
+
+    error_feedback: bool = option(False, help="keep compression residuals and add them back")
+    sync_buffers: bool = option(True, help="average buffers (batch-norm statistics) with models")
+
+
+class MetricsLogger(Protocol):
+    def log(self, name: str, value: float) -> None:
+        """Record a value for the current step; the runtime writes it at the next log point."""
+
+
+@dataclass
+class WorkerContext:
+    """What a plugin sees of the worker it runs in."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    comm: Comm
+    metrics: MetricsLogger
+    seed: int
+    compressor: Compressor
+    config: dict = field(default_factory=dict)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [b for b in self.model.buffers() if b.dtype.is_floating_point]
+
+
+class Aggregator(Plugin):
+    """A distributed training algorithm, expressed as hooks around the local optimizer step.
+
+    Class attributes tell the runtime how to treat it:
+    `models_identical`: the workers' models are always equal (evaluate one, skip consensus);
+    `supports_compression`: the spec may give it a compressor other than `none`.
+    """
+
+    Options: ClassVar[type] = AggregatorOptions
+    models_identical: ClassVar[bool] = True
+    supports_compression: ClassVar[bool] = False
+
+    @classmethod
+    def check_world(cls, options: Any, world_size: int) -> None:
+        """Raise ValueError if the algorithm cannot run with `world_size` workers."""
+
+    def setup(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+
+    def before_forward(self, step: int) -> None:
+        pass
+
+    def after_backward(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        """Complete outstanding communication; called once after the last step."""
+
+    def evaluation_model(self) -> nn.Module:
+        """The model this worker would report (push-sum reports its de-biased copy)."""
+        return self.ctx.model
+
+
+# -- helpers for plugins ----------------------------------------------------------------------
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One contiguous 1-D copy of `tensors`."""
+    if not tensors:
+        return torch.empty(0)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy consecutive slices of `flat` back into `tensors`."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset: offset + n].view_as(t))
+        offset += n

@@ -1,0 +1,242 @@
+"""`Comm`: every collective and point-to-point call a plugin may make, with accounting.
+
+Plugins never call torch.distributed themselves (DESIGN.md principle 3). Each call here
+
+* counts the bytes this worker sends and receives, using the traffic of the algorithm the
+  backends run (ring all-reduce: 2(n-1)/n of the buffer each way; ring all-gather: (n-1)
+  times the local chunk; broadcast: the root sends one copy to each other member),
+* counts the seconds the caller is blocked (a synchronous call's duration, or the time spent
+  in `Handle.wait()` for a non-blocking one),
+* applies the spec's network emulation: an operation never completes sooner than
+  `messages * latency + bytes_sent / bandwidth` after it was issued.
+
+Counters are per process and safe to update from background threads (asynchronous gossip).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class NetworkModel:
+    """An emulated link: per-message latency (s) and bandwidth (bytes per second)."""
+
+    latency_s: float = 0.0
+    bytes_per_second: float = float("inf")
+
+    def duration(self, bytes_sent: int, messages: int) -> float:
+        return messages * self.latency_s + bytes_sent / self.bytes_per_second
+
+
+@dataclass
+class Traffic:
+    """What this worker communicated since the counters were last taken."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    calls: int = 0
+
+
+@dataclass(frozen=True)
+class Group:
+    """A set of ranks that communicate together; `comm.world` is everyone."""
+
+    ranks: tuple[int, ...]
+    process_group: Any = None  # None means the default (world) group
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+class Handle:
+    """A non-blocking operation in flight. `wait()` returns its result."""
+
+    def __init__(self, comm: "Comm", works: Sequence[Any], issued_at: float, emulated_s: float,
+                 result: Any = None, on_complete: Callable[[], Any] | None = None):
+        self._comm = comm
+        self._works = works
+        self._issued_at = issued_at
+        self._emulated_s = emulated_s
+        self._result = result
+        self._on_complete = on_complete
+        self._done = False
+        self._tracked = comm._tracking()
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        real_done = all(work is None or work.is_completed() for work in self._works)
+        return real_done and time.perf_counter() >= self._issued_at + self._emulated_s
+
+    def wait(self) -> Any:
+        if self._done:
+            return self._result
+        started = time.perf_counter()
+        for work in self._works:
+            if work is not None:
+                work.wait()
+        _sleep_until(self._issued_at + self._emulated_s)
+        if self._on_complete is not None:
+            self._result = self._on_complete()
+        self._done = True
+        if self._tracked:
+            self._comm._add(seconds=time.perf_counter() - started)
+        return self._result
+
+
+def _sleep_until(deadline: float) -> None:
+    remaining = deadline - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Comm:
+    """Communication for one worker. Built by the runtime; plugins get it as `ctx.comm`."""
+
+    def __init__(self, rank: int, world_size: int, network: NetworkModel | None = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.network = network or NetworkModel()
+        self.world = Group(tuple(range(world_size)))
+        self._traffic = Traffic()
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    # -- accounting -------------------------------------------------------------------------
+
+    def take_traffic(self) -> Traffic:
+        """Return the counters accumulated so far and start new ones."""
+        with self._lock:
+            traffic, self._traffic = self._traffic, Traffic()
+        return traffic
+
+    @contextmanager
+    def untracked(self):
+        """Communication of the runtime itself (evaluation), kept out of the training metrics."""
+        previous = self._tracking()
+        self._local.tracking = False
+        try:
+            yield
+        finally:
+            self._local.tracking = previous
+
+    def _tracking(self) -> bool:
+        return getattr(self._local, "tracking", True)
+
+    def _add(self, *, sent: int = 0, received: int = 0, seconds: float = 0.0, calls: int = 0):
+        with self._lock:
+            self._traffic.bytes_sent += sent
+            self._traffic.bytes_received += received
+            self._traffic.seconds += seconds
+            self._traffic.calls += calls
+
+    def _issue(self, start: Callable[[], Any], *, sent: int, received: int, messages: int,
+               async_op: bool, result: Any = None,
+               on_complete: Callable[[], Any] | None = None) -> Any:
+        """Run one operation: count it, emulate the network, block unless `async_op`."""
+        tracked = self._tracking()
+        emulated_s = self.network.duration(sent, messages) if tracked else 0.0
+        if tracked:
+            self._add(sent=sent, received=received, calls=1)
+        issued_at = time.perf_counter()
+        work = start()
+        handle = Handle(self, [work], issued_at, emulated_s, result, on_complete)
+        return handle if async_op else handle.wait()
+
+    @staticmethod
+    def _pg(group: Group | None):
+        return None if group is None else group.process_group
+
+    def _size(self, group: Group | None) -> int:
+        return self.world_size if group is None else group.size
+
+    # -- collectives ------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Group | None = None,
+                   async_op: bool = False):
+        """Reduce `tensor` in place over the group. `op`: sum, avg, max, min."""
+        reduce_ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
+                      "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        if op not in reduce_ops:
+            raise ValueError(f"all_reduce op must be one of {', '.join(reduce_ops)}, got {op!r}")
+        n = self._size(group)
+        traffic = 2 * (n - 1) * _nbytes(tensor) // n
+        finish = None
+        if op == "avg":  # gloo has no AVG: sum, then scale when the result is there
+            def finish():
+                tensor.div_(n)
+                return tensor
+        return self._issue(
+            lambda: dist.all_reduce(tensor, reduce_ops[op], group=self._pg(group), async_op=True),
+            sent=traffic, received=traffic, messages=2 * (n - 1), async_op=async_op,
+            result=tensor, on_complete=finish)
+
+    def all_gather(self, tensor: torch.Tensor, group: Group | None = None,
+                   async_op: bool = False):
+        """Every member's `tensor` (same shape everywhere), as a list in group-rank order."""
+        n = self._size(group)
+        outputs = [torch.empty_like(tensor) for _ in range(n)]
+        traffic = (n - 1) * _nbytes(tensor)
+        return self._issue(
+            lambda: dist.all_gather(outputs, tensor, group=self._pg(group), async_op=True),
+            sent=traffic, received=traffic, messages=n - 1, async_op=async_op, result=outputs)
+
+    def all_gather_uneven(self, tensor: torch.Tensor, group: Group | None = None) -> list[torch.Tensor]:
+        """All-gather of 1-D tensors whose lengths differ between members (lengths go first)."""
+        length = torch.tensor([tensor.numel()], dtype=torch.int64, device=tensor.device)
+        lengths = [int(x) for x in self.all_gather(length, group=group)]
+        padded = torch.zeros(max(lengths, default=0), dtype=tensor.dtype, device=tensor.device)
+        padded[: tensor.numel()] = tensor.reshape(-1)
+        gathered = self.all_gather(padded, group=group)
+        return [chunk[:size] for chunk, size in zip(gathered, lengths)]
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group | None = None,
+                  async_op: bool = False):
+        """Copy `tensor` from global rank `src` to every member, in place."""
+        n = self._size(group)
+        size = _nbytes(tensor)
+        is_root = self.rank == src
+        return self._issue(
+            lambda: dist.broadcast(tensor, src, group=self._pg(group), async_op=True),
+            sent=(n - 1) * size if is_root else 0, received=0 if is_root else size,
+            messages=n - 1 if is_root else 0, async_op=async_op, result=tensor)
+
+    def barrier(self, group: Group | None = None) -> None:
+        self._issue(lambda: dist.barrier(group=self._pg(group), async_op=True),
+                    sent=0, received=0, messages=0, async_op=False)
+
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        """A sub-group. Like torch.distributed, every rank must call this, in the same order."""
+        ranks = tuple(sorted(ranks))
+        return Group(ranks, dist.new_group(list(ranks)))
+
+    # -- point to point ---------------------------------------------------------------------
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.isend(tensor, dst).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        return self.irecv(tensor, src).wait()
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Handle:
+        return self._issue(lambda: dist.isend(tensor, dst), sent=_nbytes(tensor), received=0,
+                           messages=1, async_op=True, result=tensor)
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Handle:
+        # The sender pays the emulated transfer time; the receiver waits for the data.
+        return self._issue(lambda: dist.irecv(tensor, src), sent=0,
+                           received=_nbytes(tensor), messages=0, async_op=True, result=tensor)

@@ -1,0 +1,1 @@
+"""One module per `dsgd` command; cli.py puts them together."""

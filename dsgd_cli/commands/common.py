@@ -1,0 +1,12 @@
+"""Options shared by several commands."""
+
+from typing import Annotated, Optional
+
+import typer
+
+DbOption = Annotated[Optional[str], typer.Option(
+    "--db", help="Results database: a path or an SQLAlchemy URL [default: $DSGD_DB or ./dsgd.db]")]
+FormatOption = Annotated[str, typer.Option(
+    "--format", "-f", help="Any tabulate format (simple, github, grid, ...), csv or json")]
+ExperimentOption = Annotated[Optional[list[str]], typer.Option(
+    "--experiment", "-e", help="Only this experiment (repeatable; a grid's base name selects all its points)")]

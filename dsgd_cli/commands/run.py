@@ -1,0 +1,83 @@
+"""`dsgd run`: validate a spec, train each experiment under torchrun, record and summarize."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TimeElapsedColumn)
+
+from dsgd_cli.commands.common import DbOption, ExperimentOption
+from dsgd_cli.commands.compare import compare_rows
+from dsgd_cli.errors import RunFailed
+from dsgd_cli.launcher import Progress as RunProgress, launch, torchrun_command
+from dsgd_cli.output import render
+from dsgd_cli.spec import load_spec
+from dsgd_cli.store import Store
+
+
+def run(
+    spec: Annotated[Path, typer.Argument(help="The experiment spec (YAML)")] = Path("experiments.yaml"),
+    experiment: ExperimentOption = None,
+    db: DbOption = None,
+    workers: Annotated[Optional[int], typer.Option(
+        "--workers", "-w", help="Override every experiment's worker count")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print the resolved experiments and torchrun commands; run nothing")] = False,
+) -> None:
+    """Run every experiment in SPEC (default ./experiments.yaml) and record it in the database."""
+    # Validate everything before anything is launched or written.
+    experiments = load_spec(spec, only=experiment, workers=workers)
+    console = Console()
+    if dry_run:
+        _print_plan(experiments)
+        return
+    store = Store(db)
+    results = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[stats]}"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bars:
+        for exp in experiments:
+            bar = bars.add_task(exp.name, total=None, stats="starting")
+
+
+            def show(p: RunProgress, bar=bar) -> None:
+                bars.update(bar, total=p.total_steps, completed=p.step, stats=_stats(p))
+
+            result = launch(exp, store, str(spec), show)
+            status = "completed" if result.status == "completed" else f"[red]{result.status}[/red] ({result.reason})"
+            bars.update(bar, stats=f"{bars.tasks[bar].fields['stats']}  {status}".strip())
+            results.append(result)
+
+    runs = [r for r in store.runs() if r.id in {res.run_id for res in results}]
+    typer.echo(render(compare_rows(runs)))
+    failed = [r for r in results if r.status != "completed"]
+    if failed:
+        raise RunFailed(f"{len(failed)} of {len(results)} runs failed: " + "; ".join(
+            f"{r.experiment} (run {r.run_id}): {r.reason}" for r in failed))
+
+
+def _stats(p: RunProgress) -> str:
+    parts = []
+    if p.train_loss is not None:
+        parts.append(f"loss {p.train_loss:.4f}")
+    if p.test_accuracy is not None:
+        parts.append(f"acc {p.test_accuracy:.3f}")
+    return "  ".join(parts)
+
+
+def _print_plan(experiments) -> None:
+    for exp in experiments:
+        c = exp.config
+        typer.echo(f"{exp.name}: {c['workers']} workers, task {c['task']['name']}, "
+                   f"aggregator {c['aggregator']['name']}, compressor {c['compressor']['name']}, "
+                   f"optimizer {c['optimizer']['name']}, {c['epochs']} epochs of batch {c['batch_size']}")
+        for key in ("task", "optimizer", "aggregator", "compressor"):
+            options = {k: v for k, v in c[key].items() if k != "name"}
+            if options:
+                typer.echo(f"  {key} options: " + ", ".join(f"{k}={v}" for k, v in options.items()))
+        typer.echo("  " + shlex.join(torchrun_command(exp, "<config.json>", "<events-dir>")))

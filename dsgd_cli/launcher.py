@@ -1,0 +1,164 @@
+"""Runs experiments: one torchrun per experiment, events tailed into the results store.
+
+The launcher is the only writer of the database. For each run it records the configuration,
+starts `torchrun ... -m dsgd_cli.runtime`, stores metrics as workers flush them and draws a
+progress bar from rank 0's. When a worker fails, torchrun stops the others; the run is marked
+failed with the rank and reason of the first error, keeping every metric already stored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from dsgd_cli import registry
+from dsgd_cli.events import EventReader, events_path
+from dsgd_cli.spec import Experiment
+from dsgd_cli.store import MetricRow, Store
+
+POLL_SECONDS = 0.2
+GRACE_AFTER_ERROR_S = 10.0  # torchrun normally stops the other workers well before this
+PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor")
+
+
+@dataclass
+class RunResult:
+    run_id: int
+    experiment: str
+    status: str
+    reason: str | None = None
+    failed_rank: int | None = None
+
+
+@dataclass
+class Progress:
+    """What the progress display is told about a run as it goes."""
+
+    total_steps: int | None = None
+    step: int = 0
+    train_loss: float | None = None
+    test_accuracy: float | None = None
+
+
+def torchrun_command(experiment: Experiment, config_path: str | Path, events_dir: str | Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={experiment.workers}", "--max-restarts=0",
+            "-m", "dsgd_cli.runtime", str(config_path), str(events_dir)]
+
+
+def plugin_versions(config: dict) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for kind in PLUGIN_SECTIONS:
+        name = config[kind]["name"]
+        entry = registry.discover(kind)[name]
+        rows.append((kind, name, entry.distribution, entry.version))
+    return rows
+
+
+def launch(experiment: Experiment, store: Store, spec_file: str | None,
+           on_progress: Callable[[Progress], None] = lambda p: None) -> RunResult:
+    config = experiment.config
+    run_id = store.create_run(experiment.name, config, spec_file, plugin_versions(config))
+    progress = Progress()
+    errors: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix=f"dsgd-run{run_id}-") as tmp:
+        config_path = Path(tmp) / "config.json"
+        config_path.write_text(json.dumps(config))
+        readers = [EventReader(events_path(tmp, rank)) for rank in range(experiment.workers)]
+        done_ranks: set[int] = set()
+
+        def ingest() -> None:
+            rows = []
+            for reader in readers:
+                for event in reader.read():
+                    kind, rank = event["type"], event["rank"]
+                    if kind == "metric":
+                        rows.append(MetricRow(event["name"], event["value"], event["step"],
+                                              event["epoch"], rank if event["per_rank"] else None,
+                                              event["seconds"]))
+                        if rank == 0:
+                            _update_progress(progress, event)
+                    elif kind == "start" and rank == 0:
+                        progress.total_steps = event["total_steps"]
+                    elif kind == "error":
+                        errors.append(event)
+                    elif kind == "done":
+                        done_ranks.add(rank)
+            store.add_metrics(run_id, rows)
+            if rows:
+                on_progress(progress)
+
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["PYTHONUNBUFFERED"] = "1"
+        log_path = Path(tmp) / "torchrun.log"
+        with open(log_path, "w") as log:
+            process = subprocess.Popen(torchrun_command(experiment, config_path, tmp), stdout=log,
+                                       stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                first_error_at = None
+                while process.poll() is None:
+                    time.sleep(POLL_SECONDS)
+                    ingest()
+                    if errors and first_error_at is None:
+                        first_error_at = time.monotonic()
+                    if first_error_at and time.monotonic() - first_error_at > GRACE_AFTER_ERROR_S:
+                        _stop(process)
+                ingest()
+            except BaseException:  # Ctrl-C or anything else: never leave workers behind
+                _stop(process)
+                ingest()
+                store.finish_run(run_id, "interrupted", "interrupted by the user")
+                raise
+        returncode = process.returncode
+        log_tail = _last_line(log_path)
+
+    if errors:
+        first = min(errors, key=lambda e: e.get("at", 0))
+        result = RunResult(run_id, experiment.name, "failed", f"rank {first['rank']}: {first['reason']}",
+                           first["rank"])
+    elif returncode != 0 or len(done_ranks) < experiment.workers:
+        result = RunResult(run_id, experiment.name, "failed",
+                           f"torchrun exited with code {returncode}: {log_tail}")
+    else:
+        result = RunResult(run_id, experiment.name, "completed")
+    store.finish_run(run_id, result.status, result.reason, result.failed_rank)
+    return result
+
+
+def _update_progress(progress: Progress, event: dict) -> None:
+    if event["name"] == "train_loss":
+        progress.step, progress.train_loss = event["step"], event["value"]
+    elif event["name"] == "test_accuracy":
+        progress.test_accuracy = event["value"]
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Terminate torchrun and its workers (their own process group), then make sure."""
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        if process.poll() is not None:
+            return
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:500] if lines else "(no output)"

@@ -1,0 +1,128 @@
+"""Typed plugin options: declare a dataclass, get validation with key paths for free.
+
+A plugin declares its options as a dataclass whose fields use `option(...)`::
+
+    @dataclass
+    class Options:
+        period: int = option(1, min=1, help="local steps between averages")
+
+`parse_options(Options, raw, path)` checks a spec mapping against it: unknown keys, types
+(int, float, bool, str, Literal[...], X | None, list[X]) and bounds, and raises a
+`SpecError` naming the key path of the first problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, Mapping
+
+from dsgd_cli.errors import SpecError
+
+
+def option(default: Any = dataclasses.MISSING, *, min: float | None = None,
+           max: float | None = None, help: str = "") -> Any:
+    """A dataclass field with bounds and a help text for docs and `dsgd plugins`."""
+    metadata = {"min": min, "max": max, "help": help}
+    if isinstance(default, (list, dict, set)):
+        value = default
+        return dataclasses.field(default_factory=lambda: type(value)(value), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def describe_type(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return "one of " + ", ".join(str(choice) for choice in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        parts = [describe_type(a) for a in typing.get_args(annotation) if a is not type(None)]
+        return " or ".join(parts) + " or null"
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        return f"a list of {describe_type(item)}"
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def _convert(value: Any, annotation: Any, path: str) -> Any:
+    """Return `value` as `annotation`, or raise SpecError(path)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path)
+            except SpecError:
+                continue
+        raise _type_error(value, annotation, path)
+    if origin is Literal:
+        # type check too, so that `true` does not pass for the choice 1
+        if any(value == c and type(value) is type(c) for c in typing.get_args(annotation)):
+            return value
+        raise _type_error(value, annotation, path)
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise _type_error(value, annotation, path)
+        return [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif annotation is str:
+        if isinstance(value, str):
+            return value
+    elif annotation is Any:
+        return value
+    raise _type_error(value, annotation, path)
+
+
+def _type_error(value: Any, annotation: Any, path: str) -> SpecError:
+    return SpecError(f"expected {describe_type(annotation)}, got {value!r}", path=path)
+
+
+def option_fields(options_cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(options_cls) if f.init]
+
+
+def parse_options(options_cls: type, raw: Mapping[str, Any], path: str) -> Any:
+    """Build `options_cls` from a spec mapping, checking every key against its declaration."""
+    hints = typing.get_type_hints(options_cls)
+    fields = {f.name: f for f in option_fields(options_cls)}
+    for key in raw:
+        if key not in fields:
+            known = ", ".join(sorted(fields)) or "none"
+            raise SpecError(f"unknown option {key!r} (known options: {known})", path=f"{path}.{key}")
+    values = {}
+    for name, field in fields.items():
+        key_path = f"{path}.{name}"
+        if name not in raw:
+            if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                raise SpecError(f"required option missing ({describe_type(hints[name])})", path=key_path)
+            continue
+        value = _convert(raw[name], hints[name], key_path)
+        low, high = field.metadata.get("min"), field.metadata.get("max")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if low is not None and value < low:
+                raise SpecError(f"expected a value >= {low}, got {value!r}", path=key_path)
+            if high is not None and value > high:
+                raise SpecError(f"expected a value <= {high}, got {value!r}", path=key_path)
+        values[name] = value
+    try:
+        return options_cls(**values)
+    except (ValueError, TypeError) as error:
+        raise SpecError(str(error), path=path) from None
+
+
+def options_to_dict(options: Any) -> dict[str, Any]:
+    return dataclasses.asdict(options) if dataclasses.is_dataclass(options) else {}

@@ -1,0 +1,97 @@
+"""Plugin discovery through entry points: find without importing, load only what is named.
+
+Built-in plugins are registered in dsgd's own pyproject.toml under the same groups a third
+party uses, so there is one discovery path. A plugin that fails to import, or whose class does
+not derive from the right base, is reported with its distribution, entry name and the original
+error, and never breaks the others.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+from dataclasses import dataclass
+from functools import cache
+
+from dsgd_cli.api import Aggregator, Compressor, OptimizerPlugin, Plugin, Task
+from dsgd_cli.errors import PluginError
+
+# kind -> (entry-point group, required base class)
+KINDS: dict[str, tuple[str, type]] = {
+    "aggregator": ("dsgd.aggregators", Aggregator),
+    "compressor": ("dsgd.compressors", Compressor),
+    "optimizer": ("dsgd.optimizers", OptimizerPlugin),
+    "task": ("dsgd.tasks", Task),
+}
+
+
+@dataclass(frozen=True)
+class PluginEntry:
+    """One registered plugin, known from its distribution's metadata alone."""
+
+    kind: str
+    name: str
+    target: str          # "module:attribute"
+    distribution: str
+    version: str
+    entry_point: metadata.EntryPoint
+    shadowed_by: str | None = None  # another distribution registered the same name first
+
+    def describe(self) -> str:
+        return f"{self.kind} plugin {self.name!r} ({self.target}, from {self.distribution} {self.version})"
+
+    def load(self) -> type[Plugin]:
+        if self.shadowed_by:
+            raise PluginError(f"{self.describe()}: name already registered by {self.shadowed_by}")
+        try:
+            loaded = self.entry_point.load()
+        except Exception as error:  # any import-time failure of third-party code
+            raise PluginError(
+                f"{self.describe()} failed to import: {type(error).__name__}: {error}") from error
+        base = KINDS[self.kind][1]
+        if not (isinstance(loaded, type) and issubclass(loaded, base)):
+            raise PluginError(f"{self.describe()} is not a subclass of dsgd_cli.api.{base.__name__}")
+        loaded.plugin_name = self.name
+        return loaded
+
+
+@cache
+def discover(kind: str) -> dict[str, PluginEntry]:
+    """Every plugin registered for `kind`, by name, without importing any of them."""
+    group, _ = KINDS[kind]
+    found: dict[str, PluginEntry] = {}
+    shadowed: list[PluginEntry] = []
+    for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
+        dist = ep.dist
+        entry = PluginEntry(kind, ep.name, ep.value, dist.name if dist else "?",
+                            dist.version if dist else "?", ep)
+        if ep.name in found:
+            if found[ep.name].distribution == entry.distribution:
+                continue  # the same distribution seen twice on sys.path
+            first = found[ep.name]
+            shadowed.append(PluginEntry(**{**entry.__dict__,
+                                           "shadowed_by": f"{first.distribution} {first.version}"}))
+        else:
+            found[ep.name] = entry
+    for entry in shadowed:
+        found[f"{entry.name} ({entry.distribution})"] = entry
+    return found
+
+
+@cache
+def load(kind: str, name: str) -> type[Plugin]:
+    """The plugin class registered as `name`; PluginError if unknown or broken."""
+    entries = discover(kind)
+    if name not in entries:
+        known = ", ".join(n for n, e in entries.items() if not e.shadowed_by) or "none installed"
+        raise PluginError(f"unknown {kind} {name!r} (installed: {known})")
+    return entries[name].load()
+
+
+def status(entry: PluginEntry) -> str:
+    """'ok', or 'broken: <reason>' — this imports the plugin."""
+    try:
+        entry.load()
+    except PluginError as error:
+        cause = error.__cause__
+        return f"broken: {type(cause).__name__}: {cause}" if cause else f"broken: {error}"
+    return "ok"

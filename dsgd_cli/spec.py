@@ -1,0 +1,331 @@
+"""The experiment spec: YAML in, a list of fully resolved and validated experiments out.
+
+Resolution order: read YAML → merge `defaults` into each experiment → expand `grid` →
+apply command-line overrides → validate every key and resolve every plugin. Nothing launches
+unless every experiment passes; every error is a `SpecError` naming the file and key path.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dsgd_cli import registry
+from dsgd_cli.comm import NetworkModel
+from dsgd_cli.errors import PluginError, SpecError
+from dsgd_cli.options import options_to_dict, parse_options
+
+TOP_LEVEL_KEYS = ("defaults", "experiments")
+PLUGIN_SECTIONS = ("task", "optimizer", "aggregator")
+MAX_WORKERS = 1024
+
+# Every experiment key, with its default (None: required or optional-and-absent).
+EXPERIMENT_DEFAULTS: dict[str, Any] = {
+    "name": None,
+    "task": None,
+    "optimizer": {"name": "sgd", "lr": 0.05},
+    "aggregator": {"name": "allreduce"},
+    "workers": 2,
+    "epochs": 1,
+    "batch_size": 32,
+    "seed": 0,
+    "steps_per_epoch": None,   # cap on steps per epoch, for quick runs
+    "log_interval": 10,        # steps between logged training metrics
+    "target_accuracy": None,   # records time_to_accuracy when reached
+    "network": None,
+    "stragglers": None,
+    "grid": None,
+}
+
+
+@dataclass
+class Experiment:
+    """One run to launch: its name and its complete, JSON-serializable configuration."""
+
+    name: str
+    config: dict[str, Any]
+
+    @property
+    def workers(self) -> int:
+        return self.config["workers"]
+
+    def plugin_label(self, section: str) -> str:
+        return self.config[section]["name"]
+
+
+def load_spec(path: str | Path, *, only: list[str] | None = None,
+              workers: int | None = None) -> list[Experiment]:
+    """Read, expand and validate the spec at `path`; `only` selects experiments by name."""
+    file = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise SpecError(f"cannot read spec: {error.strerror}", file=file) from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise SpecError(f"invalid YAML: {where}{problem}", file=file) from None
+    try:
+        experiments = resolve_document(document, workers_override=workers)
+        return select(experiments, only)
+    except SpecError as error:
+        raise SpecError(error.detail, file=file, path=error.path) from None
+
+
+def resolve_document(document: Any, workers_override: int | None = None) -> list[Experiment]:
+    if not isinstance(document, dict):
+        raise SpecError("expected a mapping with keys 'defaults' and 'experiments'")
+    for key in document:
+        if key not in TOP_LEVEL_KEYS:
+            raise SpecError(f"unknown key (expected one of {', '.join(TOP_LEVEL_KEYS)})", path=str(key))
+    defaults = document.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        raise SpecError("expected a mapping", path="defaults")
+    _check_keys(defaults, "defaults", allow=set(EXPERIMENT_DEFAULTS) - {"name", "grid"})
+    entries = document.get("experiments")
+    if not isinstance(entries, list) or not entries:
+        raise SpecError("expected a non-empty list of experiments", path="experiments")
+
+    experiments: list[Experiment] = []
+    for index, entry in enumerate(entries):
+        path = f"experiments[{index}]"
+        if not isinstance(entry, dict):
+            raise SpecError("expected a mapping", path=path)
+        _check_keys(entry, path, allow=set(EXPERIMENT_DEFAULTS))
+        merged = copy.deepcopy(EXPERIMENT_DEFAULTS)
+        for layer in (defaults, entry):
+            merged.update({key: merge(merged.get(key), value) for key, value in layer.items()})
+        if workers_override is not None:
+            merged["workers"] = workers_override
+        for name, point in expand_grid(merged, path):
+            experiments.append(Experiment(name, validate_experiment(point, path, name)))
+
+    seen: dict[str, int] = {}
+    for experiment in experiments:
+        if experiment.name in seen:
+            raise SpecError(f"duplicate experiment name {experiment.name!r}", path="experiments")
+        seen[experiment.name] = 1
+    return experiments
+
+
+def _check_keys(mapping: dict, path: str, allow: set[str]) -> None:
+    for key in mapping:
+        if key not in allow:
+            raise SpecError(f"unknown key (expected one of {', '.join(sorted(allow))})",
+                            path=f"{path}.{key}")
+
+
+def merge(base: Any, override: Any) -> Any:
+    """Deep-merge an experiment section `override` into `base`. A plugin section naming a
+    different plugin replaces the base whole: the base's options belong to another plugin."""
+    if not (isinstance(base, dict) and isinstance(override, dict)):
+        return copy.deepcopy(override)
+    if "name" in base and "name" in override and base["name"] != override["name"]:
+        return copy.deepcopy(override)
+    result = dict(base)
+    for key, value in override.items():
+        result[key] = merge(base.get(key), value) if key in base else copy.deepcopy(value)
+    return result
+
+
+def expand_grid(experiment: dict, path: str) -> list[tuple[str, dict]]:
+    """One (name, experiment) per point of the cartesian product of `grid`."""
+    name = experiment.get("name")
+    if not isinstance(name, str) or not name:
+        raise SpecError("expected a non-empty string", path=f"{path}.name")
+    grid = experiment.pop("grid", None)
+    if grid is None:
+        return [(name, experiment)]
+    if not isinstance(grid, dict) or not grid:
+        raise SpecError("expected a mapping of dotted keys to lists of values", path=f"{path}.grid")
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise SpecError("expected a non-empty list of values", path=f"{path}.grid.{key}")
+    points = []
+    for combination in itertools.product(*grid.values()):
+        point = copy.deepcopy(experiment)
+        labels = []
+        for key, value in zip(grid, combination):
+            _set_dotted(point, str(key), value, f"{path}.grid.{key}")
+            labels.append(f"{key}={value}")
+        points.append((f"{name}[{','.join(labels)}]", point))
+    return points
+
+
+def _set_dotted(mapping: dict, dotted: str, value: Any, path: str) -> None:
+    *parents, leaf = dotted.split(".")
+    if not parents and leaf not in EXPERIMENT_DEFAULTS or leaf in ("", "name", "grid"):
+        raise SpecError("grid key must name an experiment key or a plugin option", path=path)
+    node = mapping
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            raise SpecError(f"{part!r} is not a section of the experiment", path=path)
+        node = node[part]
+    node[leaf] = value
+
+
+def validate_experiment(raw: dict, path: str, name: str) -> dict[str, Any]:
+    """Check every key and resolve every plugin; return the complete configuration."""
+    config: dict[str, Any] = {"name": name}
+    config["workers"] = _int(raw, "workers", path, low=1, high=MAX_WORKERS)
+    config["epochs"] = _int(raw, "epochs", path, low=1)
+    config["batch_size"] = _int(raw, "batch_size", path, low=1)
+    config["seed"] = _int(raw, "seed", path, low=0)
+    config["log_interval"] = _int(raw, "log_interval", path, low=1)
+    config["steps_per_epoch"] = (None if raw["steps_per_epoch"] is None
+                                 else _int(raw, "steps_per_epoch", path, low=1))
+    target = raw["target_accuracy"]
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                               or not 0 < target <= 1):
+        raise SpecError(f"expected a number in (0, 1], got {target!r}", path=f"{path}.target_accuracy")
+    config["target_accuracy"] = target
+    config["network"] = parse_network(raw["network"], f"{path}.network")
+    config["stragglers"] = parse_stragglers(raw["stragglers"], f"{path}.stragglers", config["workers"])
+
+    config["task"] = _plugin_section("task", raw["task"], f"{path}.task")
+    config["optimizer"] = _plugin_section("optimizer", raw["optimizer"], f"{path}.optimizer")
+    aggregator = raw["aggregator"]
+    compressor_raw = {"name": "none"}
+    if isinstance(aggregator, dict) and "compressor" in aggregator:
+        aggregator = dict(aggregator)
+        compressor_raw = aggregator.pop("compressor")
+    config["aggregator"] = _plugin_section("aggregator", aggregator, f"{path}.aggregator")
+    config["compressor"] = _plugin_section("compressor", compressor_raw,
+                                           f"{path}.aggregator.compressor")
+    aggregator_cls = registry.load("aggregator", config["aggregator"]["name"])
+    if config["compressor"]["name"] != "none" and not aggregator_cls.supports_compression:
+        raise SpecError(f"aggregator {aggregator_cls.plugin_name!r} does not support compression",
+                        path=f"{path}.aggregator.compressor")
+    try:
+        options = build_options("aggregator", config["aggregator"])
+        aggregator_cls.check_world(options, config["workers"])
+    except ValueError as error:
+        raise SpecError(str(error), path=f"{path}.aggregator") from None
+    return config
+
+
+def _int(raw: dict, key: str, path: str, low: int | None = None, high: int | None = None) -> int:
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"expected an integer, got {value!r}", path=f"{path}.{key}")
+    if low is not None and value < low or high is not None and value > high:
+        bounds = f">= {low}" if high is None else f"between {low} and {high}"
+        raise SpecError(f"expected an integer {bounds}, got {value!r}", path=f"{path}.{key}")
+    return value
+
+
+def _plugin_section(kind: str, raw: Any, path: str) -> dict[str, Any]:
+    """Validate `{name: ..., option: value, ...}`; return it with every option filled in."""
+    if raw is None:
+        raise SpecError(f"required: a {kind} section such as {{name: ...}}", path=path)
+    if isinstance(raw, str):
+        raw = {"name": raw}
+    if not isinstance(raw, dict):
+        raise SpecError(f"expected a mapping with a 'name' key, got {raw!r}", path=path)
+    name = raw.get("name")
+    if not isinstance(name, str):
+        raise SpecError(f"expected the name of a {kind} plugin, got {name!r}", path=f"{path}.name")
+    try:
+        cls = registry.load(kind, name)
+    except PluginError as error:
+        raise SpecError(str(error), path=f"{path}.name") from None
+    options = parse_options(cls.Options, {k: v for k, v in raw.items() if k != "name"}, path)
+    return {"name": name, **options_to_dict(options)}
+
+
+def build_options(kind: str, section: dict[str, Any]) -> Any:
+    """The options instance for an already validated section."""
+    cls = registry.load(kind, section["name"])
+    return cls.Options(**{k: v for k, v in section.items() if k != "name"})
+
+
+def build_plugin(kind: str, section: dict[str, Any]):
+    """An instance of the plugin an already validated section names."""
+    return registry.load(kind, section["name"])(build_options(kind, section))
+
+
+_BANDWIDTH = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b|byte)(/s)?\s*$", re.I)
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(s|ms|us|µs|ns)\s*$")
+_SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_network(raw: Any, path: str) -> dict[str, float] | None:
+    """`{bandwidth: 1Gbit, latency: 100us}` → bytes per second and seconds."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise SpecError("expected a mapping with keys bandwidth, latency", path=path)
+    _check_keys(raw, path, {"bandwidth", "latency"})
+    result = {"bytes_per_second": float("inf"), "latency_s": 0.0}
+    if "bandwidth" in raw:
+        value = raw["bandwidth"]
+        match = _BANDWIDTH.match(str(value)) if isinstance(value, str) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            result["bytes_per_second"] = float(value) / 8  # a bare number is bits per second
+        elif match and float(match.group(1)) > 0:
+            amount = float(match.group(1)) * _SCALE[match.group(2).lower()]
+            is_bytes = match.group(3) in ("B", "byte", "Byte")
+            result["bytes_per_second"] = amount if is_bytes else amount / 8
+        else:
+            raise SpecError(f"expected a bandwidth such as 1Gbit, 100Mbit or 10GB/s, got {value!r}",
+                            path=f"{path}.bandwidth")
+    if "latency" in raw:
+        value = raw["latency"]
+        match = _DURATION.match(value) if isinstance(value, str) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+            result["latency_s"] = float(value)
+        elif match:
+            result["latency_s"] = float(match.group(1)) * _SECONDS[match.group(2)]
+        else:
+            raise SpecError(f"expected a duration such as 100us, 2ms or 0.01 (seconds), got {value!r}",
+                            path=f"{path}.latency")
+    return result
+
+
+def network_model(config: dict[str, Any]) -> NetworkModel | None:
+    network = config.get("network")
+    return None if network is None else NetworkModel(network["latency_s"], network["bytes_per_second"])
+
+
+def parse_stragglers(raw: Any, path: str, workers: int) -> dict[str, Any] | None:
+    """`{ranks: [0], slowdown: 3.0}`: those ranks compute `slowdown` times slower."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise SpecError("expected a mapping with keys ranks, slowdown", path=path)
+    _check_keys(raw, path, {"ranks", "slowdown"})
+    ranks = raw.get("ranks", [])
+    if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool)
+                                              for r in ranks):
+        raise SpecError(f"expected a list of worker ranks, got {ranks!r}", path=f"{path}.ranks")
+    for i, rank in enumerate(ranks):
+        if not 0 <= rank < workers:
+            raise SpecError(f"expected a rank between 0 and {workers - 1}, got {rank}",
+                            path=f"{path}.ranks[{i}]")
+    slowdown = raw.get("slowdown", 1.0)
+    if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or slowdown < 1:
+        raise SpecError(f"expected a number >= 1, got {slowdown!r}", path=f"{path}.slowdown")
+    return {"ranks": sorted(set(ranks)), "slowdown": float(slowdown)}
+
+
+def select(experiments: list[Experiment], only: list[str] | None) -> list[Experiment]:
+    """Keep experiments named in `only`: an exact name, or a grid's base name."""
+    if not only:
+        return experiments
+    chosen = [e for e in experiments if e.name in only or e.name.split("[", 1)[0] in only]
+    missing = [n for n in only if not any(e.name == n or e.name.split("[", 1)[0] == n
+                                          for e in experiments)]
+    if missing:
+        known = ", ".join(e.name for e in experiments)
+        raise SpecError(f"no experiment named {missing[0]!r} (the spec has: {known})", path="experiments")
+    return chosen

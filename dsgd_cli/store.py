@@ -1,0 +1,258 @@
+"""The results database (SQLAlchemy 2.x): runs, their configuration, plugin versions, metric
+history, and a summary table holding each metric's final and best value for fast reads.
+
+`--db` takes a path or an SQLAlchemy URL; `DSGD_DB` sets the default; else `./dsgd.db`.
+The schema is created on first use and its version stored in `meta`, so a later release can
+migrate it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable
+
+from sqlalchemy import (JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, or_,
+                        create_engine, delete, event, func, select)
+from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
+
+from dsgd_cli import __version__
+from dsgd_cli.errors import StoreError
+
+SCHEMA_VERSION = 1
+DEFAULT_DB = "dsgd.db"
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Meta(Base):
+    __tablename__ = "meta"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    experiment: Mapped[str] = mapped_column(String(256), index=True)
+    spec_file: Mapped[str | None] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))  # running, completed, failed, interrupted
+    reason: Mapped[str | None] = mapped_column(Text)
+    failed_rank: Mapped[int | None] = mapped_column(Integer)
+    task: Mapped[str] = mapped_column(String(128))
+    aggregator: Mapped[str] = mapped_column(String(128))
+    compressor: Mapped[str] = mapped_column(String(128))
+    optimizer: Mapped[str] = mapped_column(String(128))
+    workers: Mapped[int] = mapped_column(Integer)
+    config: Mapped[dict] = mapped_column(JSON)
+    dsgd_version: Mapped[str] = mapped_column(String(32))
+    host: Mapped[str] = mapped_column(String(256))
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    params: Mapped[list["Param"]] = relationship(cascade="all, delete-orphan")
+    plugins: Mapped[list["PluginVersion"]] = relationship(cascade="all, delete-orphan")
+    summaries: Mapped[list["Summary"]] = relationship(cascade="all, delete-orphan")
+
+
+class Param(Base):
+    """The configuration flattened to dotted keys, for filtering runs by a setting."""
+
+    __tablename__ = "params"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(256), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)  # JSON
+
+
+class PluginVersion(Base):
+    __tablename__ = "plugin_versions"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    distribution: Mapped[str] = mapped_column(String(256))
+    version: Mapped[str] = mapped_column(String(64))
+
+
+class Metric(Base):
+    """One recorded value. `rank` is null for values that describe the whole run."""
+
+    __tablename__ = "metrics"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    name: Mapped[str] = mapped_column(String(128))
+    value: Mapped[float] = mapped_column(Float)
+    step: Mapped[int | None] = mapped_column(Integer)
+    epoch: Mapped[int | None] = mapped_column(Integer)
+    rank: Mapped[int | None] = mapped_column(Integer)
+    seconds: Mapped[float | None] = mapped_column(Float)  # since the worker started training
+
+    __table_args__ = (Index("ix_metrics_run_name", "run_id", "name"),)
+
+
+class Summary(Base):
+    """Final and best value of each metric of a run, written when the run ends."""
+
+    __tablename__ = "summaries"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    final: Mapped[float] = mapped_column(Float)
+    best: Mapped[float] = mapped_column(Float)
+
+
+def higher_is_better(name: str) -> bool:
+    return "accuracy" in name or name == "samples_per_second"
+
+
+def resolve_url(db: str | None) -> str:
+    db = db or os.environ.get("DSGD_DB") or DEFAULT_DB
+    return db if "://" in db else f"sqlite:///{Path(db).expanduser()}"
+
+
+def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flatten_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+@dataclass
+class MetricRow:
+    name: str
+    value: float
+    step: int | None = None
+    epoch: int | None = None
+    rank: int | None = None
+    seconds: float | None = None
+
+
+class Store:
+    def __init__(self, db: str | None = None):
+        self.url = resolve_url(db)
+        try:
+            self.engine = create_engine(self.url)
+            if self.engine.dialect.name == "sqlite":
+                event.listen(self.engine, "connect", _sqlite_pragmas)
+            self._migrate()
+        except (ArgumentError, DatabaseError, OperationalError) as error:
+            reason = getattr(error, "orig", None) or error
+            raise StoreError(f"cannot open results database {self.url}: {reason}") from None
+        except ModuleNotFoundError as error:
+            raise StoreError(f"cannot open results database {self.url}: driver not installed ({error.name})") from None
+
+    def _migrate(self) -> None:
+        Base.metadata.create_all(self.engine)
+        with Session(self.engine) as session, session.begin():
+            row = session.get(Meta, "schema_version")
+            if row is None:
+                session.add(Meta(key="schema_version", value=str(SCHEMA_VERSION)))
+            elif int(row.value) > SCHEMA_VERSION:
+                raise StoreError(f"results database {self.url} has schema version {row.value}, "
+                                 f"newer than this dsgd understands ({SCHEMA_VERSION}); upgrade dsgd")
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def create_run(self, experiment: str, config: dict[str, Any], spec_file: str | None,
+                   plugins: Iterable[tuple[str, str, str, str]]) -> int:
+        """Record a run as `running`; `plugins` are (kind, name, distribution, version)."""
+        with Session(self.engine) as session, session.begin():
+            run = Run(experiment=experiment, spec_file=spec_file, status="running",
+                      task=config["task"]["name"], aggregator=config["aggregator"]["name"],
+                      compressor=config["compressor"]["name"], optimizer=config["optimizer"]["name"],
+                      workers=config["workers"], config=config, dsgd_version=__version__,
+                      host=socket.gethostname(), started_at=datetime.now(timezone.utc))
+            run.params = [Param(key=k, value=json.dumps(v)) for k, v in flatten_config(config).items()]
+            run.plugins = [PluginVersion(kind=k, name=n, distribution=d, version=v)
+                           for k, n, d, v in plugins]
+            session.add(run)
+            session.flush()
+            return run.id
+
+    def add_metrics(self, run_id: int, rows: list[MetricRow]) -> None:
+        if not rows:
+            return
+        with Session(self.engine) as session, session.begin():
+            session.add_all(Metric(run_id=run_id, **row.__dict__) for row in rows)
+
+    def finish_run(self, run_id: int, status: str, reason: str | None = None,
+                   failed_rank: int | None = None) -> None:
+        """Close a run and write its summaries from the metric history."""
+        with Session(self.engine) as session, session.begin():
+            run = session.get(Run, run_id)
+            run.status, run.reason, run.failed_rank = status, reason, failed_rank
+            run.ended_at = datetime.now(timezone.utc)
+            session.execute(delete(Summary).where(Summary.run_id == run_id))
+            metrics = session.execute(
+                select(Metric.name, Metric.rank, Metric.value)
+                .where(Metric.run_id == run_id).order_by(Metric.id)).all()
+            session.add_all(Summary(run_id=run_id, name=name, final=final, best=best)
+                            for name, (final, best) in summarize(metrics).items())
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def runs(self, experiments: list[str] | None = None, last: int | None = None) -> list[Run]:
+        """Runs, oldest first; `last` keeps the newest N; `experiments` filters by name."""
+        with Session(self.engine) as session:
+            query = select(Run).order_by(Run.id.desc())
+            if experiments:
+                bases = [Run.experiment == e for e in experiments] + [
+                    Run.experiment.like(f"{e}[%") for e in experiments]
+                query = query.where(or_(*bases))
+            if last:
+                query = query.limit(last)
+            runs = list(session.scalars(query))
+            for run in runs:  # load while the session is open
+                run.summaries, run.plugins, run.params
+            return list(reversed(runs))
+
+    def get_run(self, run_id: int) -> Run | None:
+        runs = self._runs_by_id([run_id])
+        return runs[0] if runs else None
+
+    def _runs_by_id(self, ids: list[int]) -> list[Run]:
+        with Session(self.engine) as session:
+            runs = list(session.scalars(select(Run).where(Run.id.in_(ids))))
+            for run in runs:
+                run.summaries, run.plugins, run.params
+            return runs
+
+    def metric_history(self, run_id: int, name: str) -> list[Metric]:
+        with Session(self.engine) as session:
+            return list(session.scalars(select(Metric).where(
+                Metric.run_id == run_id, Metric.name == name).order_by(Metric.id)))
+
+    def count_metrics(self, run_id: int) -> int:
+        with Session(self.engine) as session:
+            return session.scalar(select(func.count()).where(Metric.run_id == run_id))
+
+
+def summarize(metrics: Iterable[tuple[str, int | None, float]]) -> dict[str, tuple[float, float]]:
+    """(final, best) per metric. Final of a per-rank metric: the mean of each rank's last value."""
+    last: dict[str, dict[int | None, float]] = defaultdict(dict)
+    values: dict[str, list[float]] = defaultdict(list)
+    for name, rank, value in metrics:
+        last[name][rank] = value
+        values[name].append(value)
+    result = {}
+    for name, by_rank in last.items():
+        final = sum(by_rank.values()) / len(by_rank)
+        best = max(values[name]) if higher_is_better(name) else min(values[name])
+        result[name] = (final, best)
+    return result
+
+
+def _sqlite_pragmas(connection, _record) -> None:
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.close()

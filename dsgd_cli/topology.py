@@ -1,0 +1,595 @@
+"""Communication graphs and mixing weights for decentralized (gossip) SGD.
+
+Two separate concerns, kept apart on purpose:
+
+* a :class:`Topology` says *who talks to whom* at a given step
+  (``out_peers`` / ``in_peers`` / ``adjacency``);
+* the mixing functions say *with what weights* values are combined
+  (:func:`mixing_matrix` for pull-style averaging as in D-PSGD,
+  :func:`push_weights` / :func:`push_matrix` for push-sum as in SGP/OSGP).
+
+Conventions used throughout:
+
+* ``A = topology.adjacency(step)``: ``A[i, j]`` is True iff worker ``i`` sends
+  to worker ``j``.  Self-loops are never present.
+* ``W = mixing_matrix(...)``: ``W[i, j]`` is the weight worker ``i`` gives to
+  the value it holds from worker ``j``; one gossip round is ``x <- W @ x``.
+* ``P = push_matrix(...)``: ``P[j, i]`` is the share worker ``i`` sends to
+  ``j`` (``P[i, i]`` is what it keeps); one push-sum round is ``x <- P @ x``.
+  Columns of ``P`` sum to 1.
+* Steps are taken modulo ``topology.period``; static graphs have period 1.
+
+Everything here is a deterministic function of its arguments, so every worker
+can build the same graph locally without communicating.  Only NumPy is used.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import Iterable, Sequence
+
+import numpy as np
+
+__all__ = [
+    "TOPOLOGIES",
+    "MIXINGS",
+    "Topology",
+    "RingTopology",
+    "TorusTopology",
+    "CompleteTopology",
+    "ExponentialTopology",
+    "TimeVaryingExponentialTopology",
+    "HypercubeTopology",
+    "RandomRegularTopology",
+    "CustomTopology",
+    "make_topology",
+    "mixing_matrix",
+    "push_weights",
+    "push_matrix",
+    "mixing_product",
+    "spectral_gap",
+    "is_strongly_connected",
+]
+
+TOPOLOGIES = (
+    "ring",
+    "torus",
+    "complete",
+    "exponential",
+    "time_varying_exponential",
+    "hypercube",
+    "random_regular",
+)
+MIXINGS = ("uniform", "metropolis")
+
+
+# --------------------------------------------------------------------------
+# Base class
+# --------------------------------------------------------------------------
+
+
+class Topology(ABC):
+    """A (possibly time-varying) communication graph over ``world_size`` workers.
+
+    Subclasses implement :meth:`_out` (and optionally :meth:`_in` when a
+    closed form is cheaper than scanning every worker).  The public methods
+    normalise the result: indices taken modulo ``world_size``, self removed,
+    duplicates removed, sorted.
+    """
+
+    name = "topology"
+
+    def __init__(self, world_size: int, directed: bool):
+        if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)):
+            raise ValueError(f"world_size must be an int, got {world_size!r}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = int(world_size)
+        self.directed = bool(directed)
+
+    # -- to implement -------------------------------------------------------
+
+    @abstractmethod
+    def _out(self, rank: int, step: int) -> Iterable[int]:
+        """Raw out-neighbours of ``rank`` at ``step`` (``0 <= step < period``)."""
+
+    def _in(self, rank: int, step: int) -> Iterable[int]:
+        """Raw in-neighbours; the default scans all workers (O(n * degree))."""
+        if not self.directed:
+            return self._out(rank, step)
+        return [j for j in range(self.world_size) if rank in self.out_peers(j, step)]
+
+    # -- public API ---------------------------------------------------------
+
+    @property
+    def period(self) -> int:
+        """Number of distinct steps before the graph repeats (1 if static)."""
+        return 1
+
+    @property
+    def is_time_varying(self) -> bool:
+        return self.period > 1
+
+    def out_peers(self, rank: int, step: int = 0) -> list[int]:
+        """Workers ``rank`` sends to at ``step`` (sorted, no self, no duplicates)."""
+        self._check_rank(rank)
+        return self._clean(rank, self._out(rank, step % self.period))
+
+    def in_peers(self, rank: int, step: int = 0) -> list[int]:
+        """Workers that send to ``rank`` at ``step`` (sorted, no self, no duplicates)."""
+        self._check_rank(rank)
+        return self._clean(rank, self._in(rank, step % self.period))
+
+    def adjacency(self, step: int = 0) -> np.ndarray:
+        """Boolean ``n x n`` matrix, ``A[i, j]`` True iff ``i`` sends to ``j``."""
+        n = self.world_size
+        adj = np.zeros((n, n), dtype=bool)
+        for i in range(n):
+            adj[i, self.out_peers(i, step)] = True
+        return adj
+
+    def __repr__(self) -> str:
+        kind = "directed" if self.directed else "undirected"
+        return f"{type(self).__name__}(world_size={self.world_size}, {kind}, period={self.period})"
+
+    # -- helpers ------------------------------------------------------------
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {self.world_size}")
+
+    def _clean(self, rank: int, peers: Iterable[int]) -> list[int]:
+        n = self.world_size
+        return sorted({int(p) % n for p in peers} - {rank})
+
+
+# --------------------------------------------------------------------------
+# Concrete topologies
+# --------------------------------------------------------------------------
+
+
+class RingTopology(Topology):
+    """Ring: undirected (peers ``i-1``, ``i+1``) or directed (send to ``i+1``)."""
+
+    name = "ring"
+
+    def __init__(self, world_size: int, directed: bool = False):
+        super().__init__(world_size, directed)
+
+    def _out(self, rank, step):
+        return [rank + 1] if self.directed else [rank - 1, rank + 1]
+
+    def _in(self, rank, step):
+        return [rank - 1] if self.directed else [rank - 1, rank + 1]
+
+
+class TorusTopology(Topology):
+    """2-D torus with wraparound, ``rows x cols`` the most square factorisation.
+
+    Rank ``r`` sits at ``(r // cols, r % cols)``; ``rows <= cols``.  A prime
+    ``world_size`` gives a ``1 x n`` torus, i.e. a ring.
+    """
+
+    name = "torus"
+
+    def __init__(self, world_size: int):
+        super().__init__(world_size, directed=False)
+        rows = math.isqrt(self.world_size)
+        while self.world_size % rows:
+            rows -= 1
+        self.rows = rows
+        self.cols = self.world_size // rows
+
+    def _out(self, rank, step):
+        r, c = divmod(rank, self.cols)
+        rows, cols = self.rows, self.cols
+        return [
+            ((r - 1) % rows) * cols + c,
+            ((r + 1) % rows) * cols + c,
+            r * cols + (c - 1) % cols,
+            r * cols + (c + 1) % cols,
+        ]
+
+
+class CompleteTopology(Topology):
+    """Every worker talks to every other worker."""
+
+    name = "complete"
+
+    def __init__(self, world_size: int):
+        super().__init__(world_size, directed=False)
+
+    def _out(self, rank, step):
+        return range(self.world_size)
+
+
+def _num_exponents(n: int) -> int:
+    """Number of distinct hops ``2^k < n``, i.e. ``floor(log2(n-1)) + 1`` (0 for n=1)."""
+    return (n - 1).bit_length()
+
+
+class ExponentialTopology(Topology):
+    """Static exponential graph: out-peers ``i + 2^k mod n`` for every ``2^k < n``.
+
+    The undirected variant also adds the reverse edges ``i - 2^k``.
+    """
+
+    name = "exponential"
+
+    def __init__(self, world_size: int, directed: bool = True):
+        super().__init__(world_size, directed)
+        self.hops = [1 << k for k in range(_num_exponents(self.world_size))]
+
+    def _out(self, rank, step):
+        fwd = [rank + h for h in self.hops]
+        return fwd if self.directed else fwd + [rank - h for h in self.hops]
+
+    def _in(self, rank, step):
+        back = [rank - h for h in self.hops]
+        return back if self.directed else back + [rank + h for h in self.hops]
+
+
+class TimeVaryingExponentialTopology(Topology):
+    """One-peer (or few-peer) exponential graph that cycles through the hops.
+
+    With ``K`` distinct hops ``2^0 .. 2^(K-1)`` (all ``< n``), at ``step`` the
+    worker sends to ``i + 2^k`` for ``k`` in
+    ``{(step * peers_per_step + j) mod K : 0 <= j < peers_per_step}``.
+    The period is ``K / gcd(K, peers_per_step)`` (``peers_per_step`` is capped
+    at ``K``).  For ``n`` a power of two and ``peers_per_step=1``, one period
+    of push-sum with weights 1/2 averages exactly.
+    """
+
+    name = "time_varying_exponential"
+
+    def __init__(self, world_size: int, peers_per_step: int = 1):
+        super().__init__(world_size, directed=True)
+        if isinstance(peers_per_step, bool) or not isinstance(peers_per_step, (int, np.integer)) \
+                or peers_per_step < 1:
+            raise ValueError(f"peers_per_step must be an int >= 1, got {peers_per_step!r}")
+        self.num_exponents = _num_exponents(self.world_size)
+        self.peers_per_step = min(int(peers_per_step), max(self.num_exponents, 1))
+
+    @property
+    def period(self) -> int:
+        k = self.num_exponents
+        return k // math.gcd(k, self.peers_per_step) if k else 1
+
+    def hops_at(self, step: int) -> list[int]:
+        """The hops ``2^k`` used at ``step`` (empty for a single worker)."""
+        k = self.num_exponents
+        if k == 0:
+            return []
+        base = (step % self.period) * self.peers_per_step
+        return sorted({1 << ((base + j) % k) for j in range(self.peers_per_step)})
+
+    def _out(self, rank, step):
+        return [rank + h for h in self.hops_at(step)]
+
+    def _in(self, rank, step):
+        return [rank - h for h in self.hops_at(step)]
+
+
+class HypercubeTopology(Topology):
+    """Hypercube: peers ``i XOR 2^k``; ``world_size`` must be a power of two."""
+
+    name = "hypercube"
+
+    def __init__(self, world_size: int):
+        super().__init__(world_size, directed=False)
+        n = self.world_size
+        if n & (n - 1):
+            raise ValueError(
+                f"hypercube topology needs world_size to be a power of 2, got {n}"
+            )
+        self.dim = n.bit_length() - 1
+
+    def _out(self, rank, step):
+        return [rank ^ (1 << k) for k in range(self.dim)]
+
+
+class RandomRegularTopology(Topology):
+    """Seeded, connected, undirected ``degree``-regular graph.
+
+    A deterministic function of ``(world_size, degree, seed)``: every worker
+    builds the same graph.  Built by random stub matching (retrying with
+    derived seeds until simple and connected); degree 2 is a random
+    Hamiltonian cycle, and dense requests are built as the complement of a
+    sparse one.
+    """
+
+    name = "random_regular"
+    max_attempts = 1000
+
+    def __init__(self, world_size: int, degree: int | None = None, seed: int = 0):
+        super().__init__(world_size, directed=False)
+        n = self.world_size
+        if degree is None:
+            degree = min(3, n - 1)
+        if isinstance(degree, bool) or not isinstance(degree, (int, np.integer)):
+            raise ValueError(f"random_regular degree must be an int, got {degree!r}")
+        degree = int(degree)
+        if not 0 <= degree < n:
+            raise ValueError(
+                f"random_regular needs 0 <= degree < world_size, got degree={degree} "
+                f"with world_size={n}"
+            )
+        if (n * degree) % 2:
+            raise ValueError(
+                f"random_regular needs world_size * degree to be even, got "
+                f"world_size={n}, degree={degree}"
+            )
+        if (n > 1 and degree == 0) or (n > 2 and degree == 1):
+            raise ValueError(
+                f"no connected {degree}-regular graph on {n} workers; use degree >= 2"
+            )
+        self.degree = degree
+        self.seed = seed
+        self._peers = self._build()
+
+    def _out(self, rank, step):
+        return self._peers[rank]
+
+    def _build(self) -> list[list[int]]:
+        n, d = self.world_size, self.degree
+        for attempt in range(self.max_attempts):
+            # String seeds are hashed with SHA-512 by `random`, independent of
+            # PYTHONHASHSEED, so every process derives the same stream.
+            rng = random.Random(f"random_regular:{n}:{d}:{self.seed}:{attempt}")
+            if 2 * d > n - 1:  # dense: build the sparse complement instead
+                sparse = _random_regular(n, n - 1 - d, rng)
+                adj = None if sparse is None else [set(range(n)) - {v} - sparse[v] for v in range(n)]
+            else:
+                adj = _random_regular(n, d, rng)
+            if adj is not None and _connected(adj):
+                return [sorted(s) for s in adj]
+        raise RuntimeError(  # pragma: no cover - astronomically unlikely
+            f"could not build a connected {d}-regular graph on {n} nodes "
+            f"in {self.max_attempts} attempts"
+        )
+
+
+def _random_regular(n: int, d: int, rng: random.Random) -> list[set[int]] | None:
+    """A random simple d-regular graph as adjacency sets, or None on a dead end."""
+    adj: list[set[int]] = [set() for _ in range(n)]
+    if d == 0:
+        return adj
+    if d == 2:
+        order = list(range(n))
+        rng.shuffle(order)
+        for a, b in zip(order, order[1:] + order[:1]):
+            adj[a].add(b)
+            adj[b].add(a)
+        return adj
+    # Stub matching: pair random free stubs, skipping self-loops and repeated
+    # edges; when random picks keep failing, check whether any valid pair is
+    # left at all and give up on this attempt if not.
+    stubs = [v for v in range(n) for _ in range(d)]
+    while stubs:
+        m = len(stubs)
+        for _ in range(64):
+            a = rng.randrange(m)
+            b = rng.randrange(m - 1)
+            b += b >= a
+            u, v = stubs[a], stubs[b]
+            if u != v and v not in adj[u]:
+                break
+        else:
+            left = sorted(set(stubs))
+            if not any(v not in adj[u] for i, u in enumerate(left) for v in left[i + 1:]):
+                return None
+            continue
+        adj[u].add(v)
+        adj[v].add(u)
+        for idx in sorted((a, b), reverse=True):  # swap-remove, larger index first
+            stubs[idx] = stubs[-1]
+            stubs.pop()
+    return adj
+
+
+def _connected(adj: Sequence[Iterable[int]]) -> bool:
+    """Whether an undirected graph given as neighbour lists is connected."""
+    n = len(adj)
+    seen = {0}
+    queue = deque([0])
+    while queue:
+        for v in adj[queue.popleft()]:
+            if v not in seen:
+                seen.add(v)
+                queue.append(v)
+    return len(seen) == n
+
+
+class CustomTopology(Topology):
+    """A topology given by explicit adjacency matrices (``A[i, j]``: i sends to j).
+
+    Pass one matrix for a static graph or a sequence for a time-varying one
+    (step ``s`` uses ``matrices[s % len(matrices)]``).  ``directed`` defaults to
+    whether any matrix is asymmetric.  Useful for tests and experiments.
+    """
+
+    name = "custom"
+
+    def __init__(self, adjacency, directed: bool | None = None):
+        arr = np.asarray(adjacency)
+        mats = [arr] if arr.ndim == 2 else list(arr) if arr.ndim == 3 else None
+        if not mats:
+            raise ValueError("CustomTopology needs an n x n matrix or a non-empty sequence of them")
+        mats = [np.asarray(m).astype(bool) for m in mats]
+        n = mats[0].shape[0]
+        for m in mats:
+            if m.shape != (n, n):
+                raise ValueError(f"adjacency matrices must all be {n} x {n}, got {m.shape}")
+            if m.diagonal().any():
+                raise ValueError("adjacency matrices must not have self-loops")
+        if directed is None:
+            directed = any((m != m.T).any() for m in mats)
+        super().__init__(n, directed)
+        self._mats = mats
+
+    @property
+    def period(self) -> int:
+        return len(self._mats)
+
+    def _out(self, rank, step):
+        return np.flatnonzero(self._mats[step][rank]).tolist()
+
+    def _in(self, rank, step):
+        return np.flatnonzero(self._mats[step][:, rank]).tolist()
+
+    def adjacency(self, step: int = 0) -> np.ndarray:
+        return self._mats[step % self.period].copy()
+
+
+# --------------------------------------------------------------------------
+# Factory
+# --------------------------------------------------------------------------
+
+_UNDIRECTED_ONLY = ("torus", "complete", "hypercube", "random_regular")
+
+
+def make_topology(
+    name: str,
+    world_size: int,
+    *,
+    directed: bool | None = None,
+    seed: int = 0,
+    peers_per_step: int = 1,
+    degree: int | None = None,
+) -> Topology:
+    """Build a topology by name (one of :data:`TOPOLOGIES`).
+
+    ``directed=None`` picks each topology's default: ``ring`` undirected,
+    ``exponential`` and ``time_varying_exponential`` directed.  Asking for a
+    direction a topology does not support raises ValueError.  Arguments that a
+    topology does not use (``seed``, ``peers_per_step``, ``degree``) are
+    ignored.  Names are case-insensitive and ``-`` is accepted for ``_``.
+    """
+    key = str(name).strip().lower().replace("-", "_")
+    if key not in TOPOLOGIES:
+        raise ValueError(f"unknown topology {name!r}; known topologies: {', '.join(TOPOLOGIES)}")
+    if key in _UNDIRECTED_ONLY and directed:
+        raise ValueError(f"topology {key!r} is undirected only; leave directed unset or False")
+    if key == "time_varying_exponential" and directed is False:
+        raise ValueError(
+            "topology 'time_varying_exponential' is directed only; use 'exponential' "
+            "with directed=False for an undirected exponential graph"
+        )
+    if key == "ring":
+        return RingTopology(world_size, directed=bool(directed))
+    if key == "torus":
+        return TorusTopology(world_size)
+    if key == "complete":
+        return CompleteTopology(world_size)
+    if key == "exponential":
+        return ExponentialTopology(world_size, directed=True if directed is None else directed)
+    if key == "time_varying_exponential":
+        return TimeVaryingExponentialTopology(world_size, peers_per_step=peers_per_step)
+    if key == "hypercube":
+        return HypercubeTopology(world_size)
+    return RandomRegularTopology(world_size, degree=degree, seed=seed)
+
+
+# --------------------------------------------------------------------------
+# Mixing weights
+# --------------------------------------------------------------------------
+
+
+def mixing_matrix(topology: Topology, step: int = 0, scheme: str = "uniform") -> np.ndarray:
+    """Pull-style mixing matrix ``W`` (float64, ``n x n``) for one gossip round.
+
+    ``W[i, j]`` is the weight worker ``i`` gives to the value from ``j``;
+    worker ``i`` computes ``x_i <- sum_j W[i, j] x_j`` over itself and its
+    in-peers.
+
+    * ``uniform``: ``1 / (in_degree_i + 1)`` on itself and each in-peer.
+      Always row stochastic; doubly stochastic when every worker has the same
+      in- and out-degree (all built-in topologies).
+    * ``metropolis``: ``W[i, j] = 1 / (1 + max(deg_i, deg_j))`` for neighbours,
+      ``W[i, i] = 1 - sum``; symmetric and doubly stochastic on any undirected
+      graph.  Raises ValueError if the graph at ``step`` is not symmetric.
+    """
+    adj = topology.adjacency(step)
+    n = adj.shape[0]
+    if scheme == "uniform":
+        incoming = adj.T  # incoming[i, j]: j sends to i
+        w = incoming.astype(np.float64) + np.eye(n)
+        return w / w.sum(axis=1, keepdims=True)
+    if scheme == "metropolis":
+        if (adj != adj.T).any():
+            raise ValueError(
+                f"metropolis weights need an undirected graph; {topology!r} has one-way "
+                f"edges at step {step} (use 'uniform' or push-sum weights)"
+            )
+        deg = adj.sum(axis=1)
+        w = np.where(adj, 1.0 / (1.0 + np.maximum.outer(deg, deg)), 0.0)
+        np.fill_diagonal(w, 1.0 - w.sum(axis=1))
+        return w
+    raise ValueError(f"unknown mixing scheme {scheme!r}; known schemes: {', '.join(MIXINGS)}")
+
+
+def push_weights(topology: Topology, rank: int, step: int = 0) -> dict[int, float]:
+    """Push-sum shares of worker ``rank`` at ``step``: ``{rank: keep, peer: share, ...}``.
+
+    Uniform ``1 / (out_degree + 1)`` for itself and each out-peer; sums to 1.
+    """
+    peers = topology.out_peers(rank, step)
+    share = 1.0 / (len(peers) + 1)
+    weights = {rank: share}
+    weights.update((p, share) for p in peers)
+    return weights
+
+
+def push_matrix(topology: Topology, step: int = 0) -> np.ndarray:
+    """Column-stochastic ``P`` with ``P[j, i]`` = share worker ``i`` sends to ``j``."""
+    n = topology.world_size
+    p = np.zeros((n, n), dtype=np.float64)
+    for i in range(n):
+        for j, share in push_weights(topology, i, step).items():
+            p[j, i] = share
+    return p
+
+
+def mixing_product(
+    topology: Topology, scheme_or_push: str, steps: int | None = None, start: int = 0
+) -> np.ndarray:
+    """Product ``M_{start+steps-1} @ ... @ M_start`` of per-step matrices.
+
+    ``scheme_or_push`` is a name from :data:`MIXINGS` or ``"push"``.  ``steps``
+    defaults to one period, so the result is the effect of one full cycle of a
+    time-varying graph on ``x`` (``x <- M x``).
+    """
+    if steps is None:
+        steps = topology.period
+    out = np.eye(topology.world_size)
+    for s in range(start, start + steps):
+        if scheme_or_push == "push":
+            m = push_matrix(topology, s)
+        else:
+            m = mixing_matrix(topology, s, scheme_or_push)
+        out = m @ out
+    return out
+
+
+def spectral_gap(w: np.ndarray) -> float:
+    """``1 - |lambda_2|``: one minus the second-largest eigenvalue modulus of ``w``.
+
+    Larger is faster mixing; 0 means no consensus (e.g. a disconnected graph).
+    A 1 x 1 matrix has gap 1.
+    """
+    w = np.asarray(w, dtype=np.float64)
+    if w.shape[0] < 2:
+        return 1.0
+    moduli = np.sort(np.abs(np.linalg.eigvals(w)))[::-1]
+    return float(1.0 - moduli[1])
+
+
+def is_strongly_connected(topology: Topology, step: int = 0) -> bool:
+    """Whether every worker can reach every other along edges at ``step``."""
+    adj = topology.adjacency(step)
+    fwd = [np.flatnonzero(row).tolist() for row in adj]
+    back = [np.flatnonzero(col).tolist() for col in adj.T]
+    return _connected(fwd) and _connected(back)

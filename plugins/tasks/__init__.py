@@ -1,0 +1,1 @@
+"""Built-in tasks: data made or loaded locally, never downloaded."""

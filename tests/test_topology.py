@@ -1,0 +1,592 @@
+"""Tests for dsgd_cli.topology: graphs, mixing weights and their spectral properties."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from dsgd_cli.topology import (  # noqa: E402
+    MIXINGS,
+    TOPOLOGIES,
+    CustomTopology,
+    Topology,
+    TorusTopology,
+    TimeVaryingExponentialTopology,
+    is_strongly_connected,
+    make_topology,
+    mixing_matrix,
+    mixing_product,
+    push_matrix,
+    push_weights,
+    spectral_gap,
+)
+
+SIZES = (1, 2, 3, 4, 5, 8, 16)
+
+
+def _valid_sizes(name):
+    if name == "hypercube":
+        return [n for n in SIZES if n & (n - 1) == 0]
+    if name == "random_regular":  # default degree min(3, n-1) needs n*d even
+        return [n for n in SIZES if (n * min(3, n - 1)) % 2 == 0]
+    return list(SIZES)
+
+
+def _variants():
+    """(label, topology) for every topology/direction/size combination built in."""
+    out = []
+    for name in TOPOLOGIES:
+        for n in _valid_sizes(name):
+            directions = [None]
+            if name in ("ring", "exponential"):
+                directions = [False, True]
+            for d in directions:
+                out.append((f"{name}-n{n}-d{d}", make_topology(name, n, directed=d)))
+    out.append(("tv-exp-pps2-n16", make_topology("time_varying_exponential", 16, peers_per_step=2)))
+    out.append(("tv-exp-pps2-n8", make_topology("time_varying_exponential", 8, peers_per_step=2)))
+    out.append(("rr-n10-d2", make_topology("random_regular", 10, degree=2, seed=3)))
+    out.append(("rr-n8-d5", make_topology("random_regular", 8, degree=5, seed=1)))
+    return out
+
+
+VARIANTS = _variants()
+VARIANT_IDS = [label for label, _ in VARIANTS]
+ALL_TOPOS = [t for _, t in VARIANTS]
+UNDIRECTED = [t for t in ALL_TOPOS if not t.directed]
+UNDIRECTED_IDS = [label for label, t in VARIANTS if not t.directed]
+DIRECTED = [t for t in ALL_TOPOS if t.directed]
+DIRECTED_IDS = [label for label, t in VARIANTS if t.directed]
+
+
+def _reachable_all(adj):
+    """Independent connectivity check: boolean transitive closure from the identity."""
+    n = adj.shape[0]
+    reach = np.eye(n, dtype=bool)
+    for _ in range(n):
+        reach = reach | ((reach.astype(int) @ adj.astype(int)) > 0)
+    return bool(reach.all())
+
+
+def _peer_table(topo, step=0):
+    return [topo.out_peers(i, step) for i in range(topo.world_size)]
+
+
+# ---------------------------------------------------------------------------
+# Peer sets of each topology
+# ---------------------------------------------------------------------------
+
+
+def test_names():
+    assert TOPOLOGIES == (
+        "ring", "torus", "complete", "exponential",
+        "time_varying_exponential", "hypercube", "random_regular",
+    )
+    assert MIXINGS == ("uniform", "metropolis")
+
+
+@pytest.mark.parametrize("directed", [False, True])
+def test_single_worker_has_no_peers(directed):
+    for name in TOPOLOGIES:
+        d = directed if name in ("ring", "exponential") else None
+        t = make_topology(name, 1, directed=d)
+        assert t.out_peers(0) == [] and t.in_peers(0) == []
+        assert not t.adjacency(0).any()
+
+
+def test_ring_undirected():
+    assert _peer_table(make_topology("ring", 2)) == [[1], [0]]
+    assert _peer_table(make_topology("ring", 3)) == [[1, 2], [0, 2], [0, 1]]
+    t = make_topology("ring", 5)
+    assert not t.directed and t.period == 1 and not t.is_time_varying
+    assert _peer_table(t) == [[1, 4], [0, 2], [1, 3], [2, 4], [0, 3]]
+    t16 = make_topology("ring", 16, directed=False)
+    assert all(len(p) == 2 for p in _peer_table(t16))
+
+
+def test_ring_directed():
+    t = make_topology("ring", 5, directed=True)
+    assert t.directed
+    assert _peer_table(t) == [[1], [2], [3], [4], [0]]
+    assert [t.in_peers(i) for i in range(5)] == [[4], [0], [1], [2], [3]]
+    t2 = make_topology("ring", 2, directed=True)
+    assert _peer_table(t2) == [[1], [0]]
+
+
+@pytest.mark.parametrize(
+    "n,rows,cols", [(1, 1, 1), (2, 1, 2), (3, 1, 3), (4, 2, 2), (5, 1, 5), (6, 2, 3),
+                    (8, 2, 4), (12, 3, 4), (16, 4, 4), (18, 3, 6)]
+)
+def test_torus_shape(n, rows, cols):
+    t = make_topology("torus", n)
+    assert isinstance(t, TorusTopology)
+    assert (t.rows, t.cols) == (rows, cols)
+    assert not t.directed
+
+
+def test_torus_peers():
+    t16 = make_topology("torus", 16)  # 4x4
+    assert t16.out_peers(5) == [1, 4, 6, 9]
+    assert t16.out_peers(0) == [1, 3, 4, 12]
+    assert all(len(p) == 4 for p in _peer_table(t16))
+    t12 = make_topology("torus", 12)  # 3x4
+    assert t12.out_peers(0) == [1, 3, 4, 8]
+    t8 = make_topology("torus", 8)  # 2x4: up == down, deduplicated
+    assert t8.out_peers(0) == [1, 3, 4]
+    assert all(len(p) == 3 for p in _peer_table(t8))
+    t4 = make_topology("torus", 4)  # 2x2
+    assert _peer_table(t4) == [[1, 2], [0, 3], [0, 3], [1, 2]]
+    t5 = make_topology("torus", 5)  # prime: 1x5, a ring
+    assert _peer_table(t5) == _peer_table(make_topology("ring", 5))
+    assert _peer_table(make_topology("torus", 2)) == [[1], [0]]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_complete(n):
+    t = make_topology("complete", n)
+    for i in range(n):
+        assert t.out_peers(i) == [j for j in range(n) if j != i]
+    assert not t.directed
+
+
+def test_exponential_directed():
+    t = make_topology("exponential", 16)
+    assert t.directed  # default
+    assert t.out_peers(0) == [1, 2, 4, 8]
+    assert t.out_peers(3) == [4, 5, 7, 11]
+    assert t.in_peers(0) == [8, 12, 14, 15]
+    t5 = make_topology("exponential", 5)
+    assert t5.out_peers(0) == [1, 2, 4]
+    assert t5.out_peers(3) == [0, 2, 4]
+    assert make_topology("exponential", 8).out_peers(0) == [1, 2, 4]
+    assert make_topology("exponential", 3).out_peers(0) == [1, 2]
+    assert _peer_table(make_topology("exponential", 2)) == [[1], [0]]
+    for n in (3, 4, 5, 8, 16):
+        degrees = {len(p) for p in _peer_table(make_topology("exponential", n))}
+        assert degrees == {math.floor(math.log2(n - 1)) + 1}
+
+
+def test_exponential_undirected():
+    t = make_topology("exponential", 16, directed=False)
+    assert not t.directed
+    assert t.out_peers(0) == [1, 2, 4, 8, 12, 14, 15]
+    assert t.in_peers(0) == t.out_peers(0)
+    assert make_topology("exponential", 8, directed=False).out_peers(0) == [1, 2, 4, 6, 7]
+    assert make_topology("exponential", 5, directed=False).out_peers(0) == [1, 2, 3, 4]
+    assert _peer_table(make_topology("exponential", 2, directed=False)) == [[1], [0]]
+
+
+def test_time_varying_exponential_peers_and_period():
+    t = make_topology("time_varying_exponential", 8)
+    assert t.directed and t.is_time_varying and t.period == 3
+    assert [t.out_peers(0, s) for s in range(7)] == [[1], [2], [4], [1], [2], [4], [1]]
+    assert [t.in_peers(0, s) for s in range(3)] == [[7], [6], [4]]
+    assert t.out_peers(6, 2) == [2]
+    t16 = make_topology("time_varying_exponential", 16)
+    assert t16.period == 4
+    assert [t16.out_peers(3, s) for s in range(4)] == [[4], [5], [7], [11]]
+    t5 = make_topology("time_varying_exponential", 5)  # hops 1, 2, 4
+    assert t5.period == 3 and t5.out_peers(0, 2) == [4]
+    t2 = make_topology("time_varying_exponential", 2)
+    assert t2.period == 1 and not t2.is_time_varying and t2.out_peers(0, 5) == [1]
+    t1 = make_topology("time_varying_exponential", 1)
+    assert t1.period == 1 and t1.out_peers(0, 3) == []
+
+
+def test_time_varying_exponential_peers_per_step():
+    t = make_topology("time_varying_exponential", 16, peers_per_step=2)
+    assert t.period == 2
+    assert [t.out_peers(0, s) for s in range(4)] == [[1, 2], [4, 8], [1, 2], [4, 8]]
+    t8 = make_topology("time_varying_exponential", 8, peers_per_step=2)
+    assert t8.period == 3
+    assert [t8.out_peers(0, s) for s in range(3)] == [[1, 2], [1, 4], [2, 4]]
+    t3 = make_topology("time_varying_exponential", 16, peers_per_step=3)
+    assert t3.period == 4
+    assert t3.out_peers(0, 1) == [1, 2, 8]
+    tall = make_topology("time_varying_exponential", 16, peers_per_step=10)  # capped at 4
+    assert tall.period == 1 and tall.out_peers(0) == [1, 2, 4, 8]
+    with pytest.raises(ValueError, match="peers_per_step"):
+        TimeVaryingExponentialTopology(8, peers_per_step=0)
+
+
+@pytest.mark.parametrize("n", [4, 5, 8, 16])
+def test_time_varying_exponential_cycles(n):
+    t = make_topology("time_varying_exponential", n)
+    p = t.period
+    assert p == (n - 1).bit_length()
+    mats = [t.adjacency(s) for s in range(p)]
+    for s in range(3 * p):
+        assert np.array_equal(t.adjacency(s), mats[s % p])
+    for a in range(p):  # distinct within one period
+        for b in range(a + 1, p):
+            assert not np.array_equal(mats[a], mats[b])
+    # The union over one period is the static exponential graph.
+    assert np.array_equal(np.logical_or.reduce(mats), make_topology("exponential", n).adjacency())
+
+
+def test_hypercube():
+    t = make_topology("hypercube", 8)
+    assert not t.directed
+    assert t.out_peers(5) == [1, 4, 7]
+    assert make_topology("hypercube", 16).out_peers(0) == [1, 2, 4, 8]
+    assert _peer_table(make_topology("hypercube", 2)) == [[1], [0]]
+    assert _peer_table(make_topology("hypercube", 4)) == [[1, 2], [0, 3], [0, 3], [1, 2]]
+    for n in (2, 4, 8, 16):
+        assert {len(p) for p in _peer_table(make_topology("hypercube", n))} == {int(math.log2(n))}
+
+
+@pytest.mark.parametrize("n", [3, 5, 6, 12])
+def test_hypercube_rejects_non_power_of_two(n):
+    with pytest.raises(ValueError, match="power of 2"):
+        make_topology("hypercube", n)
+
+
+# ---------------------------------------------------------------------------
+# Random regular
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "n,degree,expected_degree",
+    [(2, None, 1), (3, None, 2), (4, None, 3), (8, None, 3), (16, None, 3),
+     (10, 2, 2), (8, 5, 5), (5, 4, 4), (16, 6, 6), (64, 6, 6), (12, 10, 10)],
+)
+def test_random_regular_is_regular_and_connected(n, degree, expected_degree):
+    t = make_topology("random_regular", n, degree=degree, seed=7)
+    adj = t.adjacency()
+    assert not t.directed
+    assert np.array_equal(adj, adj.T)
+    assert not adj.diagonal().any()
+    assert set(adj.sum(axis=1).tolist()) == {expected_degree}
+    assert _reachable_all(adj)
+
+
+def test_random_regular_deterministic_and_seed_dependent():
+    a = make_topology("random_regular", 16, seed=0).adjacency()
+    b = make_topology("random_regular", 16, seed=0).adjacency()
+    c = make_topology("random_regular", 16, seed=1).adjacency()
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, c)
+    d1 = make_topology("random_regular", 16, degree=4, seed=5).adjacency()
+    d2 = make_topology("random_regular", 16, degree=4, seed=5).adjacency()
+    assert np.array_equal(d1, d2)
+
+
+def test_random_regular_same_graph_in_another_process():
+    """Workers are separate processes (with their own hash seeds): same graph."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]);"
+        "from dsgd_cli.topology import make_topology;"
+        "t = make_topology('random_regular', 16, degree=3, seed=11);"
+        "print([t.out_peers(i) for i in range(16)])"
+    )
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT)], env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    local = make_topology("random_regular", 16, degree=3, seed=11)
+    assert out == str([local.out_peers(i) for i in range(16)])
+
+
+def test_random_regular_retries_until_connected(monkeypatch):
+    """A disconnected draw (two K4s) must be rejected and another seed tried."""
+    import dsgd_cli.topology as topology
+
+    real = topology._random_regular
+    calls = []
+
+    def first_draw_disconnected(n, d, rng):
+        calls.append(n)
+        if len(calls) == 1:
+            return [set(range(4)) - {v} if v < 4 else set(range(4, 8)) - {v} for v in range(8)]
+        return real(n, d, rng)
+
+    monkeypatch.setattr(topology, "_random_regular", first_draw_disconnected)
+    t = make_topology("random_regular", 8, degree=3, seed=0)
+    assert len(calls) >= 2
+    assert _reachable_all(t.adjacency())
+    assert set(t.adjacency().sum(axis=1).tolist()) == {3}
+
+
+@pytest.mark.parametrize(
+    "n,degree,match",
+    [(5, 3, "even"), (4, 4, "degree < world_size"), (4, 7, "degree < world_size"),
+     (4, 1, "connected"), (3, 0, "connected"), (4, -1, "degree")],
+)
+def test_random_regular_rejects_bad_degree(n, degree, match):
+    with pytest.raises(ValueError, match=match):
+        make_topology("random_regular", n, degree=degree)
+
+
+def test_random_regular_default_degree_odd_n_rejected():
+    with pytest.raises(ValueError, match="even"):
+        make_topology("random_regular", 5)  # default degree 3, 5*3 odd
+
+
+# ---------------------------------------------------------------------------
+# Generic invariants over every topology
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("topo", ALL_TOPOS, ids=VARIANT_IDS)
+def test_peer_lists_clean_and_consistent(topo):
+    n = topo.world_size
+    for step in range(max(topo.period, 1) + 1):
+        outs = [topo.out_peers(i, step) for i in range(n)]
+        ins = [topo.in_peers(i, step) for i in range(n)]
+        adj = topo.adjacency(step)
+        assert adj.dtype == bool and adj.shape == (n, n)
+        for i in range(n):
+            for peers in (outs[i], ins[i]):
+                assert peers == sorted(set(peers))
+                assert i not in peers
+                assert all(0 <= p < n for p in peers)
+            assert outs[i] == np.flatnonzero(adj[i]).tolist()
+            assert ins[i] == np.flatnonzero(adj[:, i]).tolist()
+            assert ins[i] == [j for j in range(n) if i in outs[j]]
+        if not topo.directed:
+            assert np.array_equal(adj, adj.T)
+            assert outs == ins
+
+
+@pytest.mark.parametrize("topo", ALL_TOPOS, ids=VARIANT_IDS)
+def test_connected_over_one_period(topo):
+    union = np.logical_or.reduce([topo.adjacency(s) for s in range(topo.period)])
+    assert _reachable_all(union)
+    if topo.period == 1:
+        assert is_strongly_connected(topo)
+
+
+def test_is_strongly_connected_detects_one_way_and_disconnected():
+    one_way = np.array([[0, 1, 0], [0, 0, 1], [0, 0, 0]], dtype=bool)  # path 0->1->2
+    assert not is_strongly_connected(CustomTopology(one_way))
+    two_parts = np.zeros((4, 4), dtype=bool)
+    two_parts[0, 1] = two_parts[1, 0] = two_parts[2, 3] = two_parts[3, 2] = True
+    assert not is_strongly_connected(CustomTopology(two_parts))
+    assert is_strongly_connected(make_topology("ring", 5, directed=True))
+
+
+def test_bad_rank_rejected():
+    t = make_topology("ring", 4)
+    with pytest.raises(ValueError, match="rank"):
+        t.out_peers(4)
+    with pytest.raises(ValueError, match="rank"):
+        t.in_peers(-1)
+
+
+# ---------------------------------------------------------------------------
+# Factory
+# ---------------------------------------------------------------------------
+
+
+def test_factory_unknown_name_lists_known():
+    with pytest.raises(ValueError) as info:
+        make_topology("star", 4)
+    msg = str(info.value)
+    assert "star" in msg
+    for name in TOPOLOGIES:
+        assert name in msg
+
+
+def test_factory_defaults_and_direction_errors():
+    assert make_topology("ring", 4).directed is False
+    assert make_topology("exponential", 4).directed is True
+    assert make_topology("time_varying_exponential", 4).directed is True
+    assert make_topology("Time-Varying-Exponential", 8).period == 3
+    for name in ("torus", "complete", "hypercube", "random_regular"):
+        with pytest.raises(ValueError, match="undirected"):
+            make_topology(name, 4, directed=True)
+        assert make_topology(name, 4, directed=False).directed is False
+    with pytest.raises(ValueError, match="directed only"):
+        make_topology("time_varying_exponential", 4, directed=False)
+    with pytest.raises(ValueError, match="world_size"):
+        make_topology("ring", 0)
+
+
+def test_base_class_is_abstract():
+    with pytest.raises(TypeError):
+        Topology(3, directed=False)
+
+
+# ---------------------------------------------------------------------------
+# Mixing weights
+# ---------------------------------------------------------------------------
+
+
+class Lopsided(Topology):
+    """A small non-regular, strongly connected directed graph on 4 workers."""
+
+    name = "lopsided"
+    _edges = {0: [1, 2, 3], 1: [2], 2: [0], 3: [0, 1]}
+
+    def __init__(self):
+        super().__init__(4, directed=True)
+
+    def _out(self, rank, step):
+        return self._edges[rank]
+
+
+def _path(n):
+    adj = np.zeros((n, n), dtype=bool)
+    for i in range(n - 1):
+        adj[i, i + 1] = adj[i + 1, i] = True
+    return CustomTopology(adj)
+
+
+def _assert_doubly_stochastic(w):
+    assert w.dtype == np.float64
+    assert (w >= -1e-15).all()
+    np.testing.assert_allclose(w.sum(axis=1), 1.0, atol=1e-12)
+    np.testing.assert_allclose(w.sum(axis=0), 1.0, atol=1e-12)
+
+
+@pytest.mark.parametrize("scheme", MIXINGS)
+@pytest.mark.parametrize("topo", UNDIRECTED, ids=UNDIRECTED_IDS)
+def test_mixing_doubly_stochastic_on_undirected(topo, scheme):
+    w = mixing_matrix(topo, 0, scheme)
+    _assert_doubly_stochastic(w)
+    adj = topo.adjacency(0)
+    # Support is exactly self + neighbours.
+    off = ~np.eye(topo.world_size, dtype=bool)
+    assert np.array_equal((w > 0) & off, adj)
+    if scheme == "metropolis":
+        np.testing.assert_allclose(w, w.T)
+
+
+def test_uniform_weights_values():
+    w = mixing_matrix(make_topology("ring", 5), 0, "uniform")
+    assert w[0, 0] == pytest.approx(1 / 3) and w[0, 1] == pytest.approx(1 / 3)
+    assert w[0, 4] == pytest.approx(1 / 3) and w[0, 2] == 0
+    # Directed: worker i averages itself with its in-peer (i - 1).
+    wd = mixing_matrix(make_topology("ring", 5, directed=True), 0, "uniform")
+    assert wd[1, 0] == pytest.approx(0.5) and wd[1, 1] == pytest.approx(0.5) and wd[1, 2] == 0
+    _assert_doubly_stochastic(wd)
+
+
+def test_metropolis_on_non_regular_path():
+    t = _path(3)  # degrees 1, 2, 1
+    w = mixing_matrix(t, 0, "metropolis")
+    expected = np.array([[2 / 3, 1 / 3, 0], [1 / 3, 1 / 3, 1 / 3], [0, 1 / 3, 2 / 3]])
+    np.testing.assert_allclose(w, expected)
+    _assert_doubly_stochastic(mixing_matrix(_path(6), 0, "metropolis"))
+    # A star (very non-regular) too.
+    star = np.zeros((5, 5), dtype=bool)
+    star[0, 1:] = star[1:, 0] = True
+    _assert_doubly_stochastic(mixing_matrix(CustomTopology(star), 0, "metropolis"))
+    # Uniform weights are only row stochastic on non-regular graphs.
+    wu = mixing_matrix(t, 0, "uniform")
+    np.testing.assert_allclose(wu.sum(axis=1), 1.0)
+    assert not np.allclose(wu.sum(axis=0), 1.0)
+
+
+def test_metropolis_rejects_directed():
+    with pytest.raises(ValueError, match="undirected"):
+        mixing_matrix(make_topology("exponential", 8), 0, "metropolis")
+    with pytest.raises(ValueError, match="undirected"):
+        mixing_matrix(Lopsided(), 0, "metropolis")
+
+
+def test_unknown_scheme():
+    with pytest.raises(ValueError, match="uniform, metropolis"):
+        mixing_matrix(make_topology("ring", 4), 0, "laplacian")
+
+
+@pytest.mark.parametrize("topo", DIRECTED + [Lopsided()], ids=DIRECTED_IDS + ["lopsided"])
+def test_push_matrix_column_stochastic(topo):
+    for step in range(topo.period):
+        p = push_matrix(topo, step)
+        assert (p >= 0).all()
+        np.testing.assert_allclose(p.sum(axis=0), 1.0, atol=1e-12)
+        for i in range(topo.world_size):
+            shares = push_weights(topo, i, step)
+            assert sum(shares.values()) == pytest.approx(1.0)
+            assert sorted(shares) == sorted(topo.out_peers(i, step) + [i])
+
+
+def test_push_on_non_regular_graph():
+    t = Lopsided()
+    assert push_weights(t, 0) == pytest.approx({0: 0.25, 1: 0.25, 2: 0.25, 3: 0.25})
+    assert push_weights(t, 3) == pytest.approx({3: 1 / 3, 0: 1 / 3, 1: 1 / 3})
+    p = push_matrix(t)
+    assert p[1, 0] == pytest.approx(0.25) and p[0, 1] == 0
+    assert not np.allclose(p.sum(axis=1), 1.0)  # genuinely not doubly stochastic
+    # Push-sum converges to the true average despite the non-regular graph.
+    x = np.array([4.0, -1.0, 7.0, 2.0])
+    weight = np.ones(4)
+    for _ in range(200):
+        x, weight = p @ x, p @ weight
+    np.testing.assert_allclose(x / weight, np.full(4, 3.0), atol=1e-9)
+
+
+# ---------------------------------------------------------------------------
+# Spectral properties
+# ---------------------------------------------------------------------------
+
+
+def test_spectral_gap_known_values():
+    assert spectral_gap(np.full((4, 4), 0.25)) == pytest.approx(1.0)
+    assert spectral_gap(np.eye(3)) == pytest.approx(0.0)
+    assert spectral_gap(np.ones((1, 1))) == 1.0
+    w = mixing_matrix(make_topology("ring", 16), 0, "uniform")
+    expected = 1 - (1 + 2 * math.cos(2 * math.pi / 16)) / 3
+    assert spectral_gap(w) == pytest.approx(expected)
+    # Complete graph with uniform weights averages in one step.
+    assert spectral_gap(mixing_matrix(make_topology("complete", 6), 0, "uniform")) == pytest.approx(1.0)
+    # A disconnected graph has no gap.
+    two_parts = np.zeros((4, 4), dtype=bool)
+    two_parts[0, 1] = two_parts[1, 0] = two_parts[2, 3] = two_parts[3, 2] = True
+    assert spectral_gap(mixing_matrix(CustomTopology(two_parts), 0, "metropolis")) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_exponential_mixes_faster_than_ring():
+    ring = spectral_gap(mixing_matrix(make_topology("ring", 16), 0, "uniform"))
+    expo = spectral_gap(mixing_matrix(make_topology("exponential", 16, directed=False), 0, "uniform"))
+    assert expo > ring
+    assert expo > 3 * ring
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 16, 32])
+def test_one_peer_exponential_averages_exactly_in_one_period(n):
+    t = make_topology("time_varying_exponential", n)
+    assert t.period == int(math.log2(n))
+    prod = mixing_product(t, "push")
+    np.testing.assert_allclose(prod, np.full((n, n), 1.0 / n), atol=1e-12)
+    # Pull with uniform weights is the same matrix for a one-peer circulant.
+    np.testing.assert_allclose(mixing_product(t, "uniform"), prod, atol=1e-12)
+    # Each single step alone does not average (for n > 2).
+    if n > 2:
+        assert not np.allclose(push_matrix(t, 0), 1.0 / n)
+
+
+def test_one_peer_exponential_not_exact_for_non_power_of_two():
+    t = make_topology("time_varying_exponential", 6)
+    prod = mixing_product(t, "push")
+    np.testing.assert_allclose(prod.sum(axis=0), 1.0)
+    assert not np.allclose(prod, 1.0 / 6)
+
+
+def test_mixing_product_order_and_start():
+    t = make_topology("time_varying_exponential", 8)
+    m0, m1 = push_matrix(t, 0), push_matrix(t, 1)
+    np.testing.assert_allclose(mixing_product(t, "push", steps=2), m1 @ m0)
+    np.testing.assert_allclose(mixing_product(t, "push", steps=1, start=1), m1)
+    np.testing.assert_allclose(mixing_product(t, "push", steps=0), np.eye(8))
+
+
+def test_custom_time_varying_topology():
+    a = np.zeros((3, 3), dtype=bool)
+    b = np.zeros((3, 3), dtype=bool)
+    a[0, 1] = True
+    b[1, 2] = b[2, 0] = True
+    t = CustomTopology([a, b])
+    assert t.directed and t.period == 2 and t.is_time_varying
+    assert t.out_peers(0, 0) == [1] and t.out_peers(0, 1) == []
+    assert t.in_peers(0, 3) == [2]
+    with pytest.raises(ValueError, match="self-loops"):
+        CustomTopology(np.eye(3))
