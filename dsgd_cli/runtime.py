@@ -15,6 +15,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -153,6 +154,13 @@ class Worker:
                 reached_at = time.perf_counter() - started
         self.aggregator.finish()
         self._report_run(started, train_seconds, samples, total_sent, reached_at)
+        if config["save_dir"]:
+            self._save_model(Path(config["save_dir"]) / config["name"].replace("/", "_"))
+
+    def _save_model(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        state = self.aggregator.evaluation_model().state_dict()
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, directory / f"rank{self.rank}.pt")
 
     def _accumulate(self, loss: torch.Tensor, step_seconds: float, traffic) -> None:
         interval = self.interval

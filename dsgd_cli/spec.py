@@ -40,6 +40,7 @@ EXPERIMENT_DEFAULTS: dict[str, Any] = {
     "target_accuracy": None,   # records time_to_accuracy when reached
     "network": None,
     "stragglers": None,
+    "save_dir": None,          # saves each worker's final model to <save_dir>/<name>/rank<r>.pt
     "grid": None,
 }
 
@@ -104,9 +105,9 @@ def resolve_document(document: Any, workers_override: int | None = None) -> list
         merged = copy.deepcopy(EXPERIMENT_DEFAULTS)
         for layer in (defaults, entry):
             merged.update({key: merge(merged.get(key), value) for key, value in layer.items()})
-        if workers_override is not None:
-            merged["workers"] = workers_override
         for name, point in expand_grid(merged, path):
+            if workers_override is not None:  # the command line wins over spec and grid
+                point["workers"] = workers_override
             experiments.append(Experiment(name, validate_experiment(point, path, name)))
 
     seen: dict[str, int] = {}
@@ -188,6 +189,10 @@ def validate_experiment(raw: dict, path: str, name: str) -> dict[str, Any]:
                                or not 0 < target <= 1):
         raise SpecError(f"expected a number in (0, 1], got {target!r}", path=f"{path}.target_accuracy")
     config["target_accuracy"] = target
+    save_dir = raw["save_dir"]
+    if save_dir is not None and (not isinstance(save_dir, str) or not save_dir):
+        raise SpecError(f"expected a directory path, got {save_dir!r}", path=f"{path}.save_dir")
+    config["save_dir"] = str(Path(save_dir).resolve()) if save_dir else None
     config["network"] = parse_network(raw["network"], f"{path}.network")
     config["stragglers"] = parse_stragglers(raw["stragglers"], f"{path}.stragglers", config["workers"])
 

@@ -103,6 +103,7 @@ def qsgd_quantize(x, norms, levels, bs, key, q):
     d = x.size
     nb, nsub, sub = _bucket_tasks(d, bs)
     flev = np.float32(levels)
+    flev64 = np.float64(levels)
     for t in prange(nb * nsub):
         b = t // nsub
         s = t - b * nsub
@@ -118,18 +119,18 @@ def qsgd_quantize(x, norms, levels, bs, key, q):
             a = np.float64(abs(v)) * scale
             if not (a >= 0.0):  # NaN input
                 a = 0.0
-            fl = math.floor(a)
-            lvl = np.int64(fl)
+            elif a > flev64:  # rounding of the norm, or inf
+                a = flev64
+            fl = np.floor(a)
+            lvl = np.int32(fl)
             if np.float64(uniform(key, i)) < a - fl:
                 lvl += 1
-            if lvl > levels:
-                lvl = levels
             if v < 0:
                 lvl = -lvl
             q[i] = np.int8(lvl)
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@njit(cache=True, parallel=True)
 def qsgd_dequantize(norms, q, levels, bs, out):
     d = q.size
     nb, nsub, sub = _bucket_tasks(d, bs)
@@ -184,7 +185,7 @@ def terngrad_quantize(x, scale, key, t):
             t[i] = r
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@njit(cache=True, parallel=True)
 def scale_int8(t, scale, out):
     for i in prange(t.size):
         out[i] = np.float32(t[i]) * scale
@@ -494,25 +495,25 @@ def scatter_add(idx, vals, out):
     return bad
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@njit(cache=True, parallel=True)
 def wsum1(x0, w0, out):
     for i in prange(out.size):
         out[i] = w0 * x0[i]
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@njit(cache=True, parallel=True)
 def wsum2(x0, w0, x1, w1, out):
     for i in prange(out.size):
         out[i] = w0 * x0[i] + w1 * x1[i]
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@njit(cache=True, parallel=True)
 def wsum3(x0, w0, x1, w1, x2, w2, out):
     for i in prange(out.size):
         out[i] = w0 * x0[i] + w1 * x1[i] + w2 * x2[i]
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@njit(cache=True, parallel=True)
 def wsum4(x0, w0, x1, w1, x2, w2, x3, w3, out):
     for i in prange(out.size):
         out[i] = w0 * x0[i] + w1 * x1[i] + w2 * x2[i] + w3 * x3[i]

@@ -1,0 +1,74 @@
+"""numba_kernels: numba CPU / CUDA kernels for gradient compression and
+model averaging in dsgd.
+
+All public functions take and return torch tensors.  Inputs are flat (1-D,
+contiguous) float32 buffers -- callers flatten; contiguous tensors of any shape
+are viewed as flat.  CPU tensors run numba ``@njit(parallel=True)`` kernels on
+zero-copy NumPy views; CUDA tensors run ``numba.cuda`` kernels on zero-copy
+``__cuda_array_interface__`` views, launched on torch's current stream (the
+CUDA module is imported only when a CUDA tensor shows up).  Outputs are
+allocated as torch tensors on the input's device.  Empty inputs give empty
+outputs.
+
+Public API
+----------
+``qsgd_quantize(x, levels, bucket_size, seed) -> (norms, q)``
+``qsgd_dequantize(norms, q, levels, bucket_size, out=None) -> out``
+``terngrad_quantize(x, seed) -> (scale, t)``
+``terngrad_dequantize(scale, t, out=None) -> out``
+``sign_pack(x) -> packed``
+``sign_unpack(packed, d, scale=1.0, out=None) -> out``
+``sign_vote(packed_list_tensor, d, out=None) -> out``
+``topk(x, k) -> (indices, values)``
+``randomk(x, k, seed) -> (indices, values)``
+``randomk_indices(d, k, seed, device) -> indices``
+``scatter(indices, values, d, out=None, accumulate=False) -> out``
+``weighted_sum(tensors, weights, out=None) -> out``
+``derive_seed(*parts) -> int``
+
+Randomness
+----------
+Every random draw is a pure function of ``(seed, element index)`` (a
+SplitMix64-style counter-based hash, see :mod:`numba_kernels._random`), so the
+CPU and CUDA kernels produce bit-identical random decisions for the same seed,
+independent of threading.  Re-using a seed re-uses the random numbers: derive a
+fresh seed per step and per tensor, e.g. ``derive_seed(base, step, tensor_id)``
+(add the worker rank for stochastic quantisation, which should be independent
+across workers; leave it out for random-k, whose index set must agree across
+workers).
+
+Kernels are compiled on first use with ``cache=True`` (cached next to the
+sources), so the JIT cost is paid once per machine.
+"""
+
+from ._dispatch import (
+    qsgd_dequantize,
+    qsgd_quantize,
+    randomk,
+    randomk_indices,
+    scatter,
+    sign_pack,
+    sign_unpack,
+    sign_vote,
+    terngrad_dequantize,
+    terngrad_quantize,
+    topk,
+    weighted_sum,
+)
+from ._random import derive_seed
+
+__all__ = [
+    "qsgd_quantize",
+    "qsgd_dequantize",
+    "terngrad_quantize",
+    "terngrad_dequantize",
+    "sign_pack",
+    "sign_unpack",
+    "sign_vote",
+    "topk",
+    "randomk",
+    "randomk_indices",
+    "scatter",
+    "weighted_sum",
+    "derive_seed",
+]

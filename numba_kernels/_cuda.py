@@ -1,0 +1,782 @@
+"""CUDA kernels (``numba.cuda.jit``) and their launch helpers.
+
+This module is imported lazily by :mod:`numba_kernels._dispatch` the first time
+a CUDA tensor is seen, so importing the package never needs a GPU.
+
+The launch helpers below take numba device arrays (zero-copy views of torch
+tensors made with ``numba.cuda.as_cuda_array``), or, under the CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``), NumPy arrays / ``cuda.to_device`` arrays.  Kernels
+are launched on ``stream``; helpers that need scratch memory call
+``alloc(n, numpy_dtype)`` (the dispatcher passes an allocator backed by the
+torch caching allocator; the default uses ``cuda.device_array``).
+
+Element-wise kernels use grid-stride loops.  Top-k / random-k use an
+order-preserving block compaction (block-wide scans in shared memory) plus a
+radix select on the candidates, so their results are identical to the CPU
+kernels' (exact selection, lowest index first among equal magnitudes).
+
+A few helpers (top-k, random-k, the int->host counts) copy small arrays to the
+host and therefore synchronise the stream.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+from numba import cuda
+
+from . import _cpu, _random
+
+try:  # numba-cuda
+    from numba.cuda.core import config as _cfg
+
+    SIM = bool(_cfg.ENABLE_CUDASIM)
+except Exception:  # pragma: no cover - plain numba
+    SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+#: threads per block (power of two); smaller under the simulator for speed
+TPB = 64 if SIM else 256
+#: tiles of TPB elements handled per block by the compaction kernels
+ITEMS = 2 if SIM else 16
+#: cap on the grid of grid-stride kernels
+MAX_BLOCKS = 8 if SIM else 4096
+#: elements per bucket sub-chunk for the QSGD norm reduction
+NORM_CHUNK = 4 * TPB if SIM else 16384
+
+_ABS_MASK = np.uint32(0x7FFFFFFF)
+_INF_BITS = np.uint32(0x7F800000)
+_U64_FF = np.uint64(0xFF)
+
+_uniform = cuda.jit(device=True)(_random.uniform_py)
+_hash64 = cuda.jit(device=True)(_random.hash64_py)
+
+
+def device_alloc(n, dtype):
+    return cuda.device_array(int(n), dtype=dtype)
+
+
+def _grid(n):
+    return max(1, min((n + TPB - 1) // TPB, MAX_BLOCKS))
+
+
+def _to_host(arr, stream):
+    if stream:
+        h = arr.copy_to_host(stream=stream)
+        stream.synchronize()
+        return h
+    return arr.copy_to_host()
+
+
+def _upload(host, alloc, stream):
+    dev = alloc(host.size, host.dtype)
+    if host.size:
+        dev.copy_to_device(host, stream=stream)
+    return dev
+
+
+# ---------------------------------------------------------------------------
+# device helpers
+# ---------------------------------------------------------------------------
+
+
+@cuda.jit(device=True)
+def _magkey(u):
+    m = np.uint32(u & _ABS_MASK)
+    if m > _INF_BITS:
+        m = _INF_BITS
+    return m
+
+
+@cuda.jit(device=True)
+def _rk_key(key, i, sh_hi, sh_lo):
+    h = _hash64(key, i)
+    return ((h >> sh_hi) << sh_lo) | np.uint64(i)
+
+
+@cuda.jit(device=True)
+def _block_sum_i64(v, sm):
+    tid = cuda.threadIdx.x
+    sm[tid] = v
+    cuda.syncthreads()
+    w = TPB // 2
+    while w > 0:
+        if tid < w:
+            sm[tid] += sm[tid + w]
+        cuda.syncthreads()
+        w //= 2
+    r = sm[0]
+    cuda.syncthreads()
+    return r
+
+
+@cuda.jit(device=True)
+def _block_scan2(a, b, sa, sb):
+    """Exclusive block-wide scan of two int64 values; returns
+    (excl_a, excl_b, total_a, total_b).  All threads must call it."""
+    tid = cuda.threadIdx.x
+    sa[tid] = a
+    sb[tid] = b
+    cuda.syncthreads()
+    off = 1
+    while off < TPB:
+        ta = 0
+        tb = 0
+        if tid >= off:
+            ta = sa[tid - off]
+            tb = sb[tid - off]
+        cuda.syncthreads()
+        sa[tid] += ta
+        sb[tid] += tb
+        cuda.syncthreads()
+        off *= 2
+    ia = sa[tid]
+    ib = sb[tid]
+    tot_a = sa[TPB - 1]
+    tot_b = sb[TPB - 1]
+    cuda.syncthreads()
+    return ia - a, ib - b, tot_a, tot_b
+
+
+# ---------------------------------------------------------------------------
+# small utility kernels
+# ---------------------------------------------------------------------------
+
+
+@cuda.jit
+def _k_fill(arr, value):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < arr.size:
+        arr[i] = value
+        i += stride
+
+
+@cuda.jit
+def _k_gather(x, idx, out):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < idx.size:
+        out[i] = x[idx[i]]
+        i += stride
+
+
+@cuda.jit
+def _k_copy(src, dst):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < src.size:
+        dst[i] = src[i]
+        i += stride
+
+
+def fill(arr, value, stream=0):
+    if arr.size:
+        _k_fill[_grid(arr.size), TPB, stream](arr, value)
+
+
+def gather(x, idx, out, stream=0):
+    if idx.size:
+        _k_gather[_grid(idx.size), TPB, stream](x, idx, out)
+
+
+# ---------------------------------------------------------------------------
+# QSGD
+# ---------------------------------------------------------------------------
+
+
+@cuda.jit
+def _k_bucket_sq(x, bs, nsub, sub, partial):
+    sm = cuda.shared.array(TPB, np.float64)
+    tid = cuda.threadIdx.x
+    d = x.size
+    t = cuda.blockIdx.x
+    while t < partial.size:
+        b = t // nsub
+        s = t - b * nsub
+        lo = b * bs + s * sub
+        hi = min(lo + sub, min(b * bs + bs, d))
+        acc = 0.0
+        i = lo + tid
+        while i < hi:
+            v = np.float64(x[i])
+            acc += v * v
+            i += TPB
+        sm[tid] = acc
+        cuda.syncthreads()
+        w = TPB // 2
+        while w > 0:
+            if tid < w:
+                sm[tid] += sm[tid + w]
+            cuda.syncthreads()
+            w //= 2
+        if tid == 0:
+            partial[t] = sm[0]
+        cuda.syncthreads()
+        t += cuda.gridDim.x
+
+
+@cuda.jit
+def _k_norms(partial, nsub, levels, norms, scales):
+    b = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    flev = np.float32(levels)
+    while b < norms.size:
+        acc = 0.0
+        for s in range(nsub):
+            acc += partial[b * nsub + s]
+        nrm = np.float32(math.sqrt(acc))
+        norms[b] = nrm
+        sc = 0.0
+        if nrm > 0:
+            sc = np.float64(flev / nrm)
+        scales[b] = sc
+        b += stride
+
+
+@cuda.jit
+def _k_qsgd_quant(x, scales, levels, bs, key, q):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    flev = np.float64(levels)
+    while i < x.size:
+        v = x[i]
+        a = np.float64(abs(v)) * scales[i // bs]
+        if not (a >= 0.0):
+            a = 0.0
+        elif a > flev:
+            a = flev
+        fl = np.floor(a)
+        lvl = np.int32(fl)
+        if np.float64(_uniform(key, i)) < a - fl:
+            lvl += 1
+        if v < 0:
+            lvl = -lvl
+        q[i] = np.int8(lvl)
+        i += stride
+
+
+@cuda.jit
+def _k_qsgd_dequant(norms, q, levels, bs, out):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    flev = np.float32(levels)
+    while i < q.size:
+        out[i] = np.float32(q[i]) * (norms[i // bs] / flev)
+        i += stride
+
+
+def qsgd_quantize(x, levels, bs, key, norms, q, stream=0, alloc=device_alloc):
+    """norms[nb] and q[d] are written; bs >= 1 (already normalised)."""
+    d = x.size
+    nb = norms.size
+    nsub = (bs + NORM_CHUNK - 1) // NORM_CHUNK
+    sub = (bs + nsub - 1) // nsub
+    partial = alloc(nb * nsub, np.float64)
+    scales = alloc(nb, np.float64)
+    _k_bucket_sq[max(1, min(nb * nsub, 65535)), TPB, stream](x, bs, nsub, sub, partial)
+    _k_norms[_grid(nb), TPB, stream](partial, nsub, levels, norms, scales)
+    _k_qsgd_quant[_grid(d), TPB, stream](x, scales, levels, bs, np.uint64(key), q)
+
+
+def qsgd_dequantize(norms, q, levels, bs, out, stream=0):
+    _k_qsgd_dequant[_grid(q.size), TPB, stream](norms, q, levels, bs, out)
+
+
+# ---------------------------------------------------------------------------
+# TernGrad
+# ---------------------------------------------------------------------------
+
+
+@cuda.jit
+def _k_maxabs(x, out):
+    sm = cuda.shared.array(TPB, np.float32)
+    tid = cuda.threadIdx.x
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    m = np.float32(0.0)
+    while i < x.size:
+        a = abs(x[i])
+        if a > m:
+            m = a
+        i += stride
+    sm[tid] = m
+    cuda.syncthreads()
+    w = TPB // 2
+    while w > 0:
+        if tid < w:
+            if sm[tid + w] > sm[tid]:
+                sm[tid] = sm[tid + w]
+        cuda.syncthreads()
+        w //= 2
+    if tid == 0:
+        cuda.atomic.max(out, 0, sm[0])
+
+
+@cuda.jit
+def _k_tern_quant(x, scale, key, t):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    sc = np.float64(scale[0])
+    while i < x.size:
+        v = x[i]
+        r = np.int8(0)
+        if np.float64(_uniform(key, i)) * sc < np.float64(abs(v)):
+            r = np.int8(1) if v > 0 else np.int8(-1)
+        t[i] = r
+        i += stride
+
+
+@cuda.jit
+def _k_scale_int8(t, scale, out):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    s = scale[0]
+    while i < t.size:
+        out[i] = np.float32(t[i]) * s
+        i += stride
+
+
+def terngrad_quantize(x, key, scale, t, stream=0):
+    """scale: float32 device array [1] (output), t: int8 [d] (output)."""
+    fill(scale, np.float32(0.0), stream)
+    _k_maxabs[_grid(x.size), TPB, stream](x, scale)
+    _k_tern_quant[_grid(x.size), TPB, stream](x, scale, np.uint64(key), t)
+
+
+def scale_int8(t, scale, out, stream=0):
+    _k_scale_int8[_grid(t.size), TPB, stream](t, scale, out)
+
+
+# ---------------------------------------------------------------------------
+# signs
+# ---------------------------------------------------------------------------
+
+
+@cuda.jit
+def _k_sign_pack(x, out):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    d = x.size
+    while i < out.size:
+        base = 8 * i
+        n = min(8, d - base)
+        b = np.uint32(0)
+        for j in range(n):
+            if x[base + j] >= 0:
+                b |= np.uint32(1) << np.uint32(j)
+        out[i] = np.uint8(b)
+        i += stride
+
+
+@cuda.jit
+def _k_sign_unpack(packed, scale, out):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    s = scale[0]
+    while i < out.size:
+        bit = (np.uint32(packed[i >> 3]) >> np.uint32(i & 7)) & np.uint32(1)
+        out[i] = s if bit else -s
+        i += stride
+
+
+@cuda.jit
+def _k_sign_vote(packed, out):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    n = packed.shape[0]
+    while i < out.size:
+        byte = i >> 3
+        sh = np.uint32(i & 7)
+        cnt = 0
+        for w in range(n):
+            cnt += np.int32((np.uint32(packed[w, byte]) >> sh) & np.uint32(1))
+        out[i] = np.float32(1.0) if 2 * cnt >= n else np.float32(-1.0)
+        i += stride
+
+
+def sign_pack(x, out, stream=0):
+    _k_sign_pack[_grid(out.size), TPB, stream](x, out)
+
+
+def sign_unpack(packed, scale, out, stream=0):
+    """scale: float32 device array [1]."""
+    _k_sign_unpack[_grid(out.size), TPB, stream](packed, scale, out)
+
+
+def sign_vote(packed, out, stream=0):
+    """packed: uint8 [n, ceil(d/8)], out: float32 [d]."""
+    _k_sign_vote[_grid(out.size), TPB, stream](packed, out)
+
+
+# ---------------------------------------------------------------------------
+# scatter / weighted sum
+# ---------------------------------------------------------------------------
+
+
+@cuda.jit
+def _k_scatter(idx, vals, out, accumulate):
+    p = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    d = out.size
+    while p < idx.size:
+        i = idx[p]
+        if i >= 0 and i < d:
+            if accumulate:
+                cuda.atomic.add(out, i, vals[p])
+            else:
+                out[i] = vals[p]
+        p += stride
+
+
+def scatter(idx, vals, out, accumulate, stream=0):
+    """out[idx] = vals (or += with atomics).  Out-of-range indices are skipped
+    (no host synchronisation to report them)."""
+    if idx.size:
+        _k_scatter[_grid(idx.size), TPB, stream](idx, vals, out, bool(accumulate))
+
+
+@cuda.jit
+def _k_wsum1(x0, w0, out):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < out.size:
+        out[i] = w0 * x0[i]
+        i += stride
+
+
+@cuda.jit
+def _k_wsum2(x0, w0, x1, w1, out):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < out.size:
+        out[i] = w0 * x0[i] + w1 * x1[i]
+        i += stride
+
+
+@cuda.jit
+def _k_wsum3(x0, w0, x1, w1, x2, w2, out):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < out.size:
+        out[i] = w0 * x0[i] + w1 * x1[i] + w2 * x2[i]
+        i += stride
+
+
+@cuda.jit
+def _k_wsum4(x0, w0, x1, w1, x2, w2, x3, w3, out):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < out.size:
+        out[i] = w0 * x0[i] + w1 * x1[i] + w2 * x2[i] + w3 * x3[i]
+        i += stride
+
+
+_WSUM = {1: _k_wsum1, 2: _k_wsum2, 3: _k_wsum3, 4: _k_wsum4}
+
+
+def weighted_sum(xs, ws, out, stream=0):
+    """out = sum_k ws[k] * xs[k]; xs[0] may alias out (groups of 4 inputs,
+    later groups accumulate into out)."""
+    g = _grid(out.size)
+    first = min(4, len(xs))
+    args = []
+    for j in range(first):
+        args += [xs[j], np.float32(ws[j])]
+    _WSUM[first][g, TPB, stream](*args, out)
+    j = first
+    while j < len(xs):
+        m = min(3, len(xs) - j)
+        args = [out, np.float32(1.0)]
+        for r in range(j, j + m):
+            args += [xs[r], np.float32(ws[r])]
+        _WSUM[m + 1][g, TPB, stream](*args, out)
+        j += m
+
+
+# ---------------------------------------------------------------------------
+# order-preserving compaction, radix select, top-k, random-k
+# ---------------------------------------------------------------------------
+
+
+def _layout(n):
+    nblocks = max(1, min(65535, -(-n // (TPB * ITEMS))))
+    seg = -(-n // nblocks)
+    seg = -(-seg // TPB) * TPB
+    return -(-n // seg), seg
+
+
+@cuda.jit
+def _k_sample(xb, s, out):
+    j = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    d = xb.size
+    st = d // s
+    while j < s:
+        pos = j * st + np.int64(_hash64(_random.SAMPLE_KEY, j) % np.uint64(st))
+        out[j] = _magkey(xb[pos])
+        j += stride
+
+
+@cuda.jit
+def _k_topk_count(xb, t, seg, counts):
+    sm = cuda.shared.array(TPB, np.int64)
+    b = cuda.blockIdx.x
+    lo = b * seg
+    hi = min(xb.size, lo + seg)
+    n = 0
+    i = lo + cuda.threadIdx.x
+    while i < hi:
+        if _magkey(xb[i]) >= t:
+            n += 1
+        i += TPB
+    tot = _block_sum_i64(n, sm)
+    if cuda.threadIdx.x == 0:
+        counts[b] = tot
+
+
+@cuda.jit
+def _k_topk_write(xb, t, seg, offsets, cidx, ckey):
+    sa = cuda.shared.array(TPB, np.int64)
+    sb = cuda.shared.array(TPB, np.int64)
+    b = cuda.blockIdx.x
+    lo = b * seg
+    hi = min(xb.size, lo + seg)
+    base = offsets[b]
+    start = lo
+    while start < hi:
+        i = start + cuda.threadIdx.x
+        f = 0
+        m = np.uint32(0)
+        if i < hi:
+            m = _magkey(xb[i])
+            if m >= t:
+                f = 1
+        ex, _eb, tot, _tb = _block_scan2(f, 0, sa, sb)
+        if f:
+            cidx[base + ex] = i
+            ckey[base + ex] = m
+        base += tot
+        start += TPB
+
+
+@cuda.jit
+def _k_rk_count(key, d, sh_hi, sh_lo, T, seg, counts):
+    sm = cuda.shared.array(TPB, np.int64)
+    b = cuda.blockIdx.x
+    lo = b * seg
+    hi = min(d, lo + seg)
+    n = 0
+    i = lo + cuda.threadIdx.x
+    while i < hi:
+        if _rk_key(key, i, sh_hi, sh_lo) < T:
+            n += 1
+        i += TPB
+    tot = _block_sum_i64(n, sm)
+    if cuda.threadIdx.x == 0:
+        counts[b] = tot
+
+
+@cuda.jit
+def _k_rk_write(key, d, sh_hi, sh_lo, T, seg, offsets, cidx, ckey):
+    sa = cuda.shared.array(TPB, np.int64)
+    sb = cuda.shared.array(TPB, np.int64)
+    b = cuda.blockIdx.x
+    lo = b * seg
+    hi = min(d, lo + seg)
+    base = offsets[b]
+    start = lo
+    while start < hi:
+        i = start + cuda.threadIdx.x
+        f = 0
+        kk = np.uint64(0)
+        if i < hi:
+            kk = _rk_key(key, i, sh_hi, sh_lo)
+            if kk < T:
+                f = 1
+        ex, _eb, tot, _tb = _block_scan2(f, 0, sa, sb)
+        if f:
+            cidx[base + ex] = i
+            ckey[base + ex] = kk
+        base += tot
+        start += TPB
+
+
+@cuda.jit
+def _k_hist(keys, prefix, mask, shift, hist):
+    sh = cuda.shared.array(256, np.int32)
+    tid = cuda.threadIdx.x
+    j = tid
+    while j < 256:
+        sh[j] = 0
+        j += TPB
+    cuda.syncthreads()
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < keys.size:
+        kk = np.uint64(keys[i])
+        if (kk & mask) == prefix:
+            cuda.atomic.add(sh, np.int64((kk >> shift) & _U64_FF), np.int32(1))
+        i += stride
+    cuda.syncthreads()
+    j = tid
+    while j < 256:
+        if sh[j]:
+            cuda.atomic.add(hist, j, sh[j])
+        j += TPB
+
+
+@cuda.jit
+def _k_sel_count(ckey, v, largest, seg, cs, ce):
+    sa = cuda.shared.array(TPB, np.int64)
+    b = cuda.blockIdx.x
+    lo = b * seg
+    hi = min(ckey.size, lo + seg)
+    ns = 0
+    ne = 0
+    i = lo + cuda.threadIdx.x
+    while i < hi:
+        kk = ckey[i]
+        if kk == v:
+            ne += 1
+        elif (kk > v) == largest:
+            ns += 1
+        i += TPB
+    ts = _block_sum_i64(ns, sa)
+    te = _block_sum_i64(ne, sa)
+    if cuda.threadIdx.x == 0:
+        cs[b] = ts
+        ce[b] = te
+
+
+@cuda.jit
+def _k_sel_write(ckey, cidx, v, largest, need, seg, off_s, off_e, out):
+    sa = cuda.shared.array(TPB, np.int64)
+    sb = cuda.shared.array(TPB, np.int64)
+    b = cuda.blockIdx.x
+    lo = b * seg
+    hi = min(ckey.size, lo + seg)
+    gs = off_s[b]
+    ge = off_e[b]
+    start = lo
+    while start < hi:
+        i = start + cuda.threadIdx.x
+        fs = 0
+        fe = 0
+        if i < hi:
+            kk = ckey[i]
+            if kk == v:
+                fe = 1
+            elif (kk > v) == largest:
+                fs = 1
+        xs, xe, ts, te = _block_scan2(fs, fe, sa, sb)
+        ps = gs + xs
+        pe = ge + xe
+        if fs:
+            out[ps + min(pe, need)] = cidx[i]
+        elif fe and pe < need:
+            out[ps + pe] = cidx[i]
+        gs += ts
+        ge += te
+        start += TPB
+
+
+def _radix_select(keys, r, nbits, alloc, stream):
+    """Value v of ascending rank r (0-based) among unsigned ``keys``; also
+    returns (#keys < v, #keys == v)."""
+    prefix = 0
+    mask = 0
+    below = 0
+    hist = alloc(256, np.int32)
+    g = _grid(keys.size)
+    h = None
+    digit = 0
+    for shift in range(nbits - 8, -1, -8):
+        fill(hist, np.int32(0), stream)
+        _k_hist[g, TPB, stream](keys, np.uint64(prefix), np.uint64(mask), np.uint64(shift), hist)
+        h = _to_host(hist, stream).astype(np.int64)
+        cum = np.cumsum(h)
+        digit = int(np.searchsorted(cum, r, side="right"))
+        under = int(cum[digit - 1]) if digit > 0 else 0
+        r -= under
+        below += under
+        prefix |= digit << shift
+        mask |= 0xFF << shift
+    return prefix, below, int(h[digit])
+
+
+def _select(ckey, cidx, k, largest, nbits, idx_out, alloc, stream):
+    """idx_out[:k] = cidx of the k largest (or smallest) keys, lowest
+    position first among ties, in candidate order."""
+    C = ckey.size
+    if C == k:
+        _k_copy[_grid(C), TPB, stream](cidx, idx_out)
+        return
+    r = C - k if largest else k - 1
+    v, below, equal = _radix_select(ckey, r, nbits, alloc, stream)
+    strict = C - below - equal if largest else below
+    need = k - strict
+    vv = np.uint32(v) if nbits == 32 else np.uint64(v)
+    nb, seg = _layout(C)
+    cs = alloc(nb, np.int64)
+    ce = alloc(nb, np.int64)
+    _k_sel_count[nb, TPB, stream](ckey, vv, largest, seg, cs, ce)
+    hs = _to_host(cs, stream)
+    he = _to_host(ce, stream)
+    off_s = _upload(np.concatenate(([0], np.cumsum(hs)[:-1])).astype(np.int64), alloc, stream)
+    off_e = _upload(np.concatenate(([0], np.cumsum(he)[:-1])).astype(np.int64), alloc, stream)
+    _k_sel_write[nb, TPB, stream](ckey, cidx, vv, largest, np.int64(need), seg, off_s, off_e, idx_out)
+
+
+def topk(x, k, idx_out, val_out, stream=0, alloc=device_alloc):
+    """Exact top-k by magnitude; 1 <= k < d.  idx_out int64 [k] ascending,
+    val_out float32 [k]."""
+    d = x.size
+    xb = x.view(np.uint32)
+    nb, seg = _layout(d)
+    if d <= _cpu.TOPK_SMALL:
+        sample = np.empty(0, np.uint32)
+        t = np.uint32(0)
+    else:
+        s = _cpu.TOPK_SAMPLE
+        sdev = alloc(s, np.uint32)
+        _k_sample[_grid(s), TPB, stream](xb, s, sdev)
+        sample = _to_host(sdev, stream)
+        t = np.uint32(_cpu.estimate_threshold(sample, k, d, 1.0))
+    counts = alloc(nb, np.int64)
+    boost = 1.0
+    while True:
+        _k_topk_count[nb, TPB, stream](xb, t, seg, counts)
+        hc = _to_host(counts, stream)
+        C = int(hc.sum())
+        if C >= k or t == 0:
+            break
+        boost *= 4.0
+        t = np.uint32(_cpu.estimate_threshold(sample, k, d, boost))
+    offs = _upload(np.concatenate(([0], np.cumsum(hc)[:-1])).astype(np.int64), alloc, stream)
+    cidx = alloc(C, np.int64)
+    ckey = alloc(C, np.uint32)
+    _k_topk_write[nb, TPB, stream](xb, t, seg, offs, cidx, ckey)
+    _select(ckey, cidx, k, True, 32, idx_out, alloc, stream)
+    gather(x, idx_out, val_out, stream)
+
+
+def randomk_indices(d, k, key, idx_out, stream=0, alloc=device_alloc):
+    """k distinct indices (ascending) from the counter-based RNG; 1 <= k < d."""
+    sh_hi, sh_lo = _cpu.randomk_shifts(d)
+    nb, seg = _layout(d)
+    counts = alloc(nb, np.int64)
+    key = np.uint64(key)
+    for boost in (1.0, 4.0, math.inf):
+        T = np.uint64(_cpu.randomk_threshold(d, k, boost))
+        _k_rk_count[nb, TPB, stream](key, d, sh_hi, sh_lo, T, seg, counts)
+        hc = _to_host(counts, stream)
+        C = int(hc.sum())
+        if C >= k:
+            break
+    offs = _upload(np.concatenate(([0], np.cumsum(hc)[:-1])).astype(np.int64), alloc, stream)
+    cidx = alloc(C, np.int64)
+    ckey = alloc(C, np.uint64)
+    _k_rk_write[nb, TPB, stream](key, d, sh_hi, sh_lo, T, seg, offs, cidx, ckey)
+    _select(ckey, cidx, k, False, 64, idx_out, alloc, stream)

@@ -1,0 +1,50 @@
+"""Shared test helpers: run the real `dsgd` CLI, write specs, install the test plugin package."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_PLUGINS = Path(__file__).resolve().parent / "plugin_pkgs" / "dsgd_testplugins"
+
+
+def dsgd(*args: str, env: dict | None = None, cwd: Path | None = None,
+         timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `dsgd ARGS` in a subprocess, as a user would."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "dsgd_cli", *args], capture_output=True,
+                          text=True, env=full_env, cwd=cwd, timeout=timeout)
+
+
+def write_spec(directory: Path, text: str, name: str = "spec.yaml") -> Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def compare_json(db: Path, *args: str, env: dict | None = None) -> list[dict]:
+    result = dsgd("compare", "--db", str(db), "--format", "json", *args, env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="session")
+def plugin_env(tmp_path_factory) -> dict:
+    """Installs tests/plugin_pkgs/dsgd_testplugins into a private site dir, as a real
+    distribution with entry points; returns the environment that puts it on the path."""
+    site = tmp_path_factory.mktemp("site")
+    build = tmp_path_factory.mktemp("build")
+    source = build / "dsgd_testplugins"
+    subprocess.run(["cp", "-r", str(TEST_PLUGINS), str(source)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                    "--no-build-isolation", "--target", str(site), str(source)],
+                   check=True, capture_output=True)
+    path = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return {"PYTHONPATH": path}

@@ -1,0 +1,55 @@
+"""Plugin discovery through a real installed distribution with good and broken entry points."""
+
+import json
+
+from conftest import dsgd, write_spec
+
+
+def test_plugins_lists_builtins_and_third_party(plugin_env):
+    result = dsgd("plugins", "--json", env=plugin_env)
+    assert result.returncode == 0, result.stderr
+    rows = {(r["group"], r["name"]): r for r in json.loads(result.stdout)}
+    builtin = rows[("dsgd.aggregators", "allreduce")]
+    assert (builtin["distribution"], builtin["status"]) == ("dsgd", "ok")
+    for group, name in [("dsgd.aggregators", "local_sgd"), ("dsgd.compressors", "none"),
+                        ("dsgd.optimizers", "sgd"), ("dsgd.optimizers", "adam"),
+                        ("dsgd.tasks", "mnist1d_mlp"), ("dsgd.tasks", "mnist1d_cnn"),
+                        ("dsgd.tasks", "digits_cnn"), ("dsgd.tasks", "logreg")]:
+        assert rows[(group, name)]["status"] == "ok"
+    good = rows[("dsgd.aggregators", "model_average")]
+    assert (good["distribution"], good["version"], good["status"]) == ("dsgd-testplugins", "1.2.3", "ok")
+    broken = rows[("dsgd.aggregators", "broken_import")]["status"]
+    assert broken == "broken: ModuleNotFoundError: No module named 'a_module_that_does_not_exist'"
+    wrong = rows[("dsgd.aggregators", "wrong_base")]["status"]
+    assert wrong.startswith("broken: ") and "is not a subclass of dsgd_cli.api.Aggregator" in wrong
+
+
+def test_plain_listing_is_a_table(plugin_env):
+    result = dsgd("plugins", env=plugin_env)
+    assert result.returncode == 0
+    assert "dsgd-testplugins" in result.stdout and "broken: ModuleNotFoundError" in result.stdout
+
+
+def test_spec_naming_a_broken_plugin_is_bad_input(plugin_env, tmp_path):
+    spec = write_spec(tmp_path, """
+        experiments:
+          - {name: a, task: logreg, aggregator: {name: broken_import}}
+    """)
+    result = dsgd("run", str(spec), "--db", str(tmp_path / "r.db"), env=plugin_env)
+    assert result.returncode == 2
+    line = result.stderr.strip()
+    assert "\n" not in line
+    assert ("experiments[0].aggregator.name: aggregator plugin 'broken_import' "
+            "(dsgd_testplugins.broken:Anything, from dsgd-testplugins 1.2.3) failed to import: "
+            "ModuleNotFoundError") in line
+    assert not (tmp_path / "r.db").exists()
+
+
+def test_broken_plugins_do_not_break_a_spec_that_does_not_use_them(plugin_env, tmp_path):
+    spec = write_spec(tmp_path, """
+        experiments:
+          - {name: a, task: logreg, aggregator: {name: model_average, every: 2}}
+    """)
+    result = dsgd("run", str(spec), "--dry-run", env=plugin_env)
+    assert result.returncode == 0, result.stderr
+    assert "aggregator options: error_feedback=False, sync_buffers=True, every=2" in result.stdout
