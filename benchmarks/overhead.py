@@ -1,0 +1,125 @@
+"""dsgd `allreduce` against torch DDP: same model, data, batch, 2 workers, in one run.
+
+Both are launched with torchrun on this machine. Throughput is samples per second of the
+training loop (evaluation excluded), summed over workers, using the slowest worker's time —
+how dsgd computes its `samples_per_second`. Prints both and the ratio dsgd / DDP.
+
+    python benchmarks/overhead.py [--workers 2] [--epochs 3] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CASES = [
+    ("mnist1d_cnn", {"name": "mnist1d_cnn"}),
+    ("mnist1d_mlp", {"name": "mnist1d_mlp"}),
+    ("mnist1d_mlp (hidden 1024)", {"name": "mnist1d_mlp", "hidden": 1024}),
+]
+
+
+def ddp_worker(config_path: str, out_path: str) -> None:
+    """Runs under torchrun: plain DDP training of the same task, timed like dsgd's loop."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dsgd_cli.runtime import Shard
+    from dsgd_cli.spec import build_plugin
+
+    config = json.loads(Path(config_path).read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    task = build_plugin("task", config["task"])
+    data = task.load_data(config["seed"])
+    torch.manual_seed(config["seed"])
+    model = DistributedDataParallel(task.build_model())
+    optimizer = build_plugin("optimizer", config["optimizer"]).build(model.parameters())
+    shard = Shard(len(data.train_y), rank, world, config["seed"])
+    batch = config["batch_size"]
+    steps = -(-shard.size // batch)
+    samples, seconds = 0, 0.0
+    for epoch in range(config["epochs"]):
+        order = shard.indices(epoch)
+        for b in range(steps):
+            index = order[b * batch: (b + 1) * batch]
+            x, y = data.train_x[index], data.train_y[index]
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = task.loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            float(loss)  # dsgd reads the loss every step too
+            seconds += time.perf_counter() - start
+            samples += len(y)
+    totals = torch.tensor([samples, seconds], dtype=torch.float64)
+    dist.all_reduce(totals[:1])
+    dist.all_reduce(totals[1:], dist.ReduceOp.MAX)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({"samples_per_second": float(totals[0] / totals[1])}))
+    dist.destroy_process_group()
+
+
+def spec_config(task: dict, workers: int, epochs: int) -> dict:
+    return {"task": task, "workers": workers, "epochs": epochs, "batch_size": 32, "seed": 0,
+            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}}
+
+
+def run_ddp(config: dict, tmp: Path) -> float:
+    config_path, out_path = tmp / "ddp.json", tmp / "ddp-out.json"
+    config_path.write_text(json.dumps(config))
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={config['workers']}", __file__, "--ddp-worker",
+                    str(config_path), str(out_path)], check=True, capture_output=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads(out_path.read_text())["samples_per_second"]
+
+
+def run_dsgd(config: dict, tmp: Path, index: int) -> float:
+    import yaml
+
+    from dsgd_cli.store import Store
+
+    spec = tmp / f"spec{index}.yaml"
+    db = tmp / f"bench{index}-{time.monotonic_ns()}.db"
+    experiment = {"name": "bench", **config, "aggregator": {"name": "allreduce"}}
+    spec.write_text(yaml.safe_dump({"experiments": [experiment]}))
+    subprocess.run([sys.executable, "-m", "dsgd_cli", "run", str(spec), "--db", str(db)],
+                   check=True, capture_output=True)
+    (run,) = Store(str(db)).runs()
+    return {s.name: s.final for s in run.summaries}["samples_per_second"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs; the best of each is kept")
+    args = parser.parse_args()
+    print(f"dsgd allreduce vs torch DDP, {args.workers} workers (gloo, CPU), batch 32 per worker, "
+          f"{args.epochs} epochs, best of {args.repeats}")
+    print(f"{'model':28s} {'DDP samples/s':>14s} {'dsgd samples/s':>15s} {'dsgd/DDP':>9s}")
+    with tempfile.TemporaryDirectory() as directory:
+        tmp = Path(directory)
+        for label, task in CASES:
+            config = spec_config(task, args.workers, args.epochs)
+            ddp, ours = [], []
+            for repeat in range(args.repeats):  # alternate so drift in machine load hits both
+                ddp.append(run_ddp(config, tmp))
+                ours.append(run_dsgd(config, tmp, repeat))
+            print(f"{label:28s} {max(ddp):14.0f} {max(ours):15.0f} {max(ours) / max(ddp):9.3f}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--ddp-worker":
+        ddp_worker(sys.argv[2], sys.argv[3])
+    else:
+        main()
