@@ -114,20 +114,59 @@ class Payload:
 
 
 class Compressor(Plugin):
-    """Turns a flat tensor into a `Payload` and back. Never communicates.
+    """Turns a tensor into a `Payload` and back; the aggregator moves the payload.
 
-    `summable = True` means the aggregator may all-reduce (sum) the payload tensors of all
-    workers and decompress the sum once; otherwise it all-gathers the payloads and
-    decompresses each.
+    `summable = True`: the payload tensors of all workers may be summed elementwise (one
+    all-reduce) and the sum decompressed once, giving the sum of the workers' values.
+    Otherwise the payloads are all-gathered and `combine` turns them into the average.
+    A payload's `context` must not depend on the worker's data: it is used to decompress
+    every worker's payload.
+    `requires_error_feedback = True`: the method is defined with error feedback (ef_sign,
+    onebit, powersgd); the aggregator then keeps residuals whatever its `error_feedback` says.
     """
 
     summable: ClassVar[bool] = True
+    requires_error_feedback: ClassVar[bool] = False
+    identity: ClassVar[bool] = False  # only `none`: aggregators may skip compression entirely
+
+    def setup(self, ctx: "WorkerContext") -> None:
+        """Called once per worker before the aggregator's setup."""
+        self.ctx = ctx
 
     def compress(self, tensor: torch.Tensor, key: str, step: int) -> Payload:
         raise NotImplementedError
 
     def decompress(self, payload: Payload, like: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def combine(self, payloads: list[Payload], like: torch.Tensor) -> torch.Tensor:
+        """The average of the workers' values, from their gathered payloads."""
+        total = torch.zeros_like(like)
+        for payload in payloads:
+            total += self.decompress(payload, like)
+        return total.div_(len(payloads))
+
+    def average(self, tensor: torch.Tensor, key: str, step: int, comm: Comm,
+                with_local: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Average `tensor` over all workers, compressed. Returns the average and, when
+        `with_local`, what this worker's own payload decompresses to (for error feedback).
+
+        Compressors that need several rounds of communication (PowerSGD) override this.
+        """
+        if tensor.numel() == 0:  # nothing to send; every worker skips alike
+            return tensor.clone(), tensor.clone() if with_local else None
+        payload = self.compress(tensor, key, step)
+        # Decompress our own payload before a collective can overwrite its tensors.
+        local = self.decompress(payload, tensor).clone() if with_local else None
+        n = comm.world_size
+        if self.summable:
+            sums = [comm.all_reduce(t.clone(), "sum") for t in payload.tensors]
+            average = self.decompress(Payload(sums, payload.context), tensor) / n
+        else:
+            gathered = [comm.all_gather(t) for t in payload.tensors]
+            payloads = [Payload([g[w] for g in gathered], payload.context) for w in range(n)]
+            average = self.combine(payloads, tensor)
+        return average, local
 
 
 class ErrorFeedback:

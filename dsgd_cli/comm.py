@@ -70,7 +70,7 @@ class Handle:
         self._result = result
         self._on_complete = on_complete
         self._done = False
-        self._tracked = comm._tracking()
+        self._tracked = comm._tracking() and comm._counting_seconds()
 
     def is_completed(self) -> bool:
         if self._done:
@@ -136,6 +136,32 @@ class Comm:
 
     def _tracking(self) -> bool:
         return getattr(self._local, "tracking", True)
+
+    @contextmanager
+    def background(self):
+        """Communication of a plugin's background thread: bytes are counted and the network
+        is emulated as usual, but the time the thread spends blocked is not the training
+        loop's, so it stays out of the `comm_seconds` metric."""
+        previous = self._counting_seconds()
+        self._local.count_seconds = False
+        try:
+            yield
+        finally:
+            self._local.count_seconds = previous
+
+    def _counting_seconds(self) -> bool:
+        return getattr(self._local, "count_seconds", True)
+
+    @contextmanager
+    def blocked(self):
+        """Time the caller spends waiting for communication done elsewhere (by a plugin's
+        background thread) counts as its communication time."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._tracking() and self._counting_seconds():
+                self._add(seconds=time.perf_counter() - started)
 
     def _add(self, *, sent: int = 0, received: int = 0, seconds: float = 0.0, calls: int = 0):
         with self._lock:
@@ -219,24 +245,33 @@ class Comm:
         self._issue(lambda: dist.barrier(group=self._pg(group), async_op=True),
                     sent=0, received=0, messages=0, async_op=False)
 
-    def new_group(self, ranks: Sequence[int]) -> Group:
-        """A sub-group. Like torch.distributed, every rank must call this, in the same order."""
+    def new_group(self, ranks: Sequence[int], backend: str | None = None) -> Group:
+        """A sub-group. Like torch.distributed, every rank must call this, in the same order.
+        `backend` (e.g. "gloo" for CPU tensors next to an nccl world) defaults to the world's."""
         ranks = tuple(sorted(ranks))
-        return Group(ranks, dist.new_group(list(ranks)))
+        return Group(ranks, dist.new_group(list(ranks), backend=backend))
 
     # -- point to point ---------------------------------------------------------------------
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        self.isend(tensor, dst).wait()
+    def send(self, tensor: torch.Tensor, dst: int, group: Group | None = None) -> None:
+        self.isend(tensor, dst, group).wait()
 
-    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        return self.irecv(tensor, src).wait()
+    def recv(self, tensor: torch.Tensor, src: int | None = None,
+             group: Group | None = None) -> torch.Tensor:
+        return self.irecv(tensor, src, group).wait()
 
-    def isend(self, tensor: torch.Tensor, dst: int) -> Handle:
-        return self._issue(lambda: dist.isend(tensor, dst), sent=_nbytes(tensor), received=0,
-                           messages=1, async_op=True, result=tensor)
+    def isend(self, tensor: torch.Tensor, dst: int, group: Group | None = None) -> Handle:
+        """Send `tensor` to global rank `dst` (a member of `group`). With gloo, the send
+        completes once the receiver has posted a matching receive."""
+        return self._issue(lambda: dist.isend(tensor, dst, group=self._pg(group)),
+                           sent=_nbytes(tensor), received=0, messages=1, async_op=True,
+                           result=tensor)
 
-    def irecv(self, tensor: torch.Tensor, src: int) -> Handle:
+    def irecv(self, tensor: torch.Tensor, src: int | None = None,
+              group: Group | None = None) -> Handle:
+        """Receive into `tensor` from global rank `src`, or from any member of `group` when
+        `src` is None (put the sender in the message if the receiver needs it). Messages
+        between two ranks on one group arrive in the order they were sent."""
         # The sender pays the emulated transfer time; the receiver waits for the data.
-        return self._issue(lambda: dist.irecv(tensor, src), sent=0,
+        return self._issue(lambda: dist.irecv(tensor, src, group=self._pg(group)), sent=0,
                            received=_nbytes(tensor), messages=0, async_op=True, result=tensor)

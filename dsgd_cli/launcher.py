@@ -97,7 +97,8 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
                 on_progress(progress)
 
         env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("OMP_NUM_THREADS", "1")  # workers share the machine's cores
+        env.setdefault("NUMBA_NUM_THREADS", env["OMP_NUM_THREADS"])
         env["PYTHONUNBUFFERED"] = "1"
         log_path = Path(tmp) / "torchrun.log"
         with open(log_path, "w") as log:

@@ -103,6 +103,7 @@ class Worker:
             rank=rank, world_size=world_size, device=device, model=self.model,
             optimizer=self.optimizer, comm=self.comm, metrics=self.interval, seed=seed,
             compressor=build_plugin("compressor", config["compressor"]), config=config)
+        self.ctx.compressor.setup(self.ctx)
         self.aggregator.setup(self.ctx)
         torch.manual_seed(seed * 7919 + rank)  # per-worker randomness (dropout, compressors)
         self.shard = Shard(len(self.train_y), rank, world_size, seed)

@@ -1,10 +1,21 @@
 """CPU kernels (numba ``@njit``).
 
 All kernels take NumPy views of the torch buffers (zero-copy) and write into
-pre-allocated outputs.  Parallel kernels split the work into fixed chunks
-(``prange`` over chunks, a plain inner loop that LLVM can vectorise); random
-numbers depend only on the element's global index, never on the chunking, so
-the results are identical to the CUDA kernels' for the same seed.
+pre-allocated outputs.  Parallel kernels split the work into fixed chunks of
+``CHUNK`` elements (``prange`` over chunks or buckets, a plain inner loop that
+LLVM vectorises).  Random numbers depend only on the element's global index,
+never on the chunking, so results are identical to the CUDA kernels' for the
+same seed.
+
+Every ``prange`` kernel is compiled twice (see :func:`_twins`): a parallel
+version and a serial one.  Inputs of at most ``CHUNK`` elements use the serial
+one -- a parallel region cannot help there, and on a busy machine each one can
+cost a scheduler time slice.
+
+Loops: every hot loop runs over a slice starting at 0
+(``xs = x[lo:hi]; for i in range(xs.size)``).  With ``range(lo, hi)`` numba
+cannot prove the index non-negative, keeps its negative-index wraparound check
+and LLVM does not vectorise the loop (about 5x slower).
 
 Compiled with ``cache=True``: the JIT cost is paid once per machine.  If you
 edit :mod:`numba_kernels._random`, delete ``numba_kernels/__pycache__`` (numba's
@@ -14,23 +25,35 @@ cache does not track changes of called functions in other modules).
 from __future__ import annotations
 
 import math
+import types
 
 import numpy as np
 from numba import njit, prange
 
 from ._random import SAMPLE_KEY, hash64, uniform
 
-#: elements per parallel work item of the element-wise / reduction kernels
+#: elements per parallel work item; inputs up to this size run serially
 CHUNK = 1 << 16
-#: packed bytes per parallel work item of the sign kernels
-BYTE_CHUNK = 1 << 13
 #: sample size used to estimate the top-k threshold
-TOPK_SAMPLE = 1 << 14
-#: below this size top-k skips sampling and partitions all magnitudes
+TOPK_SAMPLE = 1 << 15
+#: up to this size top-k skips sampling and takes every element as candidate
 TOPK_SMALL = 1 << 16
 
 _ABS_MASK = np.uint32(0x7FFFFFFF)
 _INF_BITS = np.uint32(0x7F800000)
+
+
+def _twins(fn):
+    """(parallel, serial) numba dispatchers of one ``prange`` kernel.
+
+    The serial twin is a copy of the function under another qualified name so
+    that the two get separate on-disk cache entries."""
+    par = njit(cache=True, parallel=True)(fn)
+    g = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__)
+    g.__qualname__ = fn.__qualname__ + "_serial"
+    g.__module__ = fn.__module__
+    g.__doc__ = fn.__doc__
+    return par, njit(cache=True)(g)
 
 
 # ---------------------------------------------------------------------------
@@ -59,258 +82,6 @@ def _bucket_tasks(d, bs):
     return nb, nsub, sub
 
 
-# ---------------------------------------------------------------------------
-# QSGD
-# ---------------------------------------------------------------------------
-
-
-@njit(cache=True, parallel=True, fastmath=True)
-def _bucket_sqsums(x, bs, nsub, sub, partial):
-    d = x.size
-    ntasks = partial.size
-    for t in prange(ntasks):
-        b = t // nsub
-        s = t - b * nsub
-        lo = b * bs + s * sub
-        hi = min(lo + sub, min(b * bs + bs, d))
-        acc = 0.0
-        for i in range(lo, hi):
-            v = np.float64(x[i])
-            acc += v * v
-        partial[t] = acc
-
-
-@njit(cache=True, parallel=True)
-def bucket_norms(x, bs, norms):
-    """norms[b] = ||x[b*bs:(b+1)*bs]||_2 (float64 accumulation)."""
-    d = x.size
-    nb, nsub, sub = _bucket_tasks(d, bs)
-    partial = np.empty(nb * nsub, np.float64)
-    _bucket_sqsums(x, bs, nsub, sub, partial)
-    for b in prange(nb):
-        acc = 0.0
-        for s in range(nsub):
-            acc += partial[b * nsub + s]
-        norms[b] = np.float32(math.sqrt(acc))
-
-
-@njit(cache=True, parallel=True)
-def qsgd_quantize(x, norms, levels, bs, key, q):
-    """Stochastic rounding of |x|/norm*levels; see package docs.
-
-    a = |x| * (levels / norm) is formed in float64 (exact product of two
-    float32), the level is floor(a) + [u < a - floor(a)], clamped to levels."""
-    d = x.size
-    nb, nsub, sub = _bucket_tasks(d, bs)
-    flev = np.float32(levels)
-    flev64 = np.float64(levels)
-    for t in prange(nb * nsub):
-        b = t // nsub
-        s = t - b * nsub
-        lo = b * bs + s * sub
-        hi = min(lo + sub, min(b * bs + bs, d))
-        nrm = norms[b]
-        if nrm > 0:
-            scale = np.float64(flev / nrm)
-        else:
-            scale = 0.0
-        for i in range(lo, hi):
-            v = x[i]
-            a = np.float64(abs(v)) * scale
-            if not (a >= 0.0):  # NaN input
-                a = 0.0
-            elif a > flev64:  # rounding of the norm, or inf
-                a = flev64
-            fl = np.floor(a)
-            lvl = np.int32(fl)
-            if np.float64(uniform(key, i)) < a - fl:
-                lvl += 1
-            if v < 0:
-                lvl = -lvl
-            q[i] = np.int8(lvl)
-
-
-@njit(cache=True, parallel=True)
-def qsgd_dequantize(norms, q, levels, bs, out):
-    d = q.size
-    nb, nsub, sub = _bucket_tasks(d, bs)
-    flev = np.float32(levels)
-    for t in prange(nb * nsub):
-        b = t // nsub
-        s = t - b * nsub
-        lo = b * bs + s * sub
-        hi = min(lo + sub, min(b * bs + bs, d))
-        sc = norms[b] / flev
-        for i in range(lo, hi):
-            out[i] = np.float32(q[i]) * sc
-
-
-# ---------------------------------------------------------------------------
-# TernGrad
-# ---------------------------------------------------------------------------
-
-
-@njit(cache=True, parallel=True)
-def max_abs(x):
-    d = x.size
-    nch = (d + CHUNK - 1) // CHUNK
-    part = np.zeros(nch, np.float32)
-    for c in prange(nch):
-        m = np.float32(0.0)
-        for i in range(c * CHUNK, min(d, c * CHUNK + CHUNK)):
-            a = abs(x[i])
-            if a > m:
-                m = a
-        part[c] = m
-    m = np.float32(0.0)
-    for c in range(nch):
-        if part[c] > m:
-            m = part[c]
-    return m
-
-
-@njit(cache=True, parallel=True)
-def terngrad_quantize(x, scale, key, t):
-    """t = sign(x) if u * scale < |x| (exact in float64) else 0."""
-    d = x.size
-    sc = np.float64(scale)
-    nch = (d + CHUNK - 1) // CHUNK
-    for c in prange(nch):
-        for i in range(c * CHUNK, min(d, c * CHUNK + CHUNK)):
-            v = x[i]
-            keep = np.float64(uniform(key, i)) * sc < np.float64(abs(v))
-            r = np.int8(0)
-            if keep:
-                r = np.int8(1) if v > 0 else np.int8(-1)
-            t[i] = r
-
-
-@njit(cache=True, parallel=True)
-def scale_int8(t, scale, out):
-    for i in prange(t.size):
-        out[i] = np.float32(t[i]) * scale
-
-
-# ---------------------------------------------------------------------------
-# signs
-# ---------------------------------------------------------------------------
-
-
-@njit(cache=True, parallel=True)
-def sign_pack(x, out):
-    d = x.size
-    nfull = d // 8
-    nch = (nfull + BYTE_CHUNK - 1) // BYTE_CHUNK
-    for c in prange(nch):
-        for i in range(c * BYTE_CHUNK, min(nfull, c * BYTE_CHUNK + BYTE_CHUNK)):
-            base = 8 * i
-            b = np.uint32(0)
-            for j in range(8):
-                b |= np.uint32(x[base + j] >= 0) << np.uint32(j)
-            out[i] = np.uint8(b)
-    if nfull * 8 < d:
-        b = np.uint32(0)
-        for j in range(d - nfull * 8):
-            b |= np.uint32(x[nfull * 8 + j] >= 0) << np.uint32(j)
-        out[nfull] = np.uint8(b)
-
-
-@njit(cache=True, parallel=True)
-def sign_unpack(packed, d, scale, out):
-    nfull = d // 8
-    nch = (nfull + BYTE_CHUNK - 1) // BYTE_CHUNK
-    neg = -scale
-    for c in prange(nch):
-        for i in range(c * BYTE_CHUNK, min(nfull, c * BYTE_CHUNK + BYTE_CHUNK)):
-            b = np.uint32(packed[i])
-            base = 8 * i
-            for j in range(8):
-                out[base + j] = scale if (b >> np.uint32(j)) & np.uint32(1) else neg
-    if nfull * 8 < d:
-        b = np.uint32(packed[nfull])
-        for j in range(d - nfull * 8):
-            out[nfull * 8 + j] = scale if (b >> np.uint32(j)) & np.uint32(1) else neg
-
-
-_VOTE_BYTES = 512
-
-
-@njit(cache=True, parallel=True)
-def sign_vote(packed, d, out):
-    """packed: uint8 [n, ceil(d/8)]; out[i] = +1 if 2*#pos >= n else -1."""
-    n = packed.shape[0]
-    nbytes = (d + 7) // 8
-    nch = (nbytes + _VOTE_BYTES - 1) // _VOTE_BYTES
-    for c in prange(nch):
-        lo = c * _VOTE_BYTES
-        hi = min(nbytes, lo + _VOTE_BYTES)
-        cnt = np.zeros(8 * _VOTE_BYTES, np.int32)
-        for w in range(n):
-            for i in range(lo, hi):
-                b = np.int32(packed[w, i])
-                o = 8 * (i - lo)
-                for j in range(8):
-                    cnt[o + j] += (b >> j) & 1
-        e_hi = min(d, 8 * hi)
-        for e in range(8 * lo, e_hi):
-            out[e] = np.float32(1.0) if 2 * cnt[e - 8 * lo] >= n else np.float32(-1.0)
-
-
-# ---------------------------------------------------------------------------
-# top-k / random-k selection
-# ---------------------------------------------------------------------------
-
-
-@njit(cache=True)
-def estimate_threshold(sample, k, d, boost):
-    """Key t such that about k*(1+margin) of the d keys are >= t.
-
-    ``sample`` holds uint32 magnitude keys of a (stratified) sample.  Returns 0
-    ("take everything") when the margin covers the whole sample."""
-    s = sample.size
-    if s == 0:
-        return np.uint32(0)
-    p = k / d
-    mean = s * p
-    r = int(boost * (mean + 4.0 * math.sqrt(mean * (1.0 - p)) + 8.0))
-    if r >= s:
-        return np.uint32(0)
-    part = np.partition(sample.copy(), s - r)
-    return np.uint32(part[s - r])
-
-
-@njit(cache=True, parallel=True)
-def _sample_magkeys(xb, s, out):
-    d = xb.size
-    stride = d // s
-    for j in prange(s):
-        pos = j * stride + np.int64(hash64(SAMPLE_KEY, j) % np.uint64(stride))
-        out[j] = _magkey(xb[pos])
-
-
-@njit(cache=True, parallel=True)
-def _count_ge(xb, t, counts):
-    d = xb.size
-    for c in prange(counts.size):
-        n = 0
-        for i in range(c * CHUNK, min(d, c * CHUNK + CHUNK)):
-            n += _magkey(xb[i]) >= t
-        counts[c] = n
-
-
-@njit(cache=True, parallel=True)
-def _gather_ge(xb, t, offsets, cidx, ckey):
-    d = xb.size
-    for c in prange(offsets.size - 1):
-        p = offsets[c]
-        for i in range(c * CHUNK, min(d, c * CHUNK + CHUNK)):
-            m = _magkey(xb[i])
-            if m >= t:
-                cidx[p] = i
-                ckey[p] = m
-                p += 1
-
-
 @njit(cache=True)
 def _exclusive_cumsum(counts):
     off = np.empty(counts.size + 1, np.int64)
@@ -320,44 +91,517 @@ def _exclusive_cumsum(counts):
     return off
 
 
+# ---------------------------------------------------------------------------
+# QSGD
+# ---------------------------------------------------------------------------
+
+
+@njit(cache=True, fastmath=True)
+def _sumsq(xs):
+    acc = 0.0
+    for i in range(xs.size):
+        v = np.float64(xs[i])
+        acc += v * v
+    return acc
+
+
 @njit(cache=True)
-def _keep_largest(cidx, ckey, k, idx_out):
-    """Write to idx_out the positions of the k largest keys, lowest index first
-    among equal keys, in index order (cidx is ascending)."""
+def _qscale(nrm, levels):
+    """levels / norm, rounded to float32 (0 for a zero norm), as float64."""
+    scale = 0.0
+    if nrm > 0:
+        scale = np.float64(np.float32(levels) / nrm)
+    return scale
+
+
+@njit(cache=True)
+def _quantize_run(xs, qs, base, scale, levels, key):
+    """Quantise one run of a bucket; ``base`` = global index of xs[0].
+
+    ``a = |x| * scale`` is an exact float64 product of two float32 values,
+    clamped to [0, levels]; the level is ``floor(a) + [u < a - floor(a)]``."""
+    flev = np.float64(levels)
+    for i in range(xs.size):
+        v = xs[i]
+        a = np.float64(abs(v)) * scale
+        if not (a >= 0.0):  # NaN input
+            a = 0.0
+        a = min(a, flev)  # rounding of the norm, or inf
+        fl = np.floor(a)
+        lvl = np.int32(fl) + np.int32(np.float64(uniform(key, base + i)) < a - fl)
+        qs[i] = np.int8(-lvl if v < 0 else lvl)
+
+
+def _qsgd_fused_k(x, levels, bs, key, norms, q):
+    # buckets of <= CHUNK elements: norm and quantise while the bucket is hot
+    d = x.size
+    for b in prange(norms.size):
+        lo = b * bs
+        hi = min(d, lo + bs)
+        xs = x[lo:hi]
+        nrm = np.float32(math.sqrt(_sumsq(xs)))
+        norms[b] = nrm
+        _quantize_run(xs, q[lo:hi], lo, _qscale(nrm, levels), levels, key)
+
+
+def _sqsums_k(x, bs, nsub, sub, partial):
+    d = x.size
+    for t in prange(partial.size):
+        b = t // nsub
+        s = t - b * nsub
+        lo = min(d, b * bs + s * sub)
+        hi = min(lo + sub, min(b * bs + bs, d))
+        partial[t] = _sumsq(x[lo:hi])
+
+
+def _qsgd_tasks_k(x, norms, levels, bs, nsub, sub, key, q):
+    d = x.size
+    for t in prange(norms.size * nsub):
+        b = t // nsub
+        s = t - b * nsub
+        lo = min(d, b * bs + s * sub)
+        hi = min(lo + sub, min(b * bs + bs, d))
+        _quantize_run(x[lo:hi], q[lo:hi], lo, _qscale(norms[b], levels), levels, key)
+
+
+def _qsgd_dequant_k(norms, q, levels, bs, nsub, sub, out):
+    d = q.size
+    flev = np.float32(levels)
+    for t in prange(norms.size * nsub):
+        b = t // nsub
+        s = t - b * nsub
+        lo = min(d, b * bs + s * sub)
+        hi = min(lo + sub, min(b * bs + bs, d))
+        sc = norms[b] / flev
+        qs = q[lo:hi]
+        os = out[lo:hi]
+        for i in range(qs.size):
+            os[i] = np.float32(qs[i]) * sc
+
+
+_qsgd_fused_p, _qsgd_fused_s = _twins(_qsgd_fused_k)
+_sqsums_p, _sqsums_s = _twins(_sqsums_k)
+_qsgd_tasks_p, _qsgd_tasks_s = _twins(_qsgd_tasks_k)
+_qsgd_dequant_p, _qsgd_dequant_s = _twins(_qsgd_dequant_k)
+
+
+@njit(cache=True)
+def qsgd_quantize(x, levels, bs, key, norms, q):
+    """QSGD: per-bucket L2 norms (float64 accumulation) and stochastic levels
+    (see :func:`_quantize_run`), uniform draws ``uniform(key, index)``."""
+    d = x.size
+    nb, nsub, sub = _bucket_tasks(d, bs)
+    if nsub == 1:
+        if d > CHUNK:
+            _qsgd_fused_p(x, levels, bs, key, norms, q)
+        else:
+            _qsgd_fused_s(x, levels, bs, key, norms, q)
+        return
+    # buckets larger than CHUNK: parallel partial sums, then quantise
+    partial = np.empty(nb * nsub, np.float64)
+    _sqsums_p(x, bs, nsub, sub, partial)
+    for b in range(nb):
+        norms[b] = np.float32(math.sqrt(partial[b * nsub : b * nsub + nsub].sum()))
+    _qsgd_tasks_p(x, norms, levels, bs, nsub, sub, key, q)
+
+
+@njit(cache=True)
+def qsgd_dequantize(norms, q, levels, bs, out):
+    """out = q * float32(norm / levels)."""
+    d = q.size
+    nb, nsub, sub = _bucket_tasks(d, bs)
+    if d > CHUNK:
+        _qsgd_dequant_p(norms, q, levels, bs, nsub, sub, out)
+    else:
+        _qsgd_dequant_s(norms, q, levels, bs, nsub, sub, out)
+
+
+# ---------------------------------------------------------------------------
+# TernGrad
+# ---------------------------------------------------------------------------
+
+
+def _max_abs_k(xb):
+    d = xb.size
+    nch = (d + CHUNK - 1) // CHUNK
+    part = np.zeros(nch, np.uint32)
+    for c in prange(nch):
+        xs = xb[c * CHUNK : min(d, c * CHUNK + CHUNK)]
+        m = np.uint32(0)
+        for i in range(xs.size):
+            a = np.uint32(xs[i] & _ABS_MASK)
+            m = max(m, a if a <= _INF_BITS else np.uint32(0))
+        part[c] = m
+    res = np.zeros(1, np.uint32)
+    res[0] = part.max()
+    return res.view(np.float32)[0]
+
+
+def _terngrad_k(x, scale, key, t):
+    d = x.size
+    sc = np.float64(scale)
+    nch = (d + CHUNK - 1) // CHUNK
+    for c in prange(nch):
+        lo = c * CHUNK
+        xs = x[lo : min(d, lo + CHUNK)]
+        ts = t[lo : min(d, lo + CHUNK)]
+        for i in range(xs.size):
+            v = xs[i]
+            keep = np.float64(uniform(key, lo + i)) * sc < np.float64(abs(v))
+            r = np.int8(1) if v > 0 else np.int8(-1)
+            ts[i] = r if keep else np.int8(0)
+
+
+def _scale_int8_k(t, scale, out):
+    for i in prange(t.size):
+        out[i] = np.float32(t[i]) * scale
+
+
+_max_abs_p, _max_abs_s = _twins(_max_abs_k)
+_terngrad_p, _terngrad_s = _twins(_terngrad_k)
+_scale_int8_p, _scale_int8_s = _twins(_scale_int8_k)
+
+
+@njit(cache=True)
+def max_abs(xb):
+    """max |x| from the uint32 view ``xb`` (integer max vectorises; NaN
+    entries are ignored)."""
+    if xb.size > CHUNK:
+        return _max_abs_p(xb)
+    return _max_abs_s(xb)
+
+
+@njit(cache=True)
+def terngrad_quantize(x, scale, key, t):
+    """t = sign(x) if u * scale < |x| (exact in float64) else 0."""
+    if x.size > CHUNK:
+        _terngrad_p(x, scale, key, t)
+    else:
+        _terngrad_s(x, scale, key, t)
+
+
+@njit(cache=True)
+def scale_int8(t, scale, out):
+    if t.size > CHUNK:
+        _scale_int8_p(t, scale, out)
+    else:
+        _scale_int8_s(t, scale, out)
+
+
+# ---------------------------------------------------------------------------
+# signs
+# ---------------------------------------------------------------------------
+
+_WORDS = 1024  # 64-bit words (8 packed bytes) per parallel work item
+
+
+def _sign_pack_k(x, out):
+    # bulk: 64 signs -> one little-endian uint64 word (= 8 packed bytes)
+    d = x.size
+    nw = d // 64
+    o64 = out[: 8 * nw].view(np.uint64)
+    nch = (nw + _WORDS - 1) // _WORDS
+    for c in prange(nch):
+        lo = c * _WORDS
+        hi = min(nw, lo + _WORDS)
+        xs = x[64 * lo : 64 * hi]
+        os = o64[lo:hi]
+        for i in range(os.size):
+            w = np.uint64(0)
+            for j in range(64):
+                w |= np.uint64(xs[64 * i + j] >= 0) << np.uint64(j)
+            os[i] = w
+    rest = x[64 * nw :]
+    ro = out[8 * nw :]
+    for i in range(ro.size):
+        b = np.uint32(0)
+        for j in range(min(8, rest.size - 8 * i)):
+            b |= np.uint32(rest[8 * i + j] >= 0) << np.uint32(j)
+        ro[i] = np.uint8(b)
+
+
+def _sign_unpack_k(packed, d, scale, out):
+    nw = d // 64
+    p64 = packed[: 8 * nw].view(np.uint64)
+    neg = -scale
+    nch = (nw + _WORDS - 1) // _WORDS
+    for c in prange(nch):
+        lo = c * _WORDS
+        hi = min(nw, lo + _WORDS)
+        ps = p64[lo:hi]
+        os = out[64 * lo : 64 * hi]
+        for i in range(ps.size):
+            w = ps[i]
+            for j in range(64):
+                os[64 * i + j] = scale if (w >> np.uint64(j)) & np.uint64(1) else neg
+    rest = packed[8 * nw :]
+    ro = out[64 * nw : d]
+    for e in range(ro.size):
+        b = np.uint32(rest[e >> 3])
+        ro[e] = scale if (b >> np.uint32(e & 7)) & np.uint32(1) else neg
+
+
+_VOTE_BYTES = 2048
+
+
+def _sign_vote_k(packed, d, out):
+    # Bit-sliced counting: per chunk of bytes the n rows are added into
+    # ceil(log2(n+1)) bit-planes (ripple carry on whole bytes, vectorised over
+    # the chunk), the planes are compared with ceil(n/2) bitwise, and the
+    # majority bits are expanded to +-1.
+    n = packed.shape[0]
+    nbytes = (d + 7) // 8
+    nch = (nbytes + _VOTE_BYTES - 1) // _VOTE_BYTES
+    one = np.float32(1.0)
+    nplanes = 1
+    while (1 << nplanes) <= n:
+        nplanes += 1
+    thr = (n + 1) // 2
+    for c in prange(nch):
+        lo = c * _VOTE_BYTES
+        hi = min(nbytes, lo + _VOTE_BYTES)
+        m = hi - lo
+        planes = np.zeros((nplanes, m), np.uint8)
+        carry = np.empty(m, np.uint8)
+        for w in range(n):
+            carry[:] = packed[w, lo:hi]
+            for p in range(nplanes):
+                pl = planes[p]
+                for i in range(m):
+                    t = pl[i]
+                    pl[i] = t ^ carry[i]
+                    carry[i] = t & carry[i]
+        gt = np.zeros(m, np.uint8)
+        eq = np.full(m, np.uint8(255))
+        for p in range(nplanes - 1, -1, -1):
+            pl = planes[p]
+            if (thr >> p) & 1:
+                for i in range(m):
+                    eq[i] &= pl[i]
+            else:
+                for i in range(m):
+                    gt[i] |= eq[i] & pl[i]
+                    eq[i] &= ~pl[i]
+        os = out[8 * lo : min(d, 8 * hi)]
+        full = os.size // 8
+        for i in range(full):
+            b = np.uint32(gt[i] | eq[i])
+            for j in range(8):
+                os[8 * i + j] = one if (b >> np.uint32(j)) & np.uint32(1) else -one
+        for e in range(8 * full, os.size):
+            b = np.uint32(gt[e >> 3] | eq[e >> 3])
+            os[e] = one if (b >> np.uint32(e & 7)) & np.uint32(1) else -one
+
+
+_sign_pack_p, _sign_pack_s = _twins(_sign_pack_k)
+_sign_unpack_p, _sign_unpack_s = _twins(_sign_unpack_k)
+_sign_vote_p, _sign_vote_s = _twins(_sign_vote_k)
+
+
+@njit(cache=True)
+def sign_pack(x, out):
+    """out[i] bit j = (x[8i+j] >= 0), little-endian bit order."""
+    if x.size > CHUNK:
+        _sign_pack_p(x, out)
+    else:
+        _sign_pack_s(x, out)
+
+
+@njit(cache=True)
+def sign_unpack(packed, d, scale, out):
+    if d > CHUNK:
+        _sign_unpack_p(packed, d, scale, out)
+    else:
+        _sign_unpack_s(packed, d, scale, out)
+
+
+@njit(cache=True)
+def sign_vote(packed, d, out):
+    """packed: uint8 [n, ceil(d/8)]; out[i] = +1 if 2*#set >= n else -1."""
+    if d > CHUNK:
+        _sign_vote_p(packed, d, out)
+    else:
+        _sign_vote_s(packed, d, out)
+
+
+# ---------------------------------------------------------------------------
+# top-k / random-k selection
+# ---------------------------------------------------------------------------
+# Candidates are gathered 64 elements at a time: a vectorised pass builds a
+# 64-bit hit mask, then only the set bits are visited (de Bruijn bit index).
+# The exact k-th key among the candidates comes from an MSB-first radix
+# select, so the result does not depend on the threshold that was used.
+
+_DEBRUIJN_INT = 0x03F79D71B4CB0A89
+_DEBRUIJN = np.uint64(_DEBRUIJN_INT)
+_DEBRUIJN_TAB = np.zeros(64, np.int64)
+for _i in range(64):
+    _DEBRUIJN_TAB[(((1 << _i) * _DEBRUIJN_INT) & ((1 << 64) - 1)) >> 58] = _i
+del _i
+_S58 = np.uint64(58)
+_U1 = np.uint64(1)
+_RADIX_BITS = 11
+
+
+@njit(cache=True, inline="always")
+def _lowest_bit_index(w):
+    """Index of the lowest set bit of w != 0, and w with that bit cleared."""
+    lsb = w & (~w + _U1)
+    return _DEBRUIJN_TAB[np.int64((lsb * _DEBRUIJN) >> _S58)], w ^ lsb
+
+
+@njit(cache=True)
+def radix_select(keys, r, nbits):
+    """Exact value v of ascending rank r (0-based) among unsigned integer
+    ``keys`` of ``nbits`` bits (MSB-first radix select, 11-bit digits).
+    Returns (v, #keys < v, #keys == v)."""
+    prefix = np.uint64(0)
+    mask = np.uint64(0)
+    below = 0
+    equal = 0
+    hist = np.zeros(1 << _RADIX_BITS, np.int64)
+    shift = nbits
+    while shift > 0:
+        w = min(_RADIX_BITS, shift)
+        shift -= w
+        hist[:] = 0
+        dm = np.uint64((1 << w) - 1)
+        sh = np.uint64(shift)
+        for i in range(keys.size):
+            kk = np.uint64(keys[i])
+            if (kk & mask) == prefix:
+                hist[np.int64((kk >> sh) & dm)] += 1
+        acc = 0
+        dsel = 0
+        for dg in range(1 << w):
+            if acc + hist[dg] > r:
+                dsel = dg
+                break
+            acc += hist[dg]
+        r -= acc
+        below += acc
+        equal = hist[dsel]
+        prefix |= np.uint64(dsel) << sh
+        mask |= dm << sh
+    return prefix, below, equal
+
+
+@njit(cache=True)
+def estimate_threshold(sample, k, d, boost):
+    """Key t such that about k*(1+margin) of the d keys are >= t.
+
+    ``sample`` holds uint32 magnitude keys of a stratified sample.  Returns 0
+    ("take everything") when the margin covers the whole sample."""
+    s = sample.size
+    if s == 0:
+        return np.uint32(0)
+    p = k / d
+    mean = s * p
+    r = int(boost * (mean + 3.0 * math.sqrt(mean * (1.0 - p)) + 4.0))
+    if r >= s:
+        return np.uint32(0)
+    v, _b, _e = radix_select(sample, s - r, 32)
+    return np.uint32(v)
+
+
+@njit(cache=True)
+def _sample_magkeys(xb, s, out):
+    """Stratified sample: one hashed position in each of s strata."""
+    d = xb.size
+    stride = d // s
+    for j in range(s):
+        pos = j * stride + np.int64(hash64(SAMPLE_KEY, j) % np.uint64(stride))
+        out[j] = _magkey(xb[pos])
+
+
+def _count_ge_k(xb, t, counts):
+    d = xb.size
+    for c in prange(counts.size):
+        xs = xb[c * CHUNK : min(d, c * CHUNK + CHUNK)]
+        n = 0
+        for i in range(xs.size):
+            n += _magkey(xs[i]) >= t
+        counts[c] = n
+
+
+def _gather_ge_k(xb, t, offsets, cidx, ckey):
+    d = xb.size
+    for c in prange(offsets.size - 1):
+        lo = c * CHUNK
+        xs = xb[lo : min(d, lo + CHUNK)]
+        p = offsets[c]
+        nw = xs.size // 64
+        for wi in range(nw):
+            base = 64 * wi
+            w = np.uint64(0)
+            for j in range(64):
+                w |= np.uint64(_magkey(xs[base + j]) >= t) << np.uint64(j)
+            while w != 0:
+                j, w = _lowest_bit_index(w)
+                cidx[p] = lo + base + j
+                ckey[p] = _magkey(xs[base + j])
+                p += 1
+        for i in range(64 * nw, xs.size):
+            m = _magkey(xs[i])
+            if m >= t:
+                cidx[p] = lo + i
+                ckey[p] = m
+                p += 1
+
+
+_count_ge_p, _count_ge_s = _twins(_count_ge_k)
+_gather_ge_p, _gather_ge_s = _twins(_gather_ge_k)
+
+
+@njit(cache=True)
+def keep_extreme(cidx, ckey, k, largest, nbits, idx_out):
+    """idx_out = cidx of the k largest (or smallest) keys, in candidate order;
+    among keys equal to the k-th one, the earliest candidates win."""
     C = ckey.size
     if C == k:
-        for p in range(C):
-            idx_out[p] = cidx[p]
+        idx_out[:] = cidx
         return
-    v = np.partition(ckey.copy(), C - k)[C - k]
-    g = 0
-    for p in range(C):
-        g += ckey[p] > v
-    need = k - g
+    r = C - k if largest else k - 1
+    v, below, equal = radix_select(ckey, r, nbits)
+    strict = C - below - equal if largest else below
+    need = k - strict
     j = 0
     for p in range(C):
-        m = ckey[p]
-        if m > v:
-            idx_out[j] = cidx[p]
-            j += 1
-        elif m == v and need > 0:
-            need -= 1
+        kk = np.uint64(ckey[p])
+        if kk == v:
+            if need > 0:
+                need -= 1
+                idx_out[j] = cidx[p]
+                j += 1
+        elif (kk > v) == largest:
             idx_out[j] = cidx[p]
             j += 1
 
 
-@njit(cache=True, parallel=True)
-def _gather_values(x, idx, out):
+def _gather_k(x, idx, out):
     for p in prange(idx.size):
         out[p] = x[idx[p]]
 
 
+_gather_p, _gather_s = _twins(_gather_k)
+
+
+@njit(cache=True)
+def gather_values(x, idx, out):
+    """out = x[idx] (serial below 4*CHUNK indices)."""
+    if idx.size > 4 * CHUNK:
+        _gather_p(x, idx, out)
+    else:
+        _gather_s(x, idx, out)
+
+
 @njit(cache=True)
 def topk(x, xb, k, idx_out, val_out):
-    """Exact top-k by magnitude via sampled threshold + filter + fix-up.
-
-    ``xb`` is ``x`` viewed as uint32.  1 <= k < d."""
+    """Exact top-k by magnitude: sampled threshold, parallel count + filter
+    pass, exact fix-up on the candidates.  ``xb`` is ``x`` viewed as uint32;
+    1 <= k < d.  Ties at the k-th magnitude go to the lowest indices."""
     d = xb.size
+    par = d > CHUNK
     nch = (d + CHUNK - 1) // CHUNK
     counts = np.empty(nch, np.int64)
     if d <= TOPK_SMALL:
@@ -368,21 +612,31 @@ def topk(x, xb, k, idx_out, val_out):
         _sample_magkeys(xb, TOPK_SAMPLE, sample)
         t = estimate_threshold(sample, k, d, 1.0)
     boost = 1.0
+    C = d
     while True:
-        _count_ge(xb, t, counts)
-        C = 0
-        for c in range(nch):
-            C += counts[c]
-        if C >= k or t == 0:
+        if t == 0:  # everything is a candidate
+            counts[:] = CHUNK
+            counts[-1] = d - (nch - 1) * CHUNK
+            C = d
             break
-        boost *= 4.0
+        if par:
+            _count_ge_p(xb, t, counts)
+        else:
+            _count_ge_s(xb, t, counts)
+        C = counts.sum()
+        if C >= k:
+            break
+        boost *= 4.0  # the sample over-estimated the threshold: widen
         t = estimate_threshold(sample, k, d, boost)
     offsets = _exclusive_cumsum(counts)
     cidx = np.empty(C, np.int64)
     ckey = np.empty(C, np.uint32)
-    _gather_ge(xb, t, offsets, cidx, ckey)
-    _keep_largest(cidx, ckey, k, idx_out)
-    _gather_values(x, idx_out, val_out)
+    if par:
+        _gather_ge_p(xb, t, offsets, cidx, ckey)
+    else:
+        _gather_ge_s(xb, t, offsets, cidx, ckey)
+    keep_extreme(cidx, ckey, k, True, 32, idx_out)
+    gather_values(x, idx_out, val_out)
 
 
 @njit(cache=True, inline="always")
@@ -392,20 +646,32 @@ def _rk_key(key, i, sh_hi, sh_lo):
     return ((h >> sh_hi) << sh_lo) | np.uint64(i)
 
 
-@njit(cache=True, parallel=True)
-def _rk_count(key, d, sh_hi, sh_lo, T, counts):
+def _rk_count_k(key, d, sh_hi, sh_lo, T, counts):
     for c in prange(counts.size):
+        lo = c * CHUNK
         n = 0
-        for i in range(c * CHUNK, min(d, c * CHUNK + CHUNK)):
-            n += _rk_key(key, i, sh_hi, sh_lo) < T
+        for i in range(min(CHUNK, d - lo)):
+            n += _rk_key(key, lo + i, sh_hi, sh_lo) < T
         counts[c] = n
 
 
-@njit(cache=True, parallel=True)
-def _rk_gather(key, d, sh_hi, sh_lo, T, offsets, cidx, ckey):
+def _rk_gather_k(key, d, sh_hi, sh_lo, T, offsets, cidx, ckey):
     for c in prange(offsets.size - 1):
+        lo = c * CHUNK
+        m = min(CHUNK, d - lo)
         p = offsets[c]
-        for i in range(c * CHUNK, min(d, c * CHUNK + CHUNK)):
+        nw = m // 64
+        for wi in range(nw):
+            base = lo + 64 * wi
+            w = np.uint64(0)
+            for j in range(64):
+                w |= np.uint64(_rk_key(key, base + j, sh_hi, sh_lo) < T) << np.uint64(j)
+            while w != 0:
+                j, w = _lowest_bit_index(w)
+                cidx[p] = base + j
+                ckey[p] = _rk_key(key, base + j, sh_hi, sh_lo)
+                p += 1
+        for i in range(lo + 64 * nw, lo + m):
             kk = _rk_key(key, i, sh_hi, sh_lo)
             if kk < T:
                 cidx[p] = i
@@ -413,48 +679,51 @@ def _rk_gather(key, d, sh_hi, sh_lo, T, offsets, cidx, ckey):
                 p += 1
 
 
+_rk_count_p, _rk_count_s = _twins(_rk_count_k)
+_rk_gather_p, _rk_gather_s = _twins(_rk_gather_k)
+
+
 def randomk_threshold(d: int, k: int, boost: float) -> int:
-    """Host: key threshold T with P(key < T) ~ k/d * (1 + margin); 2**63 = all."""
+    """Host: key threshold T with P(key < T) ~ k/d + margin; 2**63 = all."""
     p = k / d
-    frac = p * boost + boost * (5.0 * math.sqrt(p * (1.0 - p) / d) + 16.0 / d)
+    frac = boost * (p + 4.0 * math.sqrt(p * (1.0 - p) / d) + 8.0 / d)
     if frac >= 1.0:
         return 1 << 63
     return int(frac * float(1 << 63))
 
 
 def randomk_shifts(d: int):
+    """Host: shifts building the unique key (hash >> (b+1)) << b | index,
+    b = number of index bits."""
     lo = max(0, (d - 1).bit_length())
     return np.uint64(lo + 1), np.uint64(lo)
 
 
 @njit(cache=True)
 def randomk(key, d, k, sh_hi, sh_lo, T0, T1, T2, idx_out):
-    """k smallest unique keys -> indices (ascending).  T0 < T1 < T2 are
-    increasingly generous thresholds (T2 = 2**63 accepts everything)."""
+    """The k indices with the smallest unique keys, ascending.  T0 < T1 < T2
+    are increasingly generous key thresholds (T2 = 2**63 accepts all)."""
+    par = d > CHUNK
     nch = (d + CHUNK - 1) // CHUNK
     counts = np.empty(nch, np.int64)
+    T = T0
     for attempt in range(3):
         T = T0 if attempt == 0 else (T1 if attempt == 1 else T2)
-        _rk_count(key, d, sh_hi, sh_lo, T, counts)
-        C = 0
-        for c in range(nch):
-            C += counts[c]
-        if C >= k:
+        if par:
+            _rk_count_p(key, d, sh_hi, sh_lo, T, counts)
+        else:
+            _rk_count_s(key, d, sh_hi, sh_lo, T, counts)
+        if counts.sum() >= k:
             break
     offsets = _exclusive_cumsum(counts)
+    C = offsets[-1]
     cidx = np.empty(C, np.int64)
     ckey = np.empty(C, np.uint64)
-    _rk_gather(key, d, sh_hi, sh_lo, T, offsets, cidx, ckey)
-    if C == k:
-        for p in range(C):
-            idx_out[p] = cidx[p]
-        return
-    v = np.partition(ckey.copy(), k - 1)[k - 1]
-    j = 0
-    for p in range(C):
-        if ckey[p] <= v:
-            idx_out[j] = cidx[p]
-            j += 1
+    if par:
+        _rk_gather_p(key, d, sh_hi, sh_lo, T, offsets, cidx, ckey)
+    else:
+        _rk_gather_s(key, d, sh_hi, sh_lo, T, offsets, cidx, ckey)
+    keep_extreme(cidx, ckey, k, False, 64, idx_out)
 
 
 # ---------------------------------------------------------------------------
@@ -462,23 +731,34 @@ def randomk(key, d, k, sh_hi, sh_lo, T0, T1, T2, idx_out):
 # ---------------------------------------------------------------------------
 
 
-@njit(cache=True, parallel=True)
-def scatter_set(idx, vals, out):
-    """out[idx] = vals; returns the number of out-of-range indices skipped."""
+def _scatter_set_k(idx, vals, out):
     d = out.size
     n = idx.size
     nch = (n + CHUNK - 1) // CHUNK
     bad = np.zeros(nch, np.int64)
     for c in prange(nch):
+        ids = idx[c * CHUNK : min(n, c * CHUNK + CHUNK)]
+        vs = vals[c * CHUNK : min(n, c * CHUNK + CHUNK)]
         nb = 0
-        for p in range(c * CHUNK, min(n, c * CHUNK + CHUNK)):
-            i = idx[p]
+        for p in range(ids.size):
+            i = ids[p]
             if i >= 0 and i < d:
-                out[i] = vals[p]
+                out[i] = vs[p]
             else:
                 nb += 1
         bad[c] = nb
     return bad.sum()
+
+
+_scatter_set_p, _scatter_set_s = _twins(_scatter_set_k)
+
+
+@njit(cache=True)
+def scatter_set(idx, vals, out):
+    """out[idx] = vals; returns the number of out-of-range indices skipped."""
+    if idx.size > CHUNK:
+        return _scatter_set_p(idx, vals, out)
+    return _scatter_set_s(idx, vals, out)
 
 
 @njit(cache=True)
@@ -495,25 +775,30 @@ def scatter_add(idx, vals, out):
     return bad
 
 
-@njit(cache=True, parallel=True)
-def wsum1(x0, w0, out):
+def _wsum1_k(x0, w0, out):
     for i in prange(out.size):
         out[i] = w0 * x0[i]
 
 
-@njit(cache=True, parallel=True)
-def wsum2(x0, w0, x1, w1, out):
+def _wsum2_k(x0, w0, x1, w1, out):
     for i in prange(out.size):
         out[i] = w0 * x0[i] + w1 * x1[i]
 
 
-@njit(cache=True, parallel=True)
-def wsum3(x0, w0, x1, w1, x2, w2, out):
+def _wsum3_k(x0, w0, x1, w1, x2, w2, out):
     for i in prange(out.size):
         out[i] = w0 * x0[i] + w1 * x1[i] + w2 * x2[i]
 
 
-@njit(cache=True, parallel=True)
-def wsum4(x0, w0, x1, w1, x2, w2, x3, w3, out):
+def _wsum4_k(x0, w0, x1, w1, x2, w2, x3, w3, out):
     for i in prange(out.size):
         out[i] = w0 * x0[i] + w1 * x1[i] + w2 * x2[i] + w3 * x3[i]
+
+
+#: {number of inputs: (parallel, serial)}; ``out`` may alias x0
+WSUM = {
+    1: _twins(_wsum1_k),
+    2: _twins(_wsum2_k),
+    3: _twins(_wsum3_k),
+    4: _twins(_wsum4_k),
+}

@@ -37,17 +37,16 @@ except Exception:  # pragma: no cover - plain numba
     SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 
 #: threads per block (power of two); smaller under the simulator for speed
-TPB = 64 if SIM else 256
+TPB = 32 if SIM else 256
 #: tiles of TPB elements handled per block by the compaction kernels
-ITEMS = 2 if SIM else 16
+ITEMS = 8 if SIM else 16
 #: cap on the grid of grid-stride kernels
-MAX_BLOCKS = 8 if SIM else 4096
+MAX_BLOCKS = 2 if SIM else 4096
 #: elements per bucket sub-chunk for the QSGD norm reduction
 NORM_CHUNK = 4 * TPB if SIM else 16384
 
 _ABS_MASK = np.uint32(0x7FFFFFFF)
 _INF_BITS = np.uint32(0x7F800000)
-_U64_FF = np.uint64(0xFF)
 
 _uniform = cuda.jit(device=True)(_random.uniform_py)
 _hash64 = cuda.jit(device=True)(_random.hash64_py)
@@ -247,10 +246,8 @@ def _k_qsgd_quant(x, scales, levels, bs, key, q):
             a = 0.0
         elif a > flev:
             a = flev
-        fl = np.floor(a)
-        lvl = np.int32(fl)
-        if np.float64(_uniform(key, i)) < a - fl:
-            lvl += 1
+        fl = math.floor(a)
+        lvl = np.int32(fl) + np.int32(np.float64(_uniform(key, i)) < a - fl)
         if v < 0:
             lvl = -lvl
         q[i] = np.int8(lvl)
@@ -275,7 +272,7 @@ def qsgd_quantize(x, levels, bs, key, norms, q, stream=0, alloc=device_alloc):
     sub = (bs + nsub - 1) // nsub
     partial = alloc(nb * nsub, np.float64)
     scales = alloc(nb, np.float64)
-    _k_bucket_sq[max(1, min(nb * nsub, 65535)), TPB, stream](x, bs, nsub, sub, partial)
+    _k_bucket_sq[max(1, min(nb * nsub, 16 * MAX_BLOCKS)), TPB, stream](x, bs, nsub, sub, partial)
     _k_norms[_grid(nb), TPB, stream](partial, nsub, levels, norms, scales)
     _k_qsgd_quant[_grid(d), TPB, stream](x, scales, levels, bs, np.uint64(key), q)
 
@@ -498,13 +495,26 @@ def weighted_sum(xs, ws, out, stream=0):
 # ---------------------------------------------------------------------------
 # order-preserving compaction, radix select, top-k, random-k
 # ---------------------------------------------------------------------------
+#
+# Compaction layout: block b owns elements [b*SEG, (b+1)*SEG), SEG = TPB*ITEMS;
+# thread t of the block owns the contiguous run of ITEMS elements starting at
+# b*SEG + t*ITEMS.  A count kernel writes per-block totals (offsets are an
+# exclusive scan done on the host), the write kernel recounts each run, does
+# one block-wide exclusive scan and writes the run in order -- so the output
+# keeps the input order with a single scan per block.
+
+SEG = TPB * ITEMS
 
 
 def _layout(n):
-    nblocks = max(1, min(65535, -(-n // (TPB * ITEMS))))
-    seg = -(-n // nblocks)
-    seg = -(-seg // TPB) * TPB
-    return -(-n // seg), seg
+    return max(1, -(-n // SEG))
+
+
+def _offsets(counts_host, alloc, stream):
+    off = np.zeros(counts_host.size, np.int64)
+    if counts_host.size > 1:
+        np.cumsum(counts_host[:-1], out=off[1:])
+    return _upload(off, alloc, stream)
 
 
 @cuda.jit
@@ -520,95 +530,95 @@ def _k_sample(xb, s, out):
 
 
 @cuda.jit
-def _k_topk_count(xb, t, seg, counts):
+def _k_magkeys(xb, ckey, cidx):
+    """All elements as candidates: ckey = |x| key, cidx = arange."""
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < xb.size:
+        ckey[i] = _magkey(xb[i])
+        cidx[i] = i
+        i += stride
+
+
+@cuda.jit
+def _k_topk_count(xb, t, counts):
     sm = cuda.shared.array(TPB, np.int64)
-    b = cuda.blockIdx.x
-    lo = b * seg
-    hi = min(xb.size, lo + seg)
+    lo = cuda.blockIdx.x * SEG + cuda.threadIdx.x * ITEMS
+    hi = min(xb.size, lo + ITEMS)
     n = 0
-    i = lo + cuda.threadIdx.x
-    while i < hi:
+    for i in range(lo, hi):
         if _magkey(xb[i]) >= t:
             n += 1
-        i += TPB
     tot = _block_sum_i64(n, sm)
     if cuda.threadIdx.x == 0:
-        counts[b] = tot
+        counts[cuda.blockIdx.x] = tot
 
 
 @cuda.jit
-def _k_topk_write(xb, t, seg, offsets, cidx, ckey):
+def _k_topk_write(xb, t, offsets, cidx, ckey):
     sa = cuda.shared.array(TPB, np.int64)
     sb = cuda.shared.array(TPB, np.int64)
-    b = cuda.blockIdx.x
-    lo = b * seg
-    hi = min(xb.size, lo + seg)
-    base = offsets[b]
-    start = lo
-    while start < hi:
-        i = start + cuda.threadIdx.x
-        f = 0
-        m = np.uint32(0)
-        if i < hi:
-            m = _magkey(xb[i])
-            if m >= t:
-                f = 1
-        ex, _eb, tot, _tb = _block_scan2(f, 0, sa, sb)
-        if f:
-            cidx[base + ex] = i
-            ckey[base + ex] = m
-        base += tot
-        start += TPB
+    lo = cuda.blockIdx.x * SEG + cuda.threadIdx.x * ITEMS
+    hi = min(xb.size, lo + ITEMS)
+    n = 0
+    for i in range(lo, hi):
+        if _magkey(xb[i]) >= t:
+            n += 1
+    ex, _eb, _ta, _tb = _block_scan2(n, 0, sa, sb)
+    p = offsets[cuda.blockIdx.x] + ex
+    for i in range(lo, hi):
+        m = _magkey(xb[i])
+        if m >= t:
+            cidx[p] = i
+            ckey[p] = m
+            p += 1
 
 
 @cuda.jit
-def _k_rk_count(key, d, sh_hi, sh_lo, T, seg, counts):
+def _k_rk_count(key, d, sh_hi, sh_lo, T, counts):
     sm = cuda.shared.array(TPB, np.int64)
-    b = cuda.blockIdx.x
-    lo = b * seg
-    hi = min(d, lo + seg)
+    lo = cuda.blockIdx.x * SEG + cuda.threadIdx.x * ITEMS
+    hi = min(d, lo + ITEMS)
     n = 0
-    i = lo + cuda.threadIdx.x
-    while i < hi:
+    for i in range(lo, hi):
         if _rk_key(key, i, sh_hi, sh_lo) < T:
             n += 1
-        i += TPB
     tot = _block_sum_i64(n, sm)
     if cuda.threadIdx.x == 0:
-        counts[b] = tot
+        counts[cuda.blockIdx.x] = tot
 
 
 @cuda.jit
-def _k_rk_write(key, d, sh_hi, sh_lo, T, seg, offsets, cidx, ckey):
+def _k_rk_write(key, d, sh_hi, sh_lo, T, offsets, cidx, ckey):
     sa = cuda.shared.array(TPB, np.int64)
     sb = cuda.shared.array(TPB, np.int64)
-    b = cuda.blockIdx.x
-    lo = b * seg
-    hi = min(d, lo + seg)
-    base = offsets[b]
-    start = lo
-    while start < hi:
-        i = start + cuda.threadIdx.x
-        f = 0
-        kk = np.uint64(0)
-        if i < hi:
-            kk = _rk_key(key, i, sh_hi, sh_lo)
-            if kk < T:
-                f = 1
-        ex, _eb, tot, _tb = _block_scan2(f, 0, sa, sb)
-        if f:
-            cidx[base + ex] = i
-            ckey[base + ex] = kk
-        base += tot
-        start += TPB
+    lo = cuda.blockIdx.x * SEG + cuda.threadIdx.x * ITEMS
+    hi = min(d, lo + ITEMS)
+    n = 0
+    for i in range(lo, hi):
+        if _rk_key(key, i, sh_hi, sh_lo) < T:
+            n += 1
+    ex, _eb, _ta, _tb = _block_scan2(n, 0, sa, sb)
+    p = offsets[cuda.blockIdx.x] + ex
+    for i in range(lo, hi):
+        kk = _rk_key(key, i, sh_hi, sh_lo)
+        if kk < T:
+            cidx[p] = i
+            ckey[p] = kk
+            p += 1
+
+
+RADIX_BITS = 11
+_NBINS = 1 << RADIX_BITS
 
 
 @cuda.jit
-def _k_hist(keys, prefix, mask, shift, hist):
-    sh = cuda.shared.array(256, np.int32)
+def _k_hist(keys, prefix, mask, shift, dmask, hist):
+    """hist[digit] += #keys with (key & mask) == prefix, digit = key >> shift."""
+    sh = cuda.shared.array(_NBINS, np.int32)
     tid = cuda.threadIdx.x
     j = tid
-    while j < 256:
+    while j < _NBINS:
         sh[j] = 0
         j += TPB
     cuda.syncthreads()
@@ -617,93 +627,93 @@ def _k_hist(keys, prefix, mask, shift, hist):
     while i < keys.size:
         kk = np.uint64(keys[i])
         if (kk & mask) == prefix:
-            cuda.atomic.add(sh, np.int64((kk >> shift) & _U64_FF), np.int32(1))
+            cuda.atomic.add(sh, np.int64((kk >> shift) & dmask), np.int32(1))
         i += stride
     cuda.syncthreads()
     j = tid
-    while j < 256:
+    while j < _NBINS:
         if sh[j]:
             cuda.atomic.add(hist, j, sh[j])
         j += TPB
 
 
 @cuda.jit
-def _k_sel_count(ckey, v, largest, seg, cs, ce):
+def _k_sel_count(ckey, v, largest, cs, ce):
     sa = cuda.shared.array(TPB, np.int64)
-    b = cuda.blockIdx.x
-    lo = b * seg
-    hi = min(ckey.size, lo + seg)
+    lo = cuda.blockIdx.x * SEG + cuda.threadIdx.x * ITEMS
+    hi = min(ckey.size, lo + ITEMS)
     ns = 0
     ne = 0
-    i = lo + cuda.threadIdx.x
-    while i < hi:
+    for i in range(lo, hi):
         kk = ckey[i]
         if kk == v:
             ne += 1
         elif (kk > v) == largest:
             ns += 1
-        i += TPB
     ts = _block_sum_i64(ns, sa)
     te = _block_sum_i64(ne, sa)
     if cuda.threadIdx.x == 0:
-        cs[b] = ts
-        ce[b] = te
+        cs[cuda.blockIdx.x] = ts
+        ce[cuda.blockIdx.x] = te
 
 
 @cuda.jit
-def _k_sel_write(ckey, cidx, v, largest, need, seg, off_s, off_e, out):
+def _k_sel_write(ckey, cidx, v, largest, need, off_s, off_e, out):
+    """Keep strict elements and the first ``need`` ties, in order."""
     sa = cuda.shared.array(TPB, np.int64)
     sb = cuda.shared.array(TPB, np.int64)
-    b = cuda.blockIdx.x
-    lo = b * seg
-    hi = min(ckey.size, lo + seg)
-    gs = off_s[b]
-    ge = off_e[b]
-    start = lo
-    while start < hi:
-        i = start + cuda.threadIdx.x
-        fs = 0
-        fe = 0
-        if i < hi:
-            kk = ckey[i]
-            if kk == v:
-                fe = 1
-            elif (kk > v) == largest:
-                fs = 1
-        xs, xe, ts, te = _block_scan2(fs, fe, sa, sb)
-        ps = gs + xs
-        pe = ge + xe
-        if fs:
-            out[ps + min(pe, need)] = cidx[i]
-        elif fe and pe < need:
-            out[ps + pe] = cidx[i]
-        gs += ts
-        ge += te
-        start += TPB
-
+    lo = cuda.blockIdx.x * SEG + cuda.threadIdx.x * ITEMS
+    hi = min(ckey.size, lo + ITEMS)
+    ns = 0
+    ne = 0
+    for i in range(lo, hi):
+        kk = ckey[i]
+        if kk == v:
+            ne += 1
+        elif (kk > v) == largest:
+            ns += 1
+    xs, xe, _ta, _tb = _block_scan2(ns, ne, sa, sb)
+    gs = off_s[cuda.blockIdx.x] + xs  # strict elements before this one
+    ge = off_e[cuda.blockIdx.x] + xe  # ties before this one
+    for i in range(lo, hi):
+        kk = ckey[i]
+        if kk == v:
+            if ge < need:
+                out[gs + ge] = cidx[i]
+            ge += 1
+        elif (kk > v) == largest:
+            out[gs + min(ge, need)] = cidx[i]
+            gs += 1
 
 def _radix_select(keys, r, nbits, alloc, stream):
-    """Value v of ascending rank r (0-based) among unsigned ``keys``; also
-    returns (#keys < v, #keys == v)."""
+    """Value v of ascending rank r (0-based) among unsigned ``keys`` of
+    ``nbits`` bits (MSB-first, 11-bit digits, one small device->host copy per
+    digit); also returns (#keys < v, #keys == v)."""
     prefix = 0
     mask = 0
     below = 0
-    hist = alloc(256, np.int32)
+    equal = 0
+    hist = alloc(_NBINS, np.int32)
+    zeros = np.zeros(_NBINS, np.int32)
     g = _grid(keys.size)
-    h = None
-    digit = 0
-    for shift in range(nbits - 8, -1, -8):
-        fill(hist, np.int32(0), stream)
-        _k_hist[g, TPB, stream](keys, np.uint64(prefix), np.uint64(mask), np.uint64(shift), hist)
-        h = _to_host(hist, stream).astype(np.int64)
+    shift = nbits
+    while shift > 0:
+        w = min(RADIX_BITS, shift)
+        shift -= w
+        hist.copy_to_device(zeros, stream=stream)
+        _k_hist[g, TPB, stream](
+            keys, np.uint64(prefix), np.uint64(mask), np.uint64(shift), np.uint64((1 << w) - 1), hist
+        )
+        h = _to_host(hist, stream)[: 1 << w].astype(np.int64)
         cum = np.cumsum(h)
         digit = int(np.searchsorted(cum, r, side="right"))
         under = int(cum[digit - 1]) if digit > 0 else 0
         r -= under
         below += under
+        equal = int(h[digit])
         prefix |= digit << shift
-        mask |= 0xFF << shift
-    return prefix, below, int(h[digit])
+        mask |= ((1 << w) - 1) << shift
+    return prefix, below, equal
 
 
 def _select(ckey, cidx, k, largest, nbits, idx_out, alloc, stream):
@@ -718,15 +728,13 @@ def _select(ckey, cidx, k, largest, nbits, idx_out, alloc, stream):
     strict = C - below - equal if largest else below
     need = k - strict
     vv = np.uint32(v) if nbits == 32 else np.uint64(v)
-    nb, seg = _layout(C)
+    nb = _layout(C)
     cs = alloc(nb, np.int64)
     ce = alloc(nb, np.int64)
-    _k_sel_count[nb, TPB, stream](ckey, vv, largest, seg, cs, ce)
-    hs = _to_host(cs, stream)
-    he = _to_host(ce, stream)
-    off_s = _upload(np.concatenate(([0], np.cumsum(hs)[:-1])).astype(np.int64), alloc, stream)
-    off_e = _upload(np.concatenate(([0], np.cumsum(he)[:-1])).astype(np.int64), alloc, stream)
-    _k_sel_write[nb, TPB, stream](ckey, cidx, vv, largest, np.int64(need), seg, off_s, off_e, idx_out)
+    _k_sel_count[nb, TPB, stream](ckey, vv, largest, cs, ce)
+    off_s = _offsets(_to_host(cs, stream), alloc, stream)
+    off_e = _offsets(_to_host(ce, stream), alloc, stream)
+    _k_sel_write[nb, TPB, stream](ckey, cidx, vv, largest, np.int64(need), off_s, off_e, idx_out)
 
 
 def topk(x, k, idx_out, val_out, stream=0, alloc=device_alloc):
@@ -734,30 +742,32 @@ def topk(x, k, idx_out, val_out, stream=0, alloc=device_alloc):
     val_out float32 [k]."""
     d = x.size
     xb = x.view(np.uint32)
-    nb, seg = _layout(d)
-    if d <= _cpu.TOPK_SMALL:
-        sample = np.empty(0, np.uint32)
-        t = np.uint32(0)
-    else:
+    t = np.uint32(0)
+    if d > _cpu.TOPK_SMALL:
         s = _cpu.TOPK_SAMPLE
         sdev = alloc(s, np.uint32)
         _k_sample[_grid(s), TPB, stream](xb, s, sdev)
         sample = _to_host(sdev, stream)
         t = np.uint32(_cpu.estimate_threshold(sample, k, d, 1.0))
-    counts = alloc(nb, np.int64)
-    boost = 1.0
-    while True:
-        _k_topk_count[nb, TPB, stream](xb, t, seg, counts)
-        hc = _to_host(counts, stream)
-        C = int(hc.sum())
-        if C >= k or t == 0:
-            break
-        boost *= 4.0
-        t = np.uint32(_cpu.estimate_threshold(sample, k, d, boost))
-    offs = _upload(np.concatenate(([0], np.cumsum(hc)[:-1])).astype(np.int64), alloc, stream)
-    cidx = alloc(C, np.int64)
-    ckey = alloc(C, np.uint32)
-    _k_topk_write[nb, TPB, stream](xb, t, seg, offs, cidx, ckey)
+        nb = _layout(d)
+        counts = alloc(nb, np.int64)
+        boost = 1.0
+        while t != 0:
+            _k_topk_count[nb, TPB, stream](xb, t, counts)
+            hc = _to_host(counts, stream)
+            C = int(hc.sum())
+            if C >= k:
+                break
+            boost *= 4.0
+            t = np.uint32(_cpu.estimate_threshold(sample, k, d, boost))
+    if t != 0:
+        cidx = alloc(C, np.int64)
+        ckey = alloc(C, np.uint32)
+        _k_topk_write[nb, TPB, stream](xb, t, _offsets(hc, alloc, stream), cidx, ckey)
+    else:  # every element is a candidate: skip the compaction
+        cidx = alloc(d, np.int64)
+        ckey = alloc(d, np.uint32)
+        _k_magkeys[_grid(d), TPB, stream](xb, ckey, cidx)
     _select(ckey, cidx, k, True, 32, idx_out, alloc, stream)
     gather(x, idx_out, val_out, stream)
 
@@ -765,18 +775,17 @@ def topk(x, k, idx_out, val_out, stream=0, alloc=device_alloc):
 def randomk_indices(d, k, key, idx_out, stream=0, alloc=device_alloc):
     """k distinct indices (ascending) from the counter-based RNG; 1 <= k < d."""
     sh_hi, sh_lo = _cpu.randomk_shifts(d)
-    nb, seg = _layout(d)
+    nb = _layout(d)
     counts = alloc(nb, np.int64)
     key = np.uint64(key)
     for boost in (1.0, 4.0, math.inf):
         T = np.uint64(_cpu.randomk_threshold(d, k, boost))
-        _k_rk_count[nb, TPB, stream](key, d, sh_hi, sh_lo, T, seg, counts)
+        _k_rk_count[nb, TPB, stream](key, d, sh_hi, sh_lo, T, counts)
         hc = _to_host(counts, stream)
         C = int(hc.sum())
         if C >= k:
             break
-    offs = _upload(np.concatenate(([0], np.cumsum(hc)[:-1])).astype(np.int64), alloc, stream)
     cidx = alloc(C, np.int64)
     ckey = alloc(C, np.uint64)
-    _k_rk_write[nb, TPB, stream](key, d, sh_hi, sh_lo, T, seg, offs, cidx, ckey)
+    _k_rk_write[nb, TPB, stream](key, d, sh_hi, sh_lo, T, _offsets(hc, alloc, stream), cidx, ckey)
     _select(ckey, cidx, k, False, 64, idx_out, alloc, stream)

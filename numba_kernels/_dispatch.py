@@ -9,7 +9,7 @@ inputs return empty outputs without launching anything.
 
 from __future__ import annotations
 
-import numbers
+import operator
 
 import numpy as np
 import torch
@@ -131,11 +131,7 @@ def _out(out, n, dtype, device, name="out"):
 
 
 def _seed(seed):
-    if isinstance(seed, torch.Tensor):
-        seed = int(seed.item())
-    if not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    return seed_key(int(seed))
+    return seed_key(_int(seed, "seed"))
 
 
 def _num_buckets(d, bucket_size):
@@ -145,9 +141,18 @@ def _num_buckets(d, bucket_size):
     return -(-d // bs), bs
 
 
+def _int(v, name):
+    """Python int from an int-like (int, NumPy integer, integer 1-element tensor)."""
+    if isinstance(v, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}") from None
+
+
 def _check_levels(levels):
-    if not isinstance(levels, numbers.Integral) or isinstance(levels, bool):
-        raise TypeError("levels must be an int")
+    levels = _int(levels, "levels")
     if not 1 <= levels <= 127:
         raise ValueError(f"levels must be in [1, 127], got {levels}")
     return int(levels)
@@ -179,7 +184,7 @@ def qsgd_quantize(x, levels: int, bucket_size: int, seed: int):
     x = _flat(x, "x", torch.float32)
     key = _seed(seed)
     d = x.numel()
-    nb, bs = _num_buckets(d, bucket_size)
+    nb, bs = _num_buckets(d, None if bucket_size is None else _int(bucket_size, "bucket_size"))
     norms = torch.empty(nb, dtype=torch.float32, device=x.device)
     q = torch.empty(d, dtype=torch.int8, device=x.device)
     if d == 0:
@@ -190,10 +195,7 @@ def qsgd_quantize(x, levels: int, bucket_size: int, seed: int):
                 _dev(x), levels, bs, key, _dev(norms), _dev(q), _stream(x), _torch_alloc(x.device)
             )
     else:
-        xn = _np(x)
-        nn = norms.numpy()
-        _cpu.bucket_norms(xn, bs, nn)
-        _cpu.qsgd_quantize(xn, nn, levels, bs, key, q.numpy())
+        _cpu.qsgd_quantize(_np(x), levels, bs, key, norms.numpy(), q.numpy())
     return norms, q
 
 
@@ -205,18 +207,19 @@ def qsgd_dequantize(norms, q, levels: int, bucket_size: int, out=None):
     norms = _flat(norms, "norms", torch.float32)
     _same_device(q, norms, "norms")
     d = q.numel()
-    nb, bs = _num_buckets(d, bucket_size)
+    nb, bs = _num_buckets(d, None if bucket_size is None else _int(bucket_size, "bucket_size"))
     if norms.numel() != nb:
         raise ValueError(f"norms has {norms.numel()} elements, expected {nb} buckets")
+    given = out
     out = _out(out, d, torch.float32, q.device)
     if d == 0:
-        return out
+        return out if given is None else given
     if q.is_cuda:
         with _on_device(q):
             _cuda().qsgd_dequantize(_dev(norms), _dev(q), levels, bs, _dev(out), _stream(q))
     else:
         _cpu.qsgd_dequantize(_np(norms), _np(q), levels, bs, _np(out))
-    return out
+    return out if given is None else given
 
 
 # ---------------------------------------------------------------------------
@@ -241,7 +244,7 @@ def terngrad_quantize(x, seed: int):
             _cuda().terngrad_quantize(_dev(x), key, _dev(scale), _dev(t), _stream(x))
     else:
         xn = _np(x)
-        m = _cpu.max_abs(xn)
+        m = _cpu.max_abs(xn.view(np.uint32))
         _cpu.terngrad_quantize(xn, m, key, t.numpy())
         scale = torch.tensor([m], dtype=torch.float32)
     return scale, t
@@ -272,16 +275,17 @@ def terngrad_dequantize(scale, t, out=None):
     float) returned by :func:`terngrad_quantize`."""
     t = _flat(t, "t", torch.int8)
     d = t.numel()
+    given = out
     out = _out(out, d, torch.float32, t.device)
     if d == 0:
-        return out
+        return out if given is None else given
     if t.is_cuda:
         s = _scale_tensor(scale, t.device)
         with _on_device(t):
             _cuda().scale_int8(_dev(t), _dev(s), _dev(out), _stream(t))
     else:
         _cpu.scale_int8(_np(t), _scale_float(scale), _np(out))
-    return out
+    return out if given is None else given
 
 
 # ---------------------------------------------------------------------------
@@ -306,9 +310,10 @@ def sign_pack(x):
 
 
 def _check_d(d, name="d"):
-    if not isinstance(d, numbers.Integral) or d < 0:
-        raise ValueError(f"{name} must be a non-negative int")
-    return int(d)
+    d = _int(d, name)
+    if d < 0:
+        raise ValueError(f"{name} must be non-negative")
+    return d
 
 
 def sign_unpack(packed, d: int, scale=1.0, out=None):
@@ -318,16 +323,17 @@ def sign_unpack(packed, d: int, scale=1.0, out=None):
     d = _check_d(d)
     if packed.numel() != (d + 7) // 8:
         raise ValueError(f"packed has {packed.numel()} bytes, expected {(d + 7) // 8}")
+    given = out
     out = _out(out, d, torch.float32, packed.device)
     if d == 0:
-        return out
+        return out if given is None else given
     if packed.is_cuda:
         s = _scale_tensor(scale, packed.device)
         with _on_device(packed):
             _cuda().sign_unpack(_dev(packed), _dev(s), _dev(out), _stream(packed))
     else:
         _cpu.sign_unpack(_np(packed), d, _scale_float(scale), _np(out))
-    return out
+    return out if given is None else given
 
 
 def sign_vote(packed_list_tensor, d: int, out=None):
@@ -348,18 +354,19 @@ def sign_vote(packed_list_tensor, d: int, out=None):
     d = _check_d(d)
     if p.shape[1] != (d + 7) // 8:
         raise ValueError(f"packed rows have {p.shape[1]} bytes, expected {(d + 7) // 8}")
+    given = out
     out = _out(out, d, torch.float32, p.device)
     if d == 0:
-        return out
+        return out if given is None else given
     if p.shape[0] == 0:
         out.fill_(1.0)
-        return out
+        return out if given is None else given
     if p.is_cuda:
         with _on_device(p):
             _cuda().sign_vote(_dev(p), _dev(out), _stream(p))
     else:
         _cpu.sign_vote(_np(p), d, _np(out))
-    return out
+    return out if given is None else given
 
 
 # ---------------------------------------------------------------------------
@@ -368,9 +375,7 @@ def sign_vote(packed_list_tensor, d: int, out=None):
 
 
 def _clip_k(k, d):
-    if not isinstance(k, numbers.Integral):
-        raise TypeError("k must be an int")
-    return max(0, min(int(k), d))
+    return max(0, min(_int(k, "k"), d))
 
 
 def topk(x, k: int):
@@ -442,7 +447,7 @@ def randomk(x, k: int, seed: int):
             with _on_device(x):
                 _cuda().gather(_dev(x), _dev(idx), _dev(vals), _stream(x))
         else:
-            _cpu._gather_values(_np(x), idx.numpy(), vals.numpy())
+            _cpu.gather_values(_np(x), idx.numpy(), vals.numpy())
     return idx, vals
 
 
@@ -457,6 +462,7 @@ def scatter(indices, values, d: int, out=None, accumulate: bool = False):
     if indices.numel() != values.numel():
         raise ValueError("indices and values must have the same length")
     d = _check_d(d)
+    given = out
     if out is None:
         out = torch.zeros(d, dtype=torch.float32, device=indices.device)
     else:
@@ -464,7 +470,7 @@ def scatter(indices, values, d: int, out=None, accumulate: bool = False):
         if not accumulate:
             out.zero_()
     if indices.numel() == 0:
-        return out
+        return out if given is None else given
     if indices.is_cuda:
         with _on_device(indices):
             _cuda().scatter(_dev(indices), _dev(values), _dev(out), accumulate, _stream(indices))
@@ -473,7 +479,7 @@ def scatter(indices, values, d: int, out=None, accumulate: bool = False):
         bad = fn(_np(indices), _np(values), _np(out))
         if bad:
             raise IndexError(f"{bad} indices out of range [0, {d})")
-    return out
+    return out if given is None else given
 
 
 # ---------------------------------------------------------------------------
@@ -497,9 +503,10 @@ def weighted_sum(tensors, weights, out=None):
         if t.numel() != d:
             raise ValueError(f"tensors[{i}] has {t.numel()} elements, expected {d}")
         _same_device(xs[0], t, f"tensors[{i}]")
+    given = out
     out = _out(out, d, torch.float32, xs[0].device)
     if d == 0:
-        return out
+        return out if given is None else given
     # an input aliasing out must be consumed by the first pass
     if len(xs) > 4:
         ptr = out.data_ptr()
@@ -511,22 +518,20 @@ def weighted_sum(tensors, weights, out=None):
     if out.is_cuda:
         with _on_device(out):
             _cuda().weighted_sum([_dev(t) for t in xs], weights, _dev(out), _stream(out))
-        return out
+        return out if given is None else given
     arrs = [_np(t) for t in xs]
     on = _np(out)
     w = [np.float32(v) for v in weights]
+    which = 0 if d > _cpu.CHUNK else 1  # parallel / serial kernel
     n = len(arrs)
     first = min(4, n)
-    _WSUM[first](*_interleave(arrs[:first], w[:first]), on)
+    _cpu.WSUM[first][which](*_interleave(arrs[:first], w[:first]), on)
     j = first
     while j < n:
         m = min(3, n - j)
-        _WSUM[m + 1](on, np.float32(1.0), *_interleave(arrs[j : j + m], w[j : j + m]), on)
+        _cpu.WSUM[m + 1][which](on, np.float32(1.0), *_interleave(arrs[j : j + m], w[j : j + m]), on)
         j += m
-    return out
-
-
-_WSUM = {1: _cpu.wsum1, 2: _cpu.wsum2, 3: _cpu.wsum3, 4: _cpu.wsum4}
+    return out if given is None else given
 
 
 def _interleave(arrs, ws):

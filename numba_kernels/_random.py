@@ -97,13 +97,3 @@ def uniform_py(key, idx):
 hash64 = njit(cache=True, inline="always")(hash64_py)
 uniform = njit(cache=True, inline="always")(uniform_py)
 
-
-def uniform_host(seed: int, idx: np.ndarray) -> np.ndarray:
-    """Vectorised NumPy evaluation (debugging / documentation aid)."""
-    key = seed_key(seed)
-    with np.errstate(over="ignore"):
-        z = key + (np.asarray(idx, dtype=np.uint64) + _ONE) * _GAMMA
-        z = (z ^ (z >> _S30)) * _M1
-        z = (z ^ (z >> _S27)) * _M2
-        z = z ^ (z >> _S31)
-    return (z >> _S40).astype(np.float32) * _INV24

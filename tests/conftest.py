@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -19,8 +20,11 @@ def dsgd(*args: str, env: dict | None = None, cwd: Path | None = None,
          timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `dsgd ARGS` in a subprocess, as a user would."""
     full_env = {**os.environ, **(env or {})}
+    # Not from the repository root: `python -m` would put it first on sys.path, and a stale
+    # dsgd.egg-info there would shadow the installed distribution's entry points.
     return subprocess.run([sys.executable, "-m", "dsgd_cli", *args], capture_output=True,
-                          text=True, env=full_env, cwd=cwd, timeout=timeout)
+                          text=True, env=full_env, cwd=cwd or tempfile.gettempdir(),
+                          timeout=timeout)
 
 
 def write_spec(directory: Path, text: str, name: str = "spec.yaml") -> Path:

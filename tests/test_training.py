@@ -104,7 +104,7 @@ def test_metric_history_per_rank_and_epoch(logreg_runs):
     assert {s.name: s.final for s in third.summaries}["averages"] == 1.0
 
 
-def test_mnist1d_mlp_runs_with_each_builtin_aggregator(tmp_path):
+def test_each_builtin_aggregator_and_task_trains(tmp_path):
     spec = write_spec(tmp_path, """
         defaults:
           task: {name: mnist1d_mlp}
@@ -117,12 +117,16 @@ def test_mnist1d_mlp_runs_with_each_builtin_aggregator(tmp_path):
             aggregator: {name: allreduce}
           - name: mlp-local
             aggregator: {name: local_sgd, period: 2}
+          - name: digits-adam
+            task: {name: digits_cnn}
+            optimizer: {name: adam, lr: 0.003}
+            aggregator: {name: allreduce}
     """)
     db = tmp_path / "r.db"
     result = dsgd("run", str(spec), "--db", str(db))
     assert result.returncode == 0, result.stdout + result.stderr
     rows = compare_json(db)
-    assert [r["status"] for r in rows] == ["completed", "completed"]
+    assert [r["status"] for r in rows] == ["completed"] * 3
     for row in rows:
         assert row["test_accuracy"] > 0.2  # chance is 0.1
         assert row["train_loss"] < 2.2    # log(10) = 2.30 at the start

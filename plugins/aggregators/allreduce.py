@@ -1,10 +1,12 @@
 """`allreduce`: synchronous data-parallel SGD, g = (1/n) Σ g_i, models identical.
 
-Like torch DDP, gradients are grouped into buckets (in the order backward produces them) and
-each bucket's all-reduce starts as soon as its last gradient is accumulated, so communication
-overlaps with the rest of backward. With a compressor, each bucket is compressed before it is
-sent: summable payloads are all-reduced and decompressed once, the others are all-gathered and
-decompressed one by one.
+Uncompressed, it works like torch DDP: gradients are grouped into buckets in the order backward
+produces them, and each bucket's all-reduce starts as soon as its last gradient is accumulated,
+so communication overlaps with the rest of backward.
+
+With a compressor, each parameter's gradient is averaged through `compressor.average` after
+backward (per tensor, as compressors such as PowerSGD need the tensor's shape), with error
+feedback when the spec asks for it or the compressor requires it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsgd_cli.api import Aggregator, AggregatorOptions, ErrorFeedback, Handle, Payload, option
+from dsgd_cli.api import Aggregator, AggregatorOptions, ErrorFeedback, Handle, option
 
 
 @dataclass
@@ -26,18 +28,25 @@ class _Bucket:
     """Consecutive parameters whose gradients travel together in one flat buffer."""
 
     def __init__(self, index: int, params: list[torch.nn.Parameter]):
-        self.key = f"bucket{index}"
+        self.index = index
         self.params = params
-        numel = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        self.views = []
-        offset = 0
-        for p in params:
-            self.views.append(self.buffer[offset: offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                  device=params[0].device)
+        self.views = list(self.buffer.split([p.numel() for p in params]))
         self.pending = len(params)
-        self.handles: list[Handle] = []
-        self.payload: Payload | None = None
+        self.handle: Handle | None = None
+
+
+def _bucket_params(params: list[torch.nn.Parameter], limit_bytes: float) -> list[list]:
+    groups, current, size = [], [], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > limit_bytes or p.dtype != current[0].dtype):
+            groups.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    return groups + [current] if current else groups
 
 
 class AllReduce(Aggregator):
@@ -47,83 +56,77 @@ class AllReduce(Aggregator):
     def setup(self, ctx):
         super().setup(ctx)
         self.compressor = ctx.compressor
-        self.memory = ErrorFeedback() if self.options.error_feedback else None
+        self.compressed = not self.compressor.identity
+        use_memory = self.options.error_feedback or self.compressor.requires_error_feedback
+        self.memory = ErrorFeedback() if use_memory else None
+        self.params = ctx.parameters()
+        if self.compressed:
+            return
         # Backward produces gradients roughly from the last layer to the first.
-        params = list(reversed(ctx.parameters()))
-        limit = self.options.bucket_mb * 2**20
-        groups, current, size = [], [], 0
-        for p in params:
-            if current and (size + p.numel() * p.element_size() > limit or p.dtype != current[0].dtype):
-                groups.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += p.numel() * p.element_size()
-        if current:
-            groups.append(current)
-        self.buckets = [_Bucket(i, group) for i, group in enumerate(groups)]
+        ordered = list(reversed(self.params))
+        self.buckets = [_Bucket(i, group) for i, group in
+                        enumerate(_bucket_params(ordered, self.options.bucket_mb * 2**20))]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.next_to_launch = 0
-        self.step = 0
         if self.options.overlap:
-            for p in params:
+            for p in ordered:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # -- uncompressed: bucketed, overlapped with backward -------------------------------------
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         bucket = self.bucket_of[id(param)]
+        if bucket.index < self.next_to_launch:
+            raise RuntimeError("a parameter received a second gradient after its bucket was "
+                               "sent (two backward passes in one step?); use overlap: false")
         bucket.pending -= 1
         # Launch strictly in bucket order so every worker issues the same collectives in
         # the same order, whatever order its hooks fire in.
         while (self.next_to_launch < len(self.buckets)
                and self.buckets[self.next_to_launch].pending == 0):
             self._launch(self.buckets[self.next_to_launch])
-            self.next_to_launch += 1
 
     def _launch(self, bucket: _Bucket) -> None:
         for p, view in zip(bucket.params, bucket.views):
             if p.grad is None:  # a parameter this step did not use
                 view.zero_()
             else:
-                view.copy_(p.grad)
-        comm, tensor = self.ctx.comm, bucket.buffer
-        if self.memory is not None:
-            tensor = self.memory.compensate(bucket.key, tensor)
-        payload = self.compressor.compress(tensor, bucket.key, self.step)
-        if self.memory is not None:
-            # Before the collective: it may reduce the payload tensors in place.
-            transmitted = self.compressor.decompress(payload, bucket.buffer)
-            self.memory.update(bucket.key, tensor, transmitted)
-        bucket.payload = payload
-        if self.compressor.summable:
-            bucket.handles = [comm.all_reduce(t, "sum", async_op=True) for t in payload.tensors]
-        else:
-            bucket.handles = [comm.all_gather(t, async_op=True) for t in payload.tensors]
+                view.copy_(p.grad.reshape(-1))
+        bucket.handle = self.ctx.comm.all_reduce(bucket.buffer, "sum", async_op=True)
+        self.next_to_launch += 1
 
     def before_forward(self, step):
-        self.step = step
-        self.next_to_launch = 0
-        for bucket in self.buckets:
-            bucket.pending = len(bucket.params)
+        if not self.compressed:
+            self.next_to_launch = 0
+            for bucket in self.buckets:
+                bucket.pending = len(bucket.params)
 
     def after_backward(self, step):
+        if self.compressed:
+            self._average_compressed(step)
+            return
         while self.next_to_launch < len(self.buckets):  # no overlap, or unused parameters
             self._launch(self.buckets[self.next_to_launch])
-            self.next_to_launch += 1
         n = self.ctx.world_size
         for bucket in self.buckets:
-            results = [h.wait() for h in bucket.handles]
-            average = self._combine(bucket, results).div_(n)
-            for p, view in zip(bucket.params, average.split([p.numel() for p in bucket.params])):
+            bucket.handle.wait()
+            bucket.buffer.div_(n)
+            for p, view in zip(bucket.params, bucket.views):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 p.grad.copy_(view.view_as(p))
 
-    def _combine(self, bucket: _Bucket, results: list) -> torch.Tensor:
-        """The sum over workers of the decompressed payloads (and update error feedback)."""
-        compressor, payload = self.compressor, bucket.payload
-        if compressor.summable:
-            return compressor.decompress(Payload(results, payload.context), bucket.buffer)
-        total = torch.zeros_like(bucket.buffer)
-        for worker in range(self.ctx.world_size):
-            tensors = [gathered[worker] for gathered in results]
-            total += compressor.decompress(Payload(tensors, payload.context), bucket.buffer)
-        return total
+    # -- compressed: one tensor at a time -----------------------------------------------------
+
+    def _average_compressed(self, step: int) -> None:
+        comm, memory = self.ctx.comm, self.memory
+        for index, p in enumerate(self.params):
+            key = f"param{index}"
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            if memory is not None:
+                grad = memory.compensate(key, grad)
+            average, local = self.compressor.average(grad, key, step, comm,
+                                                     with_local=memory is not None)
+            if memory is not None:
+                memory.update(key, grad, local)
+            p.grad = average.view_as(p)

@@ -1,0 +1,23 @@
+"""Decentralized (gossip) aggregators: each worker keeps its own model and mixes it with its
+neighbours' over a communication graph (`dsgd_cli.topology`), with no global average.
+
+=========  ==========================================  ============================
+plugin     algorithm                                   communication
+=========  ==========================================  ============================
+dpsgd      D-PSGD (Lian et al. 2017)                   synchronous, overlapped with backward
+sgp        Stochastic Gradient Push (Assran et al.)    synchronous push-sum rounds
+osgp       Overlap SGP                                 push-sum on background threads, bounded delay
+adpsgd     AD-PSGD (Lian et al. 2018)                  asynchronous pairwise averaging
+=========  ==========================================  ============================
+
+Modules: `graph` (topology options and checks), `vector` (the model as a flat vector),
+`pushsum` (push-sum state and messages), `overlap` (OSGP's background rounds), and one module
+per plugin.
+"""
+
+from plugins.aggregators.gossip.adpsgd import ADPSGD
+from plugins.aggregators.gossip.dpsgd import DPSGD
+from plugins.aggregators.gossip.osgp import OSGP
+from plugins.aggregators.gossip.sgp import SGP
+
+__all__ = ["ADPSGD", "DPSGD", "OSGP", "SGP"]

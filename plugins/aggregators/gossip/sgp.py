@@ -1,0 +1,81 @@
+"""`sgp`: Stochastic Gradient Push (Assran, Loizou, Ballas, Rabbat, ICML 2019).
+
+Push-sum on a directed, possibly time-varying graph (state and messages: `pushsum.py`). The
+model the worker computes with, and reports, is the de-biased z_i = x_i / w_i. Each step:
+
+1. forward and backward at z_i, then the local optimizer step on z_i;
+2. the step updates the numerator: x_i += Δz_i, the optimizer's change of z_i (plain SGD:
+   x_i -= η g(z_i), the paper's Algorithm 1; see `PushSum.apply_update`);
+3. one synchronous push-sum round with the column-stochastic shares `push_weights` of the
+   topology at this step; then z_i = x_i / w_i goes back into the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsgd_cli.api import Aggregator, AggregatorOptions, option
+from dsgd_cli.topology import Topology, push_weights
+
+from plugins.aggregators.gossip import graph
+from plugins.aggregators.gossip.graph import TopologyName
+from plugins.aggregators.gossip.pushsum import PushSum, message_buffer
+from plugins.aggregators.gossip.vector import ModelVector
+
+
+@dataclass
+class SGPOptions(AggregatorOptions):
+    topology: TopologyName = option("time_varying_exponential",
+                                    help="communication graph (directed where it has a variant)")
+    peers_per_step: int = option(1, min=1, help="peers per step (time_varying_exponential only)")
+
+
+class SGP(Aggregator):
+    Options = SGPOptions
+    models_identical = False
+
+    @classmethod
+    def make_topology(cls, options, world_size: int, seed: int = 0) -> Topology:
+        """The graph the plugin gossips on; a subclass may return any `Topology`."""
+        return graph.build(options.topology, world_size, peers_per_step=options.peers_per_step,
+                           seed=seed)
+
+    @classmethod
+    def check_world(cls, options, world_size):
+        graph.check_push_sum(cls.make_topology(options, world_size))
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        self.rank, n = ctx.rank, ctx.world_size
+        self.topology = self.make_topology(self.options, n, ctx.seed)
+        self.vector = ModelVector(ctx, self.options.sync_buffers)
+        self.state = PushSum(self.vector.read())
+        self.group = ctx.comm.new_group(range(n), backend="gloo") if n > 1 else None
+        self.inbox: dict[int, torch.Tensor] = {}
+        self.before: torch.Tensor | None = None
+
+    def before_forward(self, step):
+        self.before = self.vector.read()
+
+    def after_step(self, step):
+        self.state.apply_update(self.vector.read() - self.before)
+        if self.group is not None:
+            self.gossip(step)
+        self.vector.write(self.state.debiased())
+
+    def gossip(self, step: int) -> None:
+        """One synchronous push-sum round on the graph of `step`."""
+        comm, rank, state = self.ctx.comm, self.rank, self.state
+        receives = []
+        for peer in self.topology.in_peers(rank, step):
+            buffer = self.inbox.setdefault(
+                peer, message_buffer(state.numerator.numel(), state.numerator.dtype))
+            receives.append(comm.irecv(buffer, peer, self.group))
+        messages = state.emit(push_weights(self.topology, rank, step), rank, step, step)
+        sends = [comm.isend(message, peer, self.group) for peer, message in messages.items()]
+        for handle in receives + sends:
+            handle.wait()
+        for peer in self.topology.in_peers(rank, step):
+            state.absorb(self.inbox[peer])

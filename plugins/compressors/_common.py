@@ -1,0 +1,45 @@
+"""Shared by the numba-backed compressors: per-step seeds and a kernel warm-up."""
+
+import zlib
+from functools import cache
+
+import torch
+
+import numba_kernels as nk
+from dsgd_cli.api import Compressor
+from numba_kernels import derive_seed
+
+
+def tensor_seed(ctx, key: str, step: int, per_worker: bool) -> int:
+    """A seed unique to (run seed, step, tensor), and to the worker when `per_worker`.
+
+    Stochastic rounding must be independent across workers (per_worker=True); random-k must
+    draw the same indices on every worker (per_worker=False) so its payloads can be summed.
+    """
+    parts = [ctx.seed, step, zlib.crc32(key.encode())]
+    if per_worker:
+        parts.append(ctx.rank + 1)
+    return derive_seed(*parts)
+
+
+@cache
+def warm_up_kernels() -> None:
+    """Load the compiled kernels once per process, so the first training step's time is not
+    numba's start-up."""
+    x = torch.linspace(-1, 1, 16)
+    nk.qsgd_dequantize(*nk.qsgd_quantize(x, 4, 8, 0), 4, 8)
+    nk.terngrad_dequantize(*nk.terngrad_quantize(x, 0))
+    packed = nk.sign_pack(x)
+    nk.sign_unpack(packed, 16)
+    nk.sign_vote(torch.stack([packed, packed]), 16)
+    indices, values = nk.topk(x, 3)
+    nk.scatter(indices, values, 16)
+    nk.randomk(x, 3, 0)
+
+
+class KernelCompressor(Compressor):
+    """Base of the compressors whose work is done by numba_kernels."""
+
+    def setup(self, ctx) -> None:
+        super().setup(ctx)
+        warm_up_kernels()

@@ -1,0 +1,56 @@
+"""`powersgd` (Vogels, Karimireddy, Jaggi, NeurIPS 2019): rank-r gradient compression by one
+step of power iteration per step, warm-started from the previous step's Q.
+
+For a gradient reshaped to a matrix M (n × m):  P = M Q;  all-reduce P;  P̂ = orth(P);
+Q = Mᵀ P̂;  all-reduce Q;  approximation P̂ Qᵀ. Both all-reduces are sums (the method is
+linear in M given P̂), so (n + m)·r numbers travel instead of n·m. Vectors and matrices too
+small to gain are averaged uncompressed, as in the paper. Error feedback is always on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsgd_cli.api import Compressor, option
+from plugins.compressors._common import tensor_seed
+
+
+@dataclass
+class PowerSGDOptions:
+    rank: int = option(2, min=1, help="rank r of the approximation")
+    warm_start: bool = option(True, help="start each power iteration from the last Q")
+
+
+class PowerSGD(Compressor):
+    Options = PowerSGDOptions
+    summable = True
+    requires_error_feedback = True
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        self.q_memory: dict[str, torch.Tensor] = {}
+
+    def average(self, tensor, key, step, comm, with_local=False):
+        n = comm.world_size
+        matrix = tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else None
+        rank = min(self.options.rank, *matrix.shape) if matrix is not None else 0
+        if matrix is None or (matrix.shape[0] + matrix.shape[1]) * rank >= matrix.numel():
+            average = comm.all_reduce(tensor.clone(), "sum") / n
+            return average, tensor.clone() if with_local else None
+
+        q = self.q_memory.get(key) if self.options.warm_start else None
+        if q is None:  # the same random start on every worker
+            generator = torch.Generator(device=tensor.device).manual_seed(
+                tensor_seed(self.ctx, key, step, per_worker=False) % 2**63)
+            q = torch.randn(matrix.shape[1], rank, generator=generator, device=tensor.device)
+        p = matrix @ q
+        comm.all_reduce(p, "sum")
+        p = torch.linalg.qr(p).Q  # orthonormal columns; the sum or the mean span the same space
+        q = matrix.T @ p
+        local = (p @ q.T).view_as(tensor) if with_local else None
+        comm.all_reduce(q, "sum")
+        q.div_(n)
+        self.q_memory[key] = q
+        return (p @ q.T).view_as(tensor), local

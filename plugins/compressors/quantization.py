@@ -1,0 +1,107 @@
+"""Stochastic quantizers: QSGD, its dynamic-level variant, and TernGrad.
+
+All are unbiased (E[decompress(compress(v))] = v) and send one int8 per element plus a few
+float32 scales; workers' scales differ, so payloads are all-gathered, not summed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+import numba_kernels as nk
+from dsgd_cli.api import Payload, option
+from plugins.compressors._common import KernelCompressor, tensor_seed
+
+
+@dataclass
+class QSGDOptions:
+    levels: int = option(16, min=1, max=127, help="quantization levels s")
+    bucket_size: int = option(512, min=0, help="elements sharing one norm (0: whole tensor)")
+
+
+class QSGD(KernelCompressor):
+    """`qsgd` (Alistarh et al., 2017): Q_s(v)_k = ‖v‖₂ · sign(v_k) · ξ_k, ξ_k ∈ {l/s, (l+1)/s}
+    by stochastic rounding; variance ≤ min(d/s², √d/s) ‖v‖² per bucket."""
+
+    Options = QSGDOptions
+    summable = False
+
+    def compress(self, tensor, key, step):
+        seed = tensor_seed(self.ctx, key, step, per_worker=True)
+        norms, q = nk.qsgd_quantize(tensor.reshape(-1), self.options.levels,
+                                    self.options.bucket_size, seed)
+        return Payload([norms, q])
+
+    def decompress(self, payload, like):
+        norms, q = payload.tensors
+        flat = nk.qsgd_dequantize(norms, q, self.options.levels, self.options.bucket_size)
+        return flat.view(like.shape)
+
+
+@dataclass
+class DQSGDOptions:
+    variance_budget: float = option(0.25, min=0.0, help="largest allowed E‖Q(v)−v‖² / ‖v‖²")
+    max_levels: int = option(127, min=1, max=127, help="most levels ever used")
+    bucket_size: int = option(512, min=0, help="elements sharing one norm (0: whole tensor)")
+
+
+def quantization_variance(v: torch.Tensor, levels: int, bucket_size: int) -> float:
+    """Exact E‖Q_s(v) − v‖² of QSGD with `levels`: Σ_k (‖b‖/s)² p_k (1 − p_k), where p_k is the
+    fractional part of |v_k|·s/‖b‖ and b the bucket of k."""
+    flat = v.reshape(-1).double()
+    size = bucket_size if bucket_size > 0 else max(flat.numel(), 1)
+    pad = (-flat.numel()) % size
+    buckets = torch.nn.functional.pad(flat, (0, pad)).view(-1, size)
+    norms = buckets.norm(dim=1, keepdim=True)
+    scaled = torch.where(norms > 0, buckets.abs() * levels / norms, torch.zeros_like(buckets))
+    p = scaled - scaled.floor()
+    return float(((norms / levels) ** 2 * p * (1 - p)).sum())
+
+
+class DQSGD(KernelCompressor):
+    """`dqsgd`: QSGD whose number of levels is chosen per step and per tensor: the fewest
+    levels (powers of two, up to `max_levels`) whose exact quantization variance for this
+    gradient stays within `variance_budget` of ‖v‖². Fewer levels cost fewer bits on a
+    bit-packed wire; the choice is logged as the metric `dqsgd_levels`."""
+
+    Options = DQSGDOptions
+    summable = False
+
+    def choose_levels(self, v: torch.Tensor) -> int:
+        budget = self.options.variance_budget * float(v.double().pow(2).sum())
+        candidates = [2**i for i in range(int(math.log2(self.options.max_levels)) + 1)]
+        candidates.append(self.options.max_levels)
+        for levels in sorted(set(candidates)):
+            if quantization_variance(v, levels, self.options.bucket_size) <= budget:
+                return levels
+        return self.options.max_levels
+
+    def compress(self, tensor, key, step):
+        levels = self.choose_levels(tensor)
+        self.ctx.metrics.log("dqsgd_levels", levels)
+        seed = tensor_seed(self.ctx, key, step, per_worker=True)
+        norms, q = nk.qsgd_quantize(tensor.reshape(-1), levels, self.options.bucket_size, seed)
+        return Payload([torch.tensor([levels], dtype=torch.int8, device=tensor.device), norms, q])
+
+    def decompress(self, payload, like):
+        levels, norms, q = payload.tensors
+        flat = nk.qsgd_dequantize(norms, q, int(levels[0]), self.options.bucket_size)
+        return flat.view(like.shape)
+
+
+class TernGrad(KernelCompressor):
+    """`terngrad` (Wen et al., 2017): values in {−1, 0, 1} · max|v|, stochastic, unbiased."""
+
+    summable = False
+
+    def compress(self, tensor, key, step):
+        seed = tensor_seed(self.ctx, key, step, per_worker=True)
+        scale, t = nk.terngrad_quantize(tensor.reshape(-1), seed)
+        return Payload([scale, t])
+
+    def decompress(self, payload, like):
+        scale, t = payload.tensors
+        return nk.terngrad_dequantize(scale, t).view(like.shape)

@@ -1,0 +1,65 @@
+"""Sparsifiers (Stich et al., 2018): keep k = ⌈ratio · d⌉ entries. Use with error feedback."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numba_kernels as nk
+from dsgd_cli.api import Payload, option
+from plugins.compressors._common import KernelCompressor, tensor_seed
+
+
+@dataclass
+class SparsityOptions:
+    ratio: float = option(0.01, min=0.0, max=1.0, help="share of entries kept")
+
+    def __post_init__(self):
+        if self.ratio <= 0:
+            raise ValueError("ratio: expected a share in (0, 1]")
+
+
+def kept(ratio: float, d: int) -> int:
+    return min(d, max(1, math.ceil(ratio * d)))
+
+
+class TopK(KernelCompressor):
+    """`topk`: the k entries of largest magnitude, as (int32 index, value) pairs. Each worker
+    picks its own indices, so payloads are all-gathered."""
+
+    Options = SparsityOptions
+    summable = False
+
+    def compress(self, tensor, key, step):
+        indices, values = nk.topk(tensor.reshape(-1), kept(self.options.ratio, tensor.numel()))
+        return Payload([indices.int(), values])
+
+    def decompress(self, payload, like):
+        indices, values = payload.tensors
+        return nk.scatter(indices.long(), values, like.numel()).view(like.shape)
+
+
+@dataclass
+class RandomKOptions(SparsityOptions):
+    unbiased: bool = option(True, help="scale kept entries by d/k (turn off with error feedback)")
+
+
+class RandomK(KernelCompressor):
+    """`randomk`: k entries drawn uniformly from a seed all workers share. Same indices
+    everywhere: only values travel, and they sum. With `unbiased` the values are scaled by
+    d/k so E[decompress(compress(v))] = v; with error feedback send them unscaled, as Stich et
+    al.'s sparsified SGD with memory does (the scaled version is not a contraction)."""
+
+    Options = RandomKOptions
+    summable = True
+
+    def compress(self, tensor, key, step):
+        flat = tensor.reshape(-1)
+        k = kept(self.options.ratio, flat.numel())
+        indices, values = nk.randomk(flat, k, tensor_seed(self.ctx, key, step, per_worker=False))
+        if self.options.unbiased:
+            values = values * (flat.numel() / k)
+        return Payload([values], context=indices)
+
+    def decompress(self, payload, like):
+        return nk.scatter(payload.context, payload.tensors[0], like.numel()).view(like.shape)

@@ -1,0 +1,54 @@
+"""Run a function in n real gloo worker processes (for tests of collectives and plugins)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        results[rank] = ("ok", fn(rank, world_size, *args))
+    except Exception:
+        results[rank] = ("error", traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(fn, world_size: int = 2, *args, timeout: float = 120):
+    """`fn(rank, world_size, *args)` in each of `world_size` processes; returns their results.
+    `fn` must be importable (defined at module level). Fails if any worker fails or hangs."""
+    context = mp.get_context("spawn")
+    with context.Manager() as manager:
+        results = manager.dict()
+        port = free_port()
+        processes = [context.Process(target=_entry, args=(r, world_size, port, fn, args, results))
+                     for r in range(world_size)]
+        for p in processes:
+            p.start()
+        for p in processes:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(processes) if p.is_alive()]
+        for p in processes:
+            if p.is_alive():
+                p.kill()
+        if hung:
+            raise AssertionError(f"workers {hung} did not finish within {timeout}s (a hang)")
+        out = dict(results)
+    errors = [f"rank {r}:\n{v}" for r, (status, v) in sorted(out.items()) if status == "error"]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [out[r][1] for r in range(world_size)]

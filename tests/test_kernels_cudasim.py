@@ -1,0 +1,284 @@
+"""CUDA kernels of numba_kernels under numba's CUDA simulator.
+
+numba reads NUMBA_ENABLE_CUDASIM when it is imported, so the checks run in one
+subprocess with the variable set (the script is below); each pytest test then
+reports one named check.  Under the simulator there are no CUDA torch tensors,
+so the script calls the launch helpers of ``numba_kernels._cuda`` on NumPy
+arrays and compares with NumPy references and with the CPU kernels -- the
+random decisions must be bit-identical.  Sizes stay small: the simulator runs
+every GPU thread as a Python thread.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = r'''
+import json, sys, traceback, warnings
+sys.setswitchinterval(5e-5)  # the simulator's barrier polling is GIL-bound
+warnings.simplefilter("ignore", RuntimeWarning)  # uint64 wrap-around in NumPy scalars
+import numpy as np
+import torch
+from numba import cuda
+import numba_kernels as nk
+from numba_kernels import _cpu, _random, _cuda as C
+
+assert C.SIM, "not running under the CUDA simulator"
+results = {}
+
+
+def check(fn):
+    try:
+        fn()
+        results[fn.__name__] = "ok"
+    except Exception:
+        results[fn.__name__] = traceback.format_exc()
+    return fn
+
+
+def rand(d, seed=0):
+    return np.random.default_rng(seed).standard_normal(d).astype(np.float32)
+
+
+def T(a):
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+MASK64 = (1 << 64) - 1
+
+
+def ref_hash(seed, idx):
+    def mix(z):
+        z &= MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+        return z ^ (z >> 31)
+    key = mix(seed + 0x9E3779B97F4A7C15)
+    return np.array([mix(key + (int(i) + 1) * 0x9E3779B97F4A7C15) for i in idx], np.uint64)
+
+
+@cuda.jit
+def k_rng(key, base, out_u, out_h):
+    i = cuda.grid(1)
+    if i < out_u.size:
+        out_u[i] = C._uniform(key, base + i)
+        out_h[i] = C._hash64(key, base + i)
+
+
+@check
+def rng_bit_identical():
+    for seed, base in ((0, 0), (12345, 2**40 - 7), (-3, 2**62)):
+        key = _random.seed_key(seed)
+        n = 300
+        u = np.empty(n, np.float32)
+        h = np.empty(n, np.uint64)
+        k_rng[5, 64](key, np.int64(base), u, h)
+        idx = np.arange(base, base + n, dtype=np.uint64)
+        ref = ref_hash(seed, idx)
+        np.testing.assert_array_equal(h, ref)
+        np.testing.assert_array_equal(u, (ref >> np.uint64(40)).astype(np.float32) / np.float32(2**24))
+        cpu = np.array([_random.uniform(key, int(i)) for i in idx], np.float32)
+        np.testing.assert_array_equal(u, cpu)
+
+
+@check
+def qsgd_matches_cpu():
+    for d, bs, levels in ((1, 0, 4), (9, 8, 127), (100, 100, 1), (1003, 100, 4),
+                          (1003, 0, 127), (1003, 8, 2), (400, 300, 16)):
+        x = rand(d, d + bs)
+        if d > 20:
+            x[10:20] = 0.0
+        seed = 77 + d
+        bsz = d if bs <= 0 else min(bs, d)
+        nb = -(-d // bsz)
+        norms = np.empty(nb, np.float32)
+        q = np.empty(d, np.int8)
+        C.qsgd_quantize(x, levels, bsz, _random.seed_key(seed), norms, q)
+        cn, cq = nk.qsgd_quantize(T(x), levels, bs, seed)
+        np.testing.assert_array_equal(norms, cn.numpy())
+        np.testing.assert_array_equal(q, cq.numpy())
+        out = np.empty(d, np.float32)
+        C.qsgd_dequantize(norms, q, levels, bsz, out)
+        np.testing.assert_array_equal(out, nk.qsgd_dequantize(cn, cq, levels, bs).numpy())
+
+
+@check
+def terngrad_matches_cpu():
+    for d in (1, 9, 1003):
+        x = rand(d, d)
+        scale = np.empty(1, np.float32)
+        t = np.empty(d, np.int8)
+        C.terngrad_quantize(x, _random.seed_key(5), scale, t)
+        cs, ct = nk.terngrad_quantize(T(x), 5)
+        assert scale[0] == cs.item() == np.abs(x).max()
+        np.testing.assert_array_equal(t, ct.numpy())
+        out = np.empty(d, np.float32)
+        C.scale_int8(t, scale, out)
+        np.testing.assert_array_equal(out, scale[0] * t.astype(np.float32))
+
+
+@check
+def sign_pack_unpack_vote():
+    for d in (1, 7, 8, 9, 100, 1003):
+        x = rand(d, d)
+        x[0] = 0.0
+        p = np.empty((d + 7) // 8, np.uint8)
+        C.sign_pack(x, p)
+        np.testing.assert_array_equal(p, np.packbits(x >= 0, bitorder="little"))
+        out = np.empty(d, np.float32)
+        C.sign_unpack(p, np.array([1.5], np.float32), out)
+        np.testing.assert_array_equal(out, np.where(x >= 0, 1.5, -1.5).astype(np.float32))
+        for n in (1, 2, 5):
+            xs = np.stack([rand(d, 100 * d + w) for w in range(n)])
+            P = np.packbits(xs >= 0, axis=1, bitorder="little")
+            out = np.empty(d, np.float32)
+            C.sign_vote(P, out)
+            ref = np.where(2 * (xs >= 0).sum(0) >= n, 1.0, -1.0).astype(np.float32)
+            np.testing.assert_array_equal(out, ref)
+            np.testing.assert_array_equal(out, nk.sign_vote(T(P), d).numpy())
+
+
+@check
+def scatter_gather():
+    rng = np.random.default_rng(1)
+    d = 500
+    idx = rng.choice(d, 120, replace=False).astype(np.int64)
+    vals = rand(120, 2)
+    out = np.zeros(d, np.float32)
+    C.scatter(idx, vals, out, False)
+    ref = np.zeros(d, np.float32)
+    ref[idx] = vals
+    np.testing.assert_array_equal(out, ref)
+    dup = np.concatenate([rng.integers(0, d, 300), [-1, d, d + 7]]).astype(np.int64)
+    dv = rand(dup.size, 3)
+    base = rand(d, 4)
+    out = base.copy()
+    C.scatter(dup, dv, out, True)  # duplicates via atomics, out-of-range skipped
+    ref = base.astype(np.float64)
+    np.add.at(ref, dup[:300], dv[:300])
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    g = np.empty(120, np.float32)
+    C.gather(base, idx, g)
+    np.testing.assert_array_equal(g, base[idx])
+
+
+@check
+def weighted_sum():
+    d = 777
+    for n in (1, 2, 3, 4, 5, 7):
+        xs = [rand(d, 10 * n + j) for j in range(n)]
+        ws = list(np.random.default_rng(n).standard_normal(n))
+        ref = sum(np.float64(w) * x for w, x in zip(ws, xs))
+        out = np.empty(d, np.float32)
+        C.weighted_sum(xs, ws, out)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+        xs2 = [x.copy() for x in xs]
+        C.weighted_sum(xs2, ws, xs2[0])  # out aliases the first input
+        np.testing.assert_allclose(xs2[0], ref, rtol=1e-5, atol=1e-5)
+
+
+def ref_topk(x, k):
+    return np.sort(np.argsort(-np.abs(x).astype(np.float64), kind="stable")[:k])
+
+
+def run_topk(x, k):
+    idx = np.empty(k, np.int64)
+    vals = np.empty(k, np.float32)
+    C.topk(x, k, idx, vals)
+    return idx, vals
+
+
+@check
+def topk_exact():
+    for d in (2, 9, 1003):
+        x = rand(d, d)
+        for k in sorted({1, d // 2 or 1, d - 1}):
+            idx, vals = run_topk(x, k)
+            np.testing.assert_array_equal(idx, ref_topk(x, k))
+            np.testing.assert_array_equal(vals, x[idx])
+            np.testing.assert_array_equal(idx, nk.topk(T(x), k)[0].numpy())
+    x = np.random.default_rng(0).integers(-2, 3, 600).astype(np.float32)  # ties
+    for k in (5, 300):
+        np.testing.assert_array_equal(run_topk(x, k)[0], ref_topk(x, k))
+
+
+@check
+def topk_sampled_threshold_and_retry():
+    small, sample, est = _cpu.TOPK_SMALL, _cpu.TOPK_SAMPLE, _cpu.estimate_threshold
+    try:
+        _cpu.TOPK_SMALL, _cpu.TOPK_SAMPLE = 64, 128  # exercise sample/count/compact
+        for d, k in ((1003, 1), (1003, 40), (2000, 700)):
+            x = rand(d, k) * np.exp(rand(d, k + 1))
+            idx, vals = run_topk(x, k)
+            np.testing.assert_array_equal(idx, ref_topk(x, k))
+            np.testing.assert_array_equal(vals, x[idx])
+        calls = []
+
+        def too_high(sample, k, d, boost):  # first estimate is far too high
+            calls.append(boost)
+            return np.uint32(0x7F000000) if len(calls) == 1 else est(sample, k, d, boost)
+
+        _cpu.estimate_threshold = too_high
+        x = rand(1003, 9)
+        idx, _ = run_topk(x, 50)
+        np.testing.assert_array_equal(idx, ref_topk(x, 50))
+        assert len(calls) >= 2, calls
+    finally:
+        _cpu.TOPK_SMALL, _cpu.TOPK_SAMPLE, _cpu.estimate_threshold = small, sample, est
+
+
+@check
+def randomk_matches_cpu():
+    cases = ((2, 1, 0), (9, 3, 1), (9, 8, 2), (1003, 1, 3), (1003, 300, 4), (1003, 300, 5), (1003, 1002, 6))
+    for d, k, seed in cases:
+        idx = np.empty(k, np.int64)
+        C.randomk_indices(d, k, _random.seed_key(seed), idx)
+        cpu = nk.randomk_indices(d, k, seed, "cpu").numpy()
+        np.testing.assert_array_equal(idx, cpu)
+        assert len(np.unique(idx)) == k and np.all(np.diff(idx) > 0)
+
+
+print("RESULTS " + json.dumps(results))
+'''
+
+CHECKS = [
+    "rng_bit_identical",
+    "qsgd_matches_cpu",
+    "terngrad_matches_cpu",
+    "sign_pack_unpack_vote",
+    "scatter_gather",
+    "weighted_sum",
+    "topk_exact",
+    "topk_sampled_threshold_and_retry",
+    "randomk_matches_cpu",
+]
+
+
+@pytest.fixture(scope="module")
+def sim_results():
+    if importlib.util.find_spec("numba_cuda") is None and importlib.util.find_spec("numba.cuda") is None:
+        pytest.skip("numba CUDA support is not installed")
+    env = dict(os.environ)
+    env["NUMBA_ENABLE_CUDASIM"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"simulator run failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(lines[-1][len("RESULTS ") :])
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_cuda_simulator(sim_results, name):
+    assert name in sim_results, f"check {name} did not run"
+    assert sim_results[name] == "ok", sim_results[name]
