@@ -20,7 +20,8 @@ from typing import Any, Iterable
 from sqlalchemy import (JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, or_,
                         create_engine, delete, event, func, select)
 from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
+from sqlalchemy.orm import (DeclarativeBase, Mapped, Session, mapped_column, relationship,
+                            selectinload)
 
 from dsgd_cli import __version__
 from dsgd_cli.errors import StoreError
@@ -200,31 +201,25 @@ class Store:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def runs(self, experiments: list[str] | None = None, last: int | None = None) -> list[Run]:
-        """Runs, oldest first; `last` keeps the newest N; `experiments` filters by name."""
+    def runs(self, experiments: list[str] | None = None, last: int | None = None,
+             ids: list[int] | None = None) -> list[Run]:
+        """Runs, oldest first; `last` keeps the newest N; `experiments` filters by name (a
+        grid's base name matches all its points); `ids` by run id."""
+        query = _with_details(select(Run).order_by(Run.id.desc()))
+        if ids is not None:
+            query = query.where(Run.id.in_(ids))
+        if experiments:
+            names = [Run.experiment == e for e in experiments]
+            grid_points = [Run.experiment.like(f"{e}[%") for e in experiments]
+            query = query.where(or_(*names, *grid_points))
+        if last:
+            query = query.limit(last)
         with Session(self.engine) as session:
-            query = select(Run).order_by(Run.id.desc())
-            if experiments:
-                bases = [Run.experiment == e for e in experiments] + [
-                    Run.experiment.like(f"{e}[%") for e in experiments]
-                query = query.where(or_(*bases))
-            if last:
-                query = query.limit(last)
-            runs = list(session.scalars(query))
-            for run in runs:  # load while the session is open
-                run.summaries, run.plugins, run.params
-            return list(reversed(runs))
+            return list(reversed(session.scalars(query).all()))
 
     def get_run(self, run_id: int) -> Run | None:
-        runs = self._runs_by_id([run_id])
-        return runs[0] if runs else None
-
-    def _runs_by_id(self, ids: list[int]) -> list[Run]:
         with Session(self.engine) as session:
-            runs = list(session.scalars(select(Run).where(Run.id.in_(ids))))
-            for run in runs:
-                run.summaries, run.plugins, run.params
-            return runs
+            return session.scalars(_with_details(select(Run).where(Run.id == run_id))).first()
 
     def metric_history(self, run_id: int, name: str) -> list[Metric]:
         with Session(self.engine) as session:
@@ -234,6 +229,12 @@ class Store:
     def count_metrics(self, run_id: int) -> int:
         with Session(self.engine) as session:
             return session.scalar(select(func.count()).where(Metric.run_id == run_id))
+
+
+def _with_details(query):
+    """Load a run's summaries, plugins and parameters with it, for use after the session."""
+    return query.options(selectinload(Run.summaries), selectinload(Run.plugins),
+                         selectinload(Run.params))
 
 
 def summarize(metrics: Iterable[tuple[str, int | None, float]]) -> dict[str, tuple[float, float]]:

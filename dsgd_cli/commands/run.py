@@ -40,7 +40,7 @@ def run(
     results = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[stats]}"), TimeElapsedColumn())
-    with Progress(*columns, console=console) as bars:
+    with Progress(*columns, console=console, refresh_per_second=4) as bars:
         for exp in experiments:
             bar = bars.add_task(exp.name, total=None, stats="starting")
 
@@ -53,8 +53,7 @@ def run(
             bars.update(bar, stats=f"{bars.tasks[bar].fields['stats']}  {status}".strip())
             results.append(result)
 
-    runs = [r for r in store.runs() if r.id in {res.run_id for res in results}]
-    typer.echo(render(compare_rows(runs)))
+    typer.echo(render(compare_rows(store.runs(ids=[r.run_id for r in results]))))
     failed = [r for r in results if r.status != "completed"]
     if failed:
         raise RunFailed(f"{len(failed)} of {len(results)} runs failed: " + "; ".join(
