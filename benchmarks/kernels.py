@@ -43,6 +43,9 @@ def parse_size(s: str) -> int:
     return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
 
 
+STAT = statistics.median
+
+
 def timeit(fn, repeats, warmup, sync):
     for _ in range(warmup):
         fn()
@@ -53,7 +56,7 @@ def timeit(fn, repeats, warmup, sync):
         fn()
         sync()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return STAT(ts)
 
 
 # ---------------------------------------------------------------------------
@@ -208,11 +211,15 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=9, help="timed runs per measurement (median)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", choices=["all", "cpu", "cuda"], default="all")
+    ap.add_argument("--stat", choices=["median", "min"], default="median",
+                    help="statistic over the repeats (min is more robust on a shared machine)")
     args = ap.parse_args(argv)
+    global STAT
+    STAT = min if args.stat == "min" else statistics.median
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     print(f"torch {torch.__version__} (threads {torch.get_num_threads()}), numba {numba.__version__} "
           f"(threads {numba.get_num_threads()}), cpus {os.cpu_count()}, "
-          f"loadavg {os.getloadavg()[0]:.2f}")
+          f"loadavg {os.getloadavg()[0]:.2f}, {args.stat} of {args.repeats} runs")
     print("GB/s = input bytes / time; numba/torch = speed-up; in/copy = input bandwidth / copy's; "
           "rw/copy = (input+output) bandwidth / copy's (read+write)")
     if args.device in ("all", "cpu"):

