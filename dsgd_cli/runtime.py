@@ -154,6 +154,7 @@ class Worker:
             if target is not None and reached_at is None and accuracy >= target:
                 reached_at = time.perf_counter() - started
         self.aggregator.finish()
+        total_sent += self.comm.take_traffic().bytes_sent  # what finish() drained
         self._report_run(started, train_seconds, samples, total_sent, reached_at)
         if config["save_dir"]:
             self._save_model(Path(config["save_dir"]) / config["name"].replace("/", "_"))
