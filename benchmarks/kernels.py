@@ -16,19 +16,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-import numba  # noqa: E402
+import numba
 
-import numba_kernels as nk  # noqa: E402
+import numba_kernels as nk
 
 LEVELS = 127
 BUCKET = 512

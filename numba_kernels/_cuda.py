@@ -15,8 +15,9 @@ order-preserving block compaction (block-wide scans in shared memory) plus a
 radix select on the candidates, so their results are identical to the CPU
 kernels' (exact selection, lowest index first among equal magnitudes).
 
-A few helpers (top-k, random-k, the int->host counts) copy small arrays to the
-host and therefore synchronise the stream.
+Top-k and random-k copy small arrays (per-block counts, radix histograms, the
+top-k threshold sample) to the host and therefore synchronise the stream; all
+other helpers are asynchronous.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ except Exception:  # pragma: no cover - plain numba
 
 #: threads per block (power of two); smaller under the simulator for speed
 TPB = 32 if SIM else 256
-#: tiles of TPB elements handled per block by the compaction kernels
+#: contiguous elements per thread in the compaction kernels (block = TPB*ITEMS)
 ITEMS = 8 if SIM else 16
 #: cap on the grid of grid-stride kernels
 MAX_BLOCKS = 2 if SIM else 4096

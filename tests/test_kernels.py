@@ -7,18 +7,13 @@ counter-based RNG; they do not call into numba_kernels.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # `pytest` run without the repo root on sys.path
-    sys.path.insert(0, str(ROOT))
 
-import numba_kernels as nk  # noqa: E402
+import numba_kernels as nk
 
 SIZES = [0, 1, 7, 8, 9, 1000, 1003]
 MASK64 = (1 << 64) - 1

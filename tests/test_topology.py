@@ -4,16 +4,12 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from dsgd_cli.topology import (  # noqa: E402
+from dsgd_cli.topology import (
     MIXINGS,
     TOPOLOGIES,
     CustomTopology,
@@ -282,13 +278,12 @@ def test_random_regular_deterministic_and_seed_dependent():
 def test_random_regular_same_graph_in_another_process():
     """Workers are separate processes (with their own hash seeds): same graph."""
     code = (
-        "import sys; sys.path.insert(0, sys.argv[1]);"
         "from dsgd_cli.topology import make_topology;"
         "t = make_topology('random_regular', 16, degree=3, seed=11);"
         "print([t.out_peers(i) for i in range(16)])"
     )
     env = dict(os.environ, PYTHONHASHSEED="12345")
-    out = subprocess.run([sys.executable, "-c", code, str(ROOT)], env=env,
+    out = subprocess.run([sys.executable, "-c", code], env=env,
                          capture_output=True, text=True, check=True).stdout.strip()
     local = make_topology("random_regular", 16, degree=3, seed=11)
     assert out == str([local.out_peers(i) for i in range(16)])
