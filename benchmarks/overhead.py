@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,7 +58,7 @@ def ddp_worker(config_path: str, out_path: str) -> None:
             loss = task.loss(model(x), y)
             loss.backward()
             optimizer.step()
-            float(loss)  # dsgd reads the loss every step too
+            float(loss.detach())  # dsgd reads the loss every step too
             seconds += time.perf_counter() - start
             samples += len(y)
     totals = torch.tensor([samples, seconds], dtype=torch.float64)
@@ -65,6 +66,8 @@ def ddp_worker(config_path: str, out_path: str) -> None:
     dist.all_reduce(totals[1:], dist.ReduceOp.MAX)
     if rank == 0:
         Path(out_path).write_text(json.dumps({"samples_per_second": float(totals[0] / totals[1])}))
+    del model  # DDP's reducer before the process group: tearing down in the other order can abort
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -76,10 +79,12 @@ def spec_config(task: dict, workers: int, epochs: int) -> dict:
 def run_ddp(config: dict, tmp: Path) -> float:
     config_path, out_path = tmp / "ddp.json", tmp / "ddp-out.json"
     config_path.write_text(json.dumps(config))
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={config['workers']}", __file__, "--ddp-worker",
-                    str(config_path), str(out_path)], check=True, capture_output=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc-per-node={config['workers']}", __file__, "--ddp-worker",
+                             str(config_path), str(out_path)], capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if result.returncode != 0:
+        raise SystemExit(f"DDP run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return json.loads(out_path.read_text())["samples_per_second"]
 
 
@@ -92,8 +97,10 @@ def run_dsgd(config: dict, tmp: Path, index: int) -> float:
     db = tmp / f"bench{index}-{time.monotonic_ns()}.db"
     experiment = {"name": "bench", **config, "aggregator": {"name": "allreduce"}}
     spec.write_text(yaml.safe_dump({"experiments": [experiment]}))
-    subprocess.run([sys.executable, "-m", "dsgd_cli", "run", str(spec), "--db", str(db)],
-                   check=True, capture_output=True)
+    result = subprocess.run([sys.executable, "-m", "dsgd_cli", "run", str(spec), "--db", str(db)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"dsgd run failed:\n{result.stdout}\n{result.stderr}")
     (run,) = Store(str(db)).runs()
     return {s.name: s.final for s in run.summaries}["samples_per_second"]
 
@@ -102,11 +109,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3, help="alternating runs; the best of each is kept")
+    parser.add_argument("--repeats", type=int, default=5, help="alternating runs of each; medians are compared")
     args = parser.parse_args()
     print(f"dsgd allreduce vs torch DDP, {args.workers} workers (gloo, CPU), batch 32 per worker, "
-          f"{args.epochs} epochs, best of {args.repeats}")
-    print(f"{'model':28s} {'DDP samples/s':>14s} {'dsgd samples/s':>15s} {'dsgd/DDP':>9s}")
+          f"{args.epochs} epochs, median of {args.repeats} alternating runs [min-max]")
+    print(f"{'model':28s} {'DDP samples/s':>22s} {'dsgd samples/s':>22s} {'dsgd/DDP':>9s}")
     with tempfile.TemporaryDirectory() as directory:
         tmp = Path(directory)
         for label, task in CASES:
@@ -115,7 +122,12 @@ def main() -> None:
             for repeat in range(args.repeats):  # alternate so drift in machine load hits both
                 ddp.append(run_ddp(config, tmp))
                 ours.append(run_dsgd(config, tmp, repeat))
-            print(f"{label:28s} {max(ddp):14.0f} {max(ours):15.0f} {max(ours) / max(ddp):9.3f}")
+            print(f"{label:28s} {_spread(ddp):>22s} {_spread(ours):>22s} "
+                  f"{statistics.median(ours) / statistics.median(ddp):9.3f}", flush=True)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
 
 
 if __name__ == "__main__":

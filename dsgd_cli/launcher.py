@@ -24,7 +24,7 @@ from dsgd_cli.events import EventReader, events_path
 from dsgd_cli.spec import Experiment
 from dsgd_cli.store import MetricRow, Store
 
-POLL_SECONDS = 0.2
+POLL_SECONDS = 0.5
 GRACE_AFTER_ERROR_S = 10.0  # torchrun normally stops the other workers well before this
 PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor")
 

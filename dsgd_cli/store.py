@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from sqlalchemy import (JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, or_,
-                        create_engine, delete, event, func, select)
+                        create_engine, delete, event, func, insert, select)
 from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
 from sqlalchemy.orm import (DeclarativeBase, Mapped, Session, mapped_column, relationship,
                             selectinload)
@@ -183,7 +183,7 @@ class Store:
         if not rows:
             return
         with Session(self.engine) as session, session.begin():
-            session.add_all(Metric(run_id=run_id, **row.__dict__) for row in rows)
+            session.execute(insert(Metric), [{"run_id": run_id, **row.__dict__} for row in rows])
 
     def finish_run(self, run_id: int, status: str, reason: str | None = None,
                    failed_rank: int | None = None) -> None:

@@ -37,11 +37,15 @@ class _Bucket:
         self.handle: Handle | None = None
 
 
+FIRST_BUCKET_BYTES = 2**20  # as DDP: a small first bucket starts communication early
+
+
 def _bucket_params(params: list[torch.nn.Parameter], limit_bytes: float) -> list[list]:
     groups, current, size = [], [], 0
     for p in params:
         nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > limit_bytes or p.dtype != current[0].dtype):
+        limit = min(limit_bytes, FIRST_BUCKET_BYTES) if not groups else limit_bytes
+        if current and (size + nbytes > limit or p.dtype != current[0].dtype):
             groups.append(current)
             current, size = [], 0
         current.append(p)
@@ -87,11 +91,12 @@ class AllReduce(Aggregator):
             self._launch(self.buckets[self.next_to_launch])
 
     def _launch(self, bucket: _Bucket) -> None:
+        n = self.ctx.world_size
         for p, view in zip(bucket.params, bucket.views):
             if p.grad is None:  # a parameter this step did not use
                 view.zero_()
-            else:
-                view.copy_(p.grad.reshape(-1))
+            else:  # divide on the way in: the sum that comes back is the average
+                torch.div(p.grad.reshape(-1), n, out=view)
         bucket.handle = self.ctx.comm.all_reduce(bucket.buffer, "sum", async_op=True)
         self.next_to_launch += 1
 
@@ -107,14 +112,12 @@ class AllReduce(Aggregator):
             return
         while self.next_to_launch < len(self.buckets):  # no overlap, or unused parameters
             self._launch(self.buckets[self.next_to_launch])
-        n = self.ctx.world_size
         for bucket in self.buckets:
             bucket.handle.wait()
-            bucket.buffer.div_(n)
+            # The averaged gradients stay in the bucket; .grad becomes a view of it (the
+            # runtime's zero_grad(set_to_none=True) detaches it again before the next step).
             for p, view in zip(bucket.params, bucket.views):
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad.copy_(view.view_as(p))
+                p.grad = view.view_as(p)
 
     # -- compressed: one tensor at a time -----------------------------------------------------
 

@@ -21,7 +21,7 @@ from dsgd_cli.topology import Topology, mixing_matrix
 
 from plugins.aggregators.gossip import graph
 from plugins.aggregators.gossip.graph import MixingName, TopologyName
-from plugins.aggregators.gossip.vector import ModelVector, to_wire
+from plugins.aggregators.gossip.vector import ModelVector, to_wire, weighted_sum
 
 
 @dataclass
@@ -75,9 +75,9 @@ class DPSGD(Aggregator):
         for handle in self.handles:
             handle.wait()
         weights = self.weights[step % self.topology.period]
-        mixed = self.sent * float(weights[self.rank])
-        for peer in self.topology.in_peers(self.rank, step):
-            mixed.add_(self.inbox[peer].to(mixed.device), alpha=float(weights[peer]))
+        peers = self.topology.in_peers(self.rank, step)
+        mixed = weighted_sum([self.sent] + [self.inbox[p].to(self.sent.device) for p in peers],
+                             [float(weights[self.rank])] + [float(weights[p]) for p in peers])
         # Forward may have changed the buffers since they were sent (batch-norm statistics):
         # keep that change on top of the mix. For parameters the difference is exactly zero.
         mixed.add_(self.vector.read() - self.sent)

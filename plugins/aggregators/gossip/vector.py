@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+import numba_kernels
 from dsgd_cli.api import WorkerContext, unflatten_into
 
 
@@ -42,3 +43,13 @@ class ModelVector:
 def to_wire(tensor: torch.Tensor) -> torch.Tensor:
     """Messages travel on a gloo group, which takes CPU tensors."""
     return tensor if tensor.device.type == "cpu" else tensor.cpu()
+
+
+def weighted_sum(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """Σ_k w_k x_k over flat vectors in one pass (the numba kernel, for float32)."""
+    if tensors[0].dtype == torch.float32:
+        return numba_kernels.weighted_sum(tensors, weights)
+    total = tensors[0] * weights[0]
+    for tensor, weight in zip(tensors[1:], weights[1:]):
+        total.add_(tensor, alpha=weight)
+    return total
