@@ -257,7 +257,7 @@ class Worker:
                 self.events.metric("time_to_accuracy", reached_at, per_rank=False)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     config_path, events_dir = (argv or sys.argv[1:])[:2]
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -276,19 +276,20 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=config.get("timeout_s", 600)))
         Worker(config, events, rank, world_size, device).train()
+        dist.barrier()  # nobody tears down its connections while a peer still needs them
         events.write("done")
-        return 0
+        exit_code = 0
     except Exception as error:
         events.write("error", reason=f"{type(error).__name__}: {error}",
                      traceback=traceback.format_exc(), at=time.time())
-        events.close()
-        # Leave at once: peers may be gone, and a clean shutdown could block on them.
-        os._exit(1)
-    finally:
-        events.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
+        exit_code = 1
+    events.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without tearing down the process group: after a failure the peers may be gone and
+    # a clean shutdown could block on them, and gloo's teardown can abort the process
+    # ("terminate called without an active exception") after a run that succeeded.
+    os._exit(exit_code)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -5,8 +5,8 @@ worker sends its shares without blocking and adds what it receives when it arriv
 communication hides behind computation. The delay is bounded: the model a worker has after
 step s must have gone through a complete push-sum round (sent, and this round's shares from all
 in-peers added) by the end of step s + tau, else the worker waits (with tau = 1, each round
-overlaps one step of computation). Rounds are driven by the peers' threads, never by their training loops,
-so a fast worker never waits for a slow worker's computation.
+overlaps one step of computation). Rounds are driven by the peers' threads, never by their
+training loops, so a fast worker never waits for a slow worker's computation.
 
 Per-step metrics: `gossip_wait_seconds` (time the loop blocked on the bound),
 `gossip_rounds` (rounds completed during the step), `gossip_staleness` (steps whose state has
@@ -21,21 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
-from dsgd_cli.api import Aggregator, AggregatorOptions, option
-from dsgd_cli.topology import Topology
+from dsgd_cli.api import Aggregator, option
 
 from plugins.aggregators.gossip import graph
-from plugins.aggregators.gossip.graph import TopologyName
 from plugins.aggregators.gossip.overlap import OverlapGossip
 from plugins.aggregators.gossip.pushsum import PushSum
+from plugins.aggregators.gossip.sgp import SGP, SGPOptions
 from plugins.aggregators.gossip.vector import ModelVector
 
 
 @dataclass
-class OSGPOptions(AggregatorOptions):
-    topology: TopologyName = option("time_varying_exponential",
-                                    help="communication graph (directed where it has a variant)")
-    peers_per_step: int = option(1, min=1, help="peers per step (time_varying_exponential only)")
+class OSGPOptions(SGPOptions):
     tau: int = option(1, min=1, help="each step's model must finish a round within tau steps")
 
 
@@ -44,10 +40,9 @@ class OSGP(Aggregator):
     models_identical = False
 
     @classmethod
-    def make_topology(cls, options, world_size: int, seed: int = 0) -> Topology:
-        """The graph the plugin gossips on; a subclass may return any balanced `Topology`."""
-        return graph.build(options.topology, world_size, peers_per_step=options.peers_per_step,
-                           seed=seed)
+    def make_topology(cls, options, world_size: int, seed: int = 0):
+        """SGP's graphs; `check_world` also requires rounds to balance."""
+        return SGP.make_topology(options, world_size, seed)
 
     @classmethod
     def check_world(cls, options, world_size):
