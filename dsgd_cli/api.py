@@ -29,6 +29,7 @@ The worker loop (dsgd_cli/runtime.py) owns the order; the aggregator owns the al
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -51,7 +52,7 @@ class NoOptions:
     """For plugins that take no options."""
 
 
-class Plugin:
+class Plugin(ABC):
     """Common base: typed options, and the name the registry found the plugin under."""
 
     Options: ClassVar[type] = NoOptions
@@ -77,11 +78,13 @@ class Task(Plugin):
     """Data and model. Models are built after `torch.manual_seed(run seed)` on every worker,
     so all workers start from the same parameters."""
 
+    @abstractmethod
     def load_data(self, seed: int) -> TaskData:
-        raise NotImplementedError
+        """The whole dataset, made or loaded locally (no downloads)."""
 
+    @abstractmethod
     def build_model(self) -> nn.Module:
-        raise NotImplementedError
+        """A freshly initialised model (the runtime seeds torch first)."""
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(output, target)
@@ -95,8 +98,9 @@ class Task(Plugin):
 class OptimizerPlugin(Plugin):
     """Builds the worker's local optimizer, applied to whatever the aggregator left in .grad."""
 
+    @abstractmethod
     def build(self, params) -> torch.optim.Optimizer:
-        raise NotImplementedError
+        """The torch optimizer over `params`."""
 
 
 # -- compressors ------------------------------------------------------------------------------
@@ -133,11 +137,13 @@ class Compressor(Plugin):
         """Called once per worker before the aggregator's setup."""
         self.ctx = ctx
 
+    @abstractmethod
     def compress(self, tensor: torch.Tensor, key: str, step: int) -> Payload:
-        raise NotImplementedError
+        """`tensor`'s payload; `key` names the tensor, `step` the training step (for seeds)."""
 
+    @abstractmethod
     def decompress(self, payload: Payload, like: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The tensor a payload stands for, shaped like `like`."""
 
     def combine(self, payloads: list[Payload], like: torch.Tensor) -> torch.Tensor:
         """The average of the workers' values, from their gathered payloads."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsgd_cli.api import Compressor, option
+from dsgd_cli.api import Compressor, Payload, option
 from plugins.compressors._common import tensor_seed
 
 
@@ -32,20 +32,45 @@ class PowerSGD(Compressor):
         super().setup(ctx)
         self.q_memory: dict[str, torch.Tensor] = {}
 
-    def average(self, tensor, key, step, comm, with_local=False):
-        n = comm.world_size
-        matrix = tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else None
-        rank = min(self.options.rank, *matrix.shape) if matrix is not None else 0
-        if matrix is None or (matrix.shape[0] + matrix.shape[1]) * rank >= matrix.numel():
-            average = comm.all_reduce(tensor.clone(), "sum") / n
-            return average, tensor.clone() if with_local else None
+    def _factor_rank(self, tensor: torch.Tensor) -> int:
+        """The rank to use for `tensor`, or 0 when it travels uncompressed."""
+        if tensor.dim() < 2:
+            return 0
+        rows, cols = tensor.shape[0], tensor[0].numel()
+        rank = min(self.options.rank, rows, cols)
+        return rank if (rows + cols) * rank < rows * cols else 0
 
+    def _start(self, matrix: torch.Tensor, key: str, step: int, rank: int) -> torch.Tensor:
         q = self.q_memory.get(key) if self.options.warm_start else None
         if q is None:  # the same random start on every worker
-            generator = torch.Generator(device=tensor.device).manual_seed(
+            generator = torch.Generator(device=matrix.device).manual_seed(
                 tensor_seed(self.ctx, key, step, per_worker=False) % 2**63)
-            q = torch.randn(matrix.shape[1], rank, generator=generator, device=tensor.device)
-        p = matrix @ q
+            q = torch.randn(matrix.shape[1], rank, generator=generator, device=matrix.device)
+        return q
+
+    def compress(self, tensor, key, step):
+        """This worker's own rank-r approximation, without communication."""
+        rank = self._factor_rank(tensor)
+        if rank == 0:
+            return Payload([tensor])
+        matrix = tensor.reshape(tensor.shape[0], -1)
+        p = torch.linalg.qr(matrix @ self._start(matrix, key, step, rank)).Q
+        return Payload([p, matrix.T @ p])
+
+    def decompress(self, payload, like):
+        if len(payload.tensors) == 1:
+            return payload.tensors[0]
+        p, q = payload.tensors
+        return (p @ q.T).view_as(like)
+
+    def average(self, tensor, key, step, comm, with_local=False):
+        n = comm.world_size
+        rank = self._factor_rank(tensor)
+        if rank == 0:
+            average = comm.all_reduce(tensor.clone(), "sum") / n
+            return average, tensor.clone() if with_local else None
+        matrix = tensor.reshape(tensor.shape[0], -1)
+        p = matrix @ self._start(matrix, key, step, rank)
         comm.all_reduce(p, "sum")
         p = torch.linalg.qr(p).Q  # orthonormal columns; the sum or the mean span the same space
         q = matrix.T @ p
