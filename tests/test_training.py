@@ -22,6 +22,7 @@ def logreg_runs(tmp_path_factory, plugin_env):
           batch_size: 32
           optimizer: {{name: sgd, lr: 0.5}}
           save_dir: {tmp / "models"}
+          target_accuracy: 0.7
         experiments:
           - name: allreduce
             aggregator: {{name: allreduce}}
@@ -33,6 +34,10 @@ def logreg_runs(tmp_path_factory, plugin_env):
             aggregator: {{name: local_sgd, period: 4}}
           - name: third-party
             aggregator: {{name: model_average, every: 1}}
+          - name: slow-network
+            steps_per_epoch: 5
+            network: {{bandwidth: 1Mbit, latency: 1ms}}
+            aggregator: {{name: allreduce}}
     """)
     db = tmp / "results.db"
     result = dsgd("run", str(spec), "--db", str(db), env=plugin_env)
@@ -80,6 +85,17 @@ def test_bytes_counted_as_ring_allreduce_traffic(logreg_runs):
         assert row["status"] == "completed"
         assert row["test_accuracy"] > 0.75
         assert row["samples_per_second"] > 0 and row["wall_seconds"] > 0
+
+
+def test_time_to_accuracy_and_emulated_network(logreg_runs):
+    db, _, env = logreg_runs
+    rows = {r["experiment"]: r for r in compare_json(db, "--metric", "time_to_accuracy",
+                                                     "--metric", "comm_seconds", env=env)}
+    reached = rows["allreduce"]["time_to_accuracy"]
+    assert 0 < reached <= rows["allreduce"]["wall_seconds"]
+    # Each all-reduce of 40 bytes over n = 2 is 2 messages of 1 ms plus 40 bytes at 1 Mbit/s:
+    # the emulation never lets it finish sooner.
+    assert rows["slow-network"]["comm_seconds"] >= 2 * 1e-3 + 40 * 8 / 1e6
 
 
 def test_metric_history_per_rank_and_epoch(logreg_runs):
