@@ -125,29 +125,27 @@ class Comm:
         return traffic
 
     @contextmanager
-    def untracked(self):
-        """Communication of the runtime itself (evaluation), kept out of the training metrics."""
-        previous = self._tracking()
-        self._local.tracking = False
+    def _local_flag(self, name: str, value: bool):
+        """Set a per-thread flag for the duration of a `with` block."""
+        previous = getattr(self._local, name, True)
+        setattr(self._local, name, value)
         try:
             yield
         finally:
-            self._local.tracking = previous
+            setattr(self._local, name, previous)
+
+    def untracked(self):
+        """Communication of the runtime itself (evaluation), kept out of the training metrics."""
+        return self._local_flag("tracking", False)
 
     def _tracking(self) -> bool:
         return getattr(self._local, "tracking", True)
 
-    @contextmanager
     def background(self):
         """Communication of a plugin's background thread: bytes are counted and the network
         is emulated as usual, but the time the thread spends blocked is not the training
         loop's, so it stays out of the `comm_seconds` metric."""
-        previous = self._counting_seconds()
-        self._local.count_seconds = False
-        try:
-            yield
-        finally:
-            self._local.count_seconds = previous
+        return self._local_flag("count_seconds", False)
 
     def _counting_seconds(self) -> bool:
         return getattr(self._local, "count_seconds", True)
