@@ -82,7 +82,13 @@ def test_powersgd_full_rank_reconstructs_the_average():
 def test_powersgd_low_rank_is_rank_r_and_warm_started():
     compressor = make("powersgd", rank=2)
     comm = SimpleNamespace(world_size=1, all_reduce=lambda t, op: t)
-    m = torch.randn(30, 40)
+    # A matrix with a clear gap after the second singular value, so a few power iterations
+    # reach its best rank-2 fit whatever the random start.
+    generator = torch.Generator().manual_seed(5)
+    u, _ = torch.linalg.qr(torch.randn(30, 30, generator=generator))
+    v, _ = torch.linalg.qr(torch.randn(40, 30, generator=generator))
+    singular_values = torch.cat([torch.tensor([10.0, 7.0]), torch.linspace(2.0, 0.1, 28)])
+    m = u @ torch.diag(singular_values) @ v.T
     first, _ = compressor.average(m, "w", 0, comm)
     assert torch.linalg.matrix_rank(first) == 2
     errors = []
