@@ -95,6 +95,19 @@ def torch_sign_vote(P, shifts):
     return torch.where(2 * cnt >= n, one, -one)
 
 
+def torch_pack_codes(q, bits, byte_shifts):
+    """Eight codes of `bits` bits -> one int64 word per group -> its low `bits` bytes."""
+    codes = (q.view(-1, 8).to(torch.int64) & ((1 << bits) - 1)) << (bits * byte_shifts)
+    words = codes.sum(1)
+    return ((words.unsqueeze(1) >> (8 * byte_shifts[:bits])) & 0xFF).to(torch.uint8).view(-1)
+
+
+def torch_unpack_codes(packed, bits, byte_shifts):
+    words = (packed.view(-1, bits).to(torch.int64) << (8 * byte_shifts[:bits])).sum(1)
+    codes = (words.unsqueeze(1) >> (bits * byte_shifts)) & ((1 << bits) - 1)
+    return (codes - ((codes & (1 << (bits - 1))) << 1)).to(torch.int8).view(-1)
+
+
 def torch_topk(x, k):
     idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values
     return idx, x[idx]
@@ -132,6 +145,9 @@ def cases(d, device):
     packed = nk.sign_pack(x)
     P = torch.stack([nk.sign_pack(torch.randn(d, device=device)) for _ in range(WORKERS)])
     shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    byte_shifts = torch.arange(8, dtype=torch.int64, device=device)
+    # codes as TernGrad (2 bits) and 16-level QSGD (6 bits) send them
+    code_cases = [(t, 2), (nk.qsgd_quantize(x, 16, BUCKET, 2)[1], nk.code_bits(16))]
     out = torch.empty(d, device=device)
     idx, vals = nk.topk(x, k)
     xs = [torch.randn(d, device=device) for _ in range(N_AVG)]
@@ -139,7 +155,7 @@ def cases(d, device):
     nb = norms.numel()
     seed = iter(range(10**9))
     f4 = 4 * d
-    return [
+    rows = [
         ("qsgd_quantize", f4, d + 4 * nb,
          lambda: nk.qsgd_quantize(x, LEVELS, BUCKET, next(seed)),
          lambda: torch_qsgd(x, LEVELS, BUCKET, g)),
@@ -173,6 +189,23 @@ def cases(d, device):
         (f"weighted_sum(n={N_AVG})", N_AVG * f4, f4,
          lambda: nk.weighted_sum(xs, ws, out=out),
          lambda: torch_wsum(xs, ws)),
+    ]
+    for codes, bits in code_cases:
+        rows += _code_cases(codes, bits, byte_shifts)
+    return rows
+
+
+def _code_cases(q, bits, byte_shifts):
+    d = q.numel()
+    packed = nk.pack_codes(q, bits)
+    q_out = torch.empty_like(q)
+    return [
+        (f"pack_codes({bits} bit)", d, packed.numel(),
+         lambda: nk.pack_codes(q, bits),
+         lambda: torch_pack_codes(q, bits, byte_shifts)),
+        (f"unpack_codes({bits} bit)", packed.numel(), d,
+         lambda: nk.unpack_codes(packed, d, bits, out=q_out),
+         lambda: torch_unpack_codes(packed, bits, byte_shifts)),
     ]
 
 

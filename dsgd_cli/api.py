@@ -123,6 +123,8 @@ class Compressor(Plugin):
     `summable = True`: the payload tensors of all workers may be summed elementwise (one
     all-reduce) and the sum decompressed once, giving the sum of the workers' values.
     Otherwise the payloads are all-gathered and `combine` turns them into the average.
+    `uniform_payload = False`: the payload tensors' lengths may differ between workers (dqsgd
+    picks its bits per worker), so they are all-gathered with their lengths first.
     A payload's `context` must not depend on the worker's data: it is used to decompress
     every worker's payload.
     `requires_error_feedback = True`: the method is defined with error feedback (ef_sign,
@@ -131,6 +133,7 @@ class Compressor(Plugin):
 
     summable: ClassVar[bool] = True
     requires_error_feedback: ClassVar[bool] = False
+    uniform_payload: ClassVar[bool] = True
     identity: ClassVar[bool] = False  # only `none`: aggregators may skip compression entirely
 
     def setup(self, ctx: "WorkerContext") -> None:
@@ -169,7 +172,8 @@ class Compressor(Plugin):
             sums = [comm.all_reduce(t.clone(), "sum") for t in payload.tensors]
             average = self.decompress(Payload(sums, payload.context), tensor) / n
         else:
-            gathered = [comm.all_gather(t) for t in payload.tensors]
+            gather = comm.all_gather if self.uniform_payload else comm.all_gather_uneven
+            gathered = [gather(t) for t in payload.tensors]
             payloads = [Payload([g[w] for g in gathered], payload.context) for w in range(n)]
             average = self.combine(payloads, tensor)
         return average, local

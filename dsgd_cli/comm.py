@@ -62,7 +62,8 @@ class Handle:
     """A non-blocking operation in flight. `wait()` returns its result."""
 
     def __init__(self, comm: "Comm", works: Sequence[Any], issued_at: float, emulated_s: float,
-                 result: Any = None, on_complete: Callable[[], Any] | None = None):
+                 result: Any = None, on_complete: Callable[[], Any] | None = None,
+                 blocking: bool = False):
         self._comm = comm
         self._works = works
         self._issued_at = issued_at
@@ -71,6 +72,7 @@ class Handle:
         self._on_complete = on_complete
         self._done = False
         self._tracked = comm._tracking() and comm._counting_seconds()
+        self._blocking = blocking  # the caller has been blocked since the operation was issued
 
     def is_completed(self) -> bool:
         if self._done:
@@ -81,7 +83,7 @@ class Handle:
     def wait(self) -> Any:
         if self._done:
             return self._result
-        started = time.perf_counter()
+        started = self._issued_at if self._blocking else time.perf_counter()
         for work in self._works:
             if work is not None:
                 work.wait()
@@ -178,7 +180,8 @@ class Comm:
             self._add(sent=sent, received=received, calls=1)
         issued_at = time.perf_counter()
         work = start()
-        handle = Handle(self, [work], issued_at, emulated_s, result, on_complete)
+        handle = Handle(self, [work], issued_at, emulated_s, result, on_complete,
+                        blocking=not async_op)
         return handle if async_op else handle.wait()
 
     @staticmethod

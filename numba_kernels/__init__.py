@@ -19,6 +19,9 @@ Public API
 ``sign_pack(x) -> packed``
 ``sign_unpack(packed, d, scale=1.0, out=None) -> out``
 ``sign_vote(packed_list_tensor, d, out=None) -> out``
+``pack_codes(q, bits) -> packed``
+``unpack_codes(packed, d, bits, out=None) -> q``
+``code_bits(levels) -> bits``, ``packed_size(d, bits) -> bytes``
 ``topk(x, k) -> (indices, values)``
 ``randomk(x, k, seed) -> (indices, values)``
 ``randomk_indices(d, k, seed, device) -> indices``
@@ -42,6 +45,9 @@ sources), so the JIT cost is paid once per machine.
 """
 
 from ._dispatch import (
+    code_bits,
+    pack_codes,
+    packed_size,
     qsgd_dequantize,
     qsgd_quantize,
     randomk,
@@ -53,6 +59,7 @@ from ._dispatch import (
     terngrad_dequantize,
     terngrad_quantize,
     topk,
+    unpack_codes,
     weighted_sum,
 )
 from ._random import derive_seed
@@ -65,6 +72,10 @@ __all__ = [
     "sign_pack",
     "sign_unpack",
     "sign_vote",
+    "pack_codes",
+    "unpack_codes",
+    "code_bits",
+    "packed_size",
     "topk",
     "randomk",
     "randomk_indices",

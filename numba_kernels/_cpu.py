@@ -425,6 +425,91 @@ def sign_vote(packed, d, out):
 
 
 # ---------------------------------------------------------------------------
+# bit packing of small signed codes
+# ---------------------------------------------------------------------------
+
+_GROUPS = 8192  # groups of 8 codes per parallel work item
+
+
+def _pack_codes_k(q, bits, out):
+    # Eight codes of `bits` bits fill exactly `bits` bytes, so each group of 8 is assembled in
+    # one int64 (two's complement truncated to `bits`) and stored as its low `bits` bytes.
+    mask = (1 << bits) - 1
+    full = q.size // 8
+    nch = (full + _GROUPS - 1) // _GROUPS
+    for c in prange(nch):
+        lo = c * _GROUPS
+        hi = min(full, lo + _GROUPS)
+        qs = q[8 * lo : 8 * hi]
+        os = out[bits * lo : bits * hi]
+        for g in range(hi - lo):
+            word = 0
+            for j in range(8):
+                word |= (np.int64(qs[8 * g + j]) & mask) << (bits * j)
+            for b in range(bits):
+                os[bits * g + b] = np.uint8((word >> (8 * b)) & 0xFF)
+    rest = q[8 * full :]
+    if rest.size:
+        word = 0
+        for j in range(rest.size):
+            word |= (np.int64(rest[j]) & mask) << (bits * j)
+        tail = out[bits * full :]
+        for b in range(tail.size):
+            tail[b] = np.uint8((word >> (8 * b)) & 0xFF)
+
+
+def _unpack_codes_k(packed, bits, q):
+    # Sign extension without a branch: c - 2·(c & 2^(bits-1)) maps [0, 2^bits) back to
+    # [-2^(bits-1), 2^(bits-1)).
+    mask = (1 << bits) - 1
+    half = 1 << (bits - 1)
+    full = q.size // 8
+    nch = (full + _GROUPS - 1) // _GROUPS
+    for c in prange(nch):
+        lo = c * _GROUPS
+        hi = min(full, lo + _GROUPS)
+        ps = packed[bits * lo : bits * hi]
+        qs = q[8 * lo : 8 * hi]
+        for g in range(hi - lo):
+            word = 0
+            for b in range(bits):
+                word |= np.int64(ps[bits * g + b]) << (8 * b)
+            for j in range(8):
+                code = (word >> (bits * j)) & mask
+                qs[8 * g + j] = np.int8(code - ((code & half) << 1))
+    rest = q[8 * full :]
+    if rest.size:
+        tail = packed[bits * full :]
+        word = 0
+        for b in range(tail.size):
+            word |= np.int64(tail[b]) << (8 * b)
+        for j in range(rest.size):
+            code = (word >> (bits * j)) & mask
+            rest[j] = np.int8(code - ((code & half) << 1))
+
+
+_pack_codes_p, _pack_codes_s = _twins(_pack_codes_k)
+_unpack_codes_p, _unpack_codes_s = _twins(_unpack_codes_k)
+
+
+@njit(cache=True)
+def pack_codes(q, bits, out):
+    """out: the codes' low `bits` bits as one little-endian bit stream."""
+    if q.size > CHUNK:
+        _pack_codes_p(q, bits, out)
+    else:
+        _pack_codes_s(q, bits, out)
+
+
+@njit(cache=True)
+def unpack_codes(packed, bits, q):
+    if q.size > CHUNK:
+        _unpack_codes_p(packed, bits, q)
+    else:
+        _unpack_codes_s(packed, bits, q)
+
+
+# ---------------------------------------------------------------------------
 # top-k / random-k selection
 # ---------------------------------------------------------------------------
 # Candidates are gathered 64 elements at a time: a vectorised pass builds a

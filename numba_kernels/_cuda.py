@@ -409,6 +409,51 @@ def sign_vote(packed, out, stream=0):
 
 
 # ---------------------------------------------------------------------------
+# bit packing of small signed codes (one thread per group of 8 codes = `bits` bytes)
+# ---------------------------------------------------------------------------
+
+
+@cuda.jit
+def _k_pack_codes(q, bits, out):
+    g = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    mask = (1 << bits) - 1
+    ngroups = (q.size + 7) // 8
+    while g < ngroups:
+        word = 0
+        for j in range(min(8, q.size - 8 * g)):
+            word |= (np.int64(q[8 * g + j]) & mask) << (bits * j)
+        for b in range(min(bits, out.size - bits * g)):
+            out[bits * g + b] = np.uint8((word >> (8 * b)) & 0xFF)
+        g += stride
+
+
+@cuda.jit
+def _k_unpack_codes(packed, bits, q):
+    g = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    mask = (1 << bits) - 1
+    half = 1 << (bits - 1)
+    ngroups = (q.size + 7) // 8
+    while g < ngroups:
+        word = 0
+        for b in range(min(bits, packed.size - bits * g)):
+            word |= np.int64(packed[bits * g + b]) << (8 * b)
+        for j in range(min(8, q.size - 8 * g)):
+            code = (word >> (bits * j)) & mask
+            q[8 * g + j] = np.int8(code - ((code & half) << 1))
+        g += stride
+
+
+def pack_codes(q, bits, out, stream=0):
+    _k_pack_codes[_grid((q.size + 7) // 8), TPB, stream](q, bits, out)
+
+
+def unpack_codes(packed, bits, q, stream=0):
+    _k_unpack_codes[_grid((q.size + 7) // 8), TPB, stream](packed, bits, q)
+
+
+# ---------------------------------------------------------------------------
 # scatter / weighted sum
 # ---------------------------------------------------------------------------
 

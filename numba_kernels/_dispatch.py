@@ -370,6 +370,67 @@ def sign_vote(packed_list_tensor, d: int, out=None):
 
 
 # ---------------------------------------------------------------------------
+# bit packing
+# ---------------------------------------------------------------------------
+
+
+def code_bits(levels: int) -> int:
+    """Bits of the two's-complement codes in [-levels, levels]: 2 for TernGrad's {-1, 0, 1},
+    6 for 16 QSGD levels, 8 for 127."""
+    levels = _check_levels(levels)
+    return levels.bit_length() + 1
+
+
+def _check_bits(bits):
+    bits = _int(bits, "bits")
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in [1, 8], got {bits}")
+    return int(bits)
+
+
+def packed_size(d: int, bits: int) -> int:
+    """Bytes of ``d`` codes of ``bits`` bits: ``ceil(d * bits / 8)``."""
+    return (_check_d(d) * _check_bits(bits) + 7) // 8
+
+
+def pack_codes(q, bits: int):
+    """Pack int8 codes in ``[-2^(bits-1), 2^(bits-1))`` into a little-endian bit stream of
+    ``bits`` bits each: uint8 [ceil(d * bits / 8)]; code k occupies bits ``[k*bits,
+    (k+1)*bits)``, unused high bits are 0.  Codes outside the range keep only their low
+    ``bits`` bits.  ``bits`` is 1 to 8."""
+    q = _flat(q, "q", torch.int8)
+    bits = _check_bits(bits)
+    out = torch.empty(packed_size(q.numel(), bits), dtype=torch.uint8, device=q.device)
+    if q.numel() == 0:
+        return out
+    if q.is_cuda:
+        with _on_device(q):
+            _cuda().pack_codes(_dev(q), bits, _dev(out), _stream(q))
+    else:
+        _cpu.pack_codes(_np(q), bits, out.numpy())
+    return out
+
+
+def unpack_codes(packed, d: int, bits: int, out=None):
+    """Inverse of :func:`pack_codes`: int8 [d], sign-extended from ``bits`` bits."""
+    packed = _flat(packed, "packed", torch.uint8)
+    bits = _check_bits(bits)
+    d = _check_d(d)
+    if packed.numel() != packed_size(d, bits):
+        raise ValueError(f"packed has {packed.numel()} bytes, expected {packed_size(d, bits)}")
+    given = out
+    out = _out(out, d, torch.int8, packed.device)
+    if d == 0:
+        return out if given is None else given
+    if packed.is_cuda:
+        with _on_device(packed):
+            _cuda().unpack_codes(_dev(packed), bits, _dev(out), _stream(packed))
+    else:
+        _cpu.unpack_codes(_np(packed), bits, _np(out))
+    return out if given is None else given
+
+
+# ---------------------------------------------------------------------------
 # sparsification
 # ---------------------------------------------------------------------------
 

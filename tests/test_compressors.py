@@ -164,7 +164,15 @@ experiments:
     assert rows["topk"]["total_bytes_sent"] == steps_bytes * 3 * (4 + 4) / 40  # k = 3 pairs
     # random-k: only the k values travel, in a ring all-reduce like 'none'
     assert rows["randomk"]["total_bytes_sent"] == steps_bytes * 3 * 4 / 40
-    assert rows["qsgd"]["total_bytes_sent"] == steps_bytes * (4 + 10) / 40
+    # bit-packed codes: 16 levels need 6 bits, so 10 codes take 8 bytes, plus one float32 norm
+    assert rows["qsgd"]["total_bytes_sent"] == steps_bytes * (4 + 8) / 40
+    # ternary codes take 2 bits: 3 bytes, plus the float32 scale
+    assert rows["terngrad"]["total_bytes_sent"] == steps_bytes * (4 + 3) / 40
+    # dqsgd: its levels (1 byte), a norm and 2 to 8 bits per code, each of the three tensors
+    # all-gathered after its int64 length since workers' code widths may differ
+    lengths = 3 * 8
+    assert (steps_bytes * (1 + 4 + 3 + lengths) / 40 <= rows["dqsgd"]["total_bytes_sent"]
+            <= steps_bytes * (1 + 4 + 10 + lengths) / 40)
 
 
 @pytest.mark.parametrize("name, options", [("qsgd", {"levels": 2, "bucket_size": 8}),

@@ -263,6 +263,41 @@ def test_sign_pack_unpack(d):
     np.testing.assert_array_equal(out2.numpy(), np.where(x >= 0, 0.5, -0.5).astype(np.float32))
 
 
+def ref_pack_codes(q, bits):
+    """Each code's low `bits` bits, least significant first, as one little-endian bit stream."""
+    codes = q.astype(np.int64) & ((1 << bits) - 1)
+    stream = (codes[:, None] >> np.arange(bits)) & 1
+    return np.packbits(stream.reshape(-1).astype(np.uint8), bitorder="little")
+
+
+@pytest.mark.parametrize("d", SIZES + [64, 65, 100_003])
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_pack_codes_round_trip(d, bits):
+    rng = np.random.default_rng(d * 8 + bits)
+    q = rng.integers(-(1 << (bits - 1)), 1 << (bits - 1), d).astype(np.int8)
+    packed = nk.pack_codes(t(q), bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == nk.packed_size(d, bits)
+    np.testing.assert_array_equal(packed.numpy(), ref_pack_codes(q, bits))
+    np.testing.assert_array_equal(nk.unpack_codes(packed, d, bits).numpy(), q)
+    out = torch.full((d,), 99, dtype=torch.int8)
+    assert nk.unpack_codes(packed, d, bits, out=out) is out
+    np.testing.assert_array_equal(out.numpy(), q)
+
+
+@pytest.mark.parametrize("levels, bits", [(1, 2), (3, 3), (4, 4), (7, 4), (8, 5), (16, 6), (127, 8)])
+def test_code_bits_hold_every_quantization_level(levels, bits):
+    assert nk.code_bits(levels) == bits
+    q = torch.arange(-levels, levels + 1, dtype=torch.int8)
+    assert torch.equal(nk.unpack_codes(nk.pack_codes(q, bits), q.numel(), bits), q)
+
+
+def test_pack_codes_rejects_bad_widths_and_sizes():
+    with pytest.raises(ValueError, match="bits must be in"):
+        nk.pack_codes(torch.zeros(3, dtype=torch.int8), 9)
+    with pytest.raises(ValueError, match="expected 3"):
+        nk.unpack_codes(torch.zeros(2, dtype=torch.uint8), 8, 3)
+
+
 @pytest.mark.parametrize("d", SIZES + [100_003])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 16])
 def test_sign_vote(d, n):

@@ -148,6 +148,20 @@ def sign_pack_unpack_vote():
 
 
 @check
+def pack_codes_matches_cpu():
+    for bits in (1, 2, 3, 6, 8):
+        for d in (1, 7, 8, 9, 100, 1003):
+            rng = np.random.default_rng(d * 8 + bits)
+            q = rng.integers(-(1 << (bits - 1)), 1 << (bits - 1), d).astype(np.int8)
+            packed = np.empty((d * bits + 7) // 8, np.uint8)
+            C.pack_codes(q, bits, packed)
+            np.testing.assert_array_equal(packed, nk.pack_codes(T(q), bits).numpy())
+            out = np.empty(d, np.int8)
+            C.unpack_codes(packed, bits, out)
+            np.testing.assert_array_equal(out, q)
+
+
+@check
 def scatter_gather():
     rng = np.random.default_rng(1)
     d = 500
@@ -255,6 +269,7 @@ CHECKS = [
     "qsgd_matches_cpu",
     "terngrad_matches_cpu",
     "sign_pack_unpack_vote",
+    "pack_codes_matches_cpu",
     "scatter_gather",
     "weighted_sum",
     "topk_exact",

@@ -29,6 +29,7 @@ def warm_up_kernels() -> None:
     x = torch.linspace(-1, 1, 16)
     nk.qsgd_dequantize(*nk.qsgd_quantize(x, 4, 8, 0), 4, 8)
     nk.terngrad_dequantize(*nk.terngrad_quantize(x, 0))
+    nk.unpack_codes(nk.pack_codes(torch.zeros(16, dtype=torch.int8), 2), 16, 2)
     packed = nk.sign_pack(x)
     nk.sign_unpack(packed, 16)
     nk.sign_vote(torch.stack([packed, packed]), 16)

@@ -1,7 +1,8 @@
 """Stochastic quantizers: QSGD, its dynamic-level variant, and TernGrad.
 
-All are unbiased (E[decompress(compress(v))] = v) and send one int8 per element plus a few
-float32 scales; workers' scales differ, so payloads are all-gathered, not summed.
+All are unbiased (E[decompress(compress(v))] = v). The integer codes travel bit-packed, with
+as many bits per element as their range needs (2 for TernGrad, 6 for 16 QSGD levels), plus a
+few float32 scales; workers' scales differ, so payloads are all-gathered, not summed.
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ class QSGD(KernelCompressor):
 
     def compress(self, tensor, key, step):
         seed = tensor_seed(self.ctx, key, step, per_worker=True)
-        norms, q = nk.qsgd_quantize(tensor.reshape(-1), self.options.levels,
-                                    self.options.bucket_size, seed)
-        return Payload([norms, q])
+        levels = self.options.levels
+        norms, q = nk.qsgd_quantize(tensor.reshape(-1), levels, self.options.bucket_size, seed)
+        return Payload([norms, nk.pack_codes(q, nk.code_bits(levels))])
 
     def decompress(self, payload, like):
-        norms, q = payload.tensors
-        flat = nk.qsgd_dequantize(norms, q, self.options.levels, self.options.bucket_size)
-        return flat.view(like.shape)
+        norms, packed = payload.tensors
+        levels = self.options.levels
+        q = nk.unpack_codes(packed, like.numel(), nk.code_bits(levels))
+        return nk.qsgd_dequantize(norms, q, levels, self.options.bucket_size).view(like.shape)
 
 
 @dataclass
@@ -69,6 +71,7 @@ class DQSGD(KernelCompressor):
 
     Options = DQSGDOptions
     summable = False
+    uniform_payload = False  # the packed codes' length follows each worker's levels
 
     def choose_levels(self, v: torch.Tensor) -> int:
         budget = self.options.variance_budget * float(v.double().pow(2).sum())
@@ -84,12 +87,17 @@ class DQSGD(KernelCompressor):
         self.ctx.metrics.log("dqsgd_levels", levels)
         seed = tensor_seed(self.ctx, key, step, per_worker=True)
         norms, q = nk.qsgd_quantize(tensor.reshape(-1), levels, self.options.bucket_size, seed)
-        return Payload([torch.tensor([levels], dtype=torch.int8, device=tensor.device), norms, q])
+        levels_tensor = torch.tensor([levels], dtype=torch.int8, device=tensor.device)
+        return Payload([levels_tensor, norms, nk.pack_codes(q, nk.code_bits(levels))])
 
     def decompress(self, payload, like):
-        levels, norms, q = payload.tensors
-        flat = nk.qsgd_dequantize(norms, q, int(levels[0]), self.options.bucket_size)
-        return flat.view(like.shape)
+        levels_tensor, norms, packed = payload.tensors
+        levels = int(levels_tensor[0])
+        q = nk.unpack_codes(packed, like.numel(), nk.code_bits(levels))
+        return nk.qsgd_dequantize(norms, q, levels, self.options.bucket_size).view(like.shape)
+
+
+TERNARY_BITS = 2  # {-1, 0, 1} as 2-bit two's complement
 
 
 class TernGrad(KernelCompressor):
@@ -100,8 +108,9 @@ class TernGrad(KernelCompressor):
     def compress(self, tensor, key, step):
         seed = tensor_seed(self.ctx, key, step, per_worker=True)
         scale, t = nk.terngrad_quantize(tensor.reshape(-1), seed)
-        return Payload([scale, t])
+        return Payload([scale, nk.pack_codes(t, TERNARY_BITS)])
 
     def decompress(self, payload, like):
-        scale, t = payload.tensors
+        scale, packed = payload.tensors
+        t = nk.unpack_codes(packed, like.numel(), TERNARY_BITS)
         return nk.terngrad_dequantize(scale, t).view(like.shape)
