@@ -36,14 +36,15 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from dsgd_cli.batching import all_gather_flat, all_reduce_flat
 from dsgd_cli.comm import Comm, Group, Handle, NetworkModel, Traffic
 from dsgd_cli.options import option
 
 __all__ = [
     "Aggregator", "AggregatorOptions", "Comm", "Compressor", "ErrorFeedback", "Group",
     "Handle", "MetricsLogger", "NetworkModel", "NoOptions", "OptimizerPlugin", "Payload",
-    "Plugin", "Task", "TaskData", "Traffic", "WorkerContext", "flatten", "option",
-    "unflatten_into",
+    "Plugin", "Task", "TaskData", "Traffic", "WorkerContext", "all_gather_flat",
+    "all_reduce_flat", "flatten", "option", "unflatten_into",
 ]
 
 
@@ -120,11 +121,13 @@ class Payload:
 class Compressor(Plugin):
     """Turns a tensor into a `Payload` and back; the aggregator moves the payload.
 
-    `summable = True`: the payload tensors of all workers may be summed elementwise (one
+    Each step the aggregator hands every tensor to `average_many`, which compresses them
+    one by one and moves all their payloads in one collective:
+    `summable = True`: the payload tensors of all workers may be summed elementwise (an
     all-reduce) and the sum decompressed once, giving the sum of the workers' values.
     Otherwise the payloads are all-gathered and `combine` turns them into the average.
     `uniform_payload = False`: the payload tensors' lengths may differ between workers (dqsgd
-    picks its bits per worker), so they are all-gathered with their lengths first.
+    picks its bits per worker), so they must be 1-D and their lengths are all-gathered first.
     A payload's `context` must not depend on the worker's data: it is used to decompress
     every worker's payload.
     `requires_error_feedback = True`: the method is defined with error feedback (ef_sign,
@@ -157,26 +160,41 @@ class Compressor(Plugin):
 
     def average(self, tensor: torch.Tensor, key: str, step: int, comm: Comm,
                 with_local: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Average `tensor` over all workers, compressed. Returns the average and, when
+        """`average_many` for one tensor."""
+        return self.average_many([tensor], [key], step, comm, with_local)[0]
+
+    def average_many(self, tensors: list[torch.Tensor], keys: list[str], step: int, comm: Comm,
+                     with_local: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Average each tensor over all workers, compressed, in one collective for all of them
+        (one per payload dtype when summable). Returns per tensor its average and, when
         `with_local`, what this worker's own payload decompresses to (for error feedback).
 
         Compressors that need several rounds of communication (PowerSGD) override this.
         """
-        if tensor.numel() == 0:  # nothing to send; every worker skips alike
-            return tensor.clone(), tensor.clone() if with_local else None
-        payload = self.compress(tensor, key, step)
-        # Decompress our own payload before a collective can overwrite its tensors.
-        local = self.decompress(payload, tensor).clone() if with_local else None
-        n = comm.world_size
+        results: list = [None] * len(tensors)
+        live = []
+        for i, tensor in enumerate(tensors):
+            if tensor.numel() == 0:  # nothing to send; every worker skips alike
+                results[i] = (tensor.clone(), tensor.clone() if with_local else None)
+            else:
+                live.append(i)
+        payloads = [self.compress(tensors[i], keys[i], step) for i in live]
+        # Decompress our own payloads before a collective can overwrite their tensors.
+        local = [self.decompress(payload, tensors[i]).clone() if with_local else None
+                 for payload, i in zip(payloads, live)]
+        sent = [t for payload in payloads for t in payload.tensors]
         if self.summable:
-            sums = [comm.all_reduce(t.clone(), "sum") for t in payload.tensors]
-            average = self.decompress(Payload(sums, payload.context), tensor) / n
+            sums = iter(all_reduce_flat(sent, comm))
+            for j, (payload, i) in enumerate(zip(payloads, live)):
+                summed = Payload([next(sums) for _ in payload.tensors], payload.context)
+                results[i] = (self.decompress(summed, tensors[i]) / comm.world_size, local[j])
         else:
-            gather = comm.all_gather if self.uniform_payload else comm.all_gather_uneven
-            gathered = [gather(t) for t in payload.tensors]
-            payloads = [Payload([g[w] for g in gathered], payload.context) for w in range(n)]
-            average = self.combine(payloads, tensor)
-        return average, local
+            workers = [iter(w) for w in all_gather_flat(sent, comm, self.uniform_payload)]
+            for j, (payload, i) in enumerate(zip(payloads, live)):
+                theirs = [Payload([next(w) for _ in payload.tensors], payload.context)
+                          for w in workers]
+                results[i] = (self.combine(theirs, tensors[i]), local[j])
+        return results
 
 
 class ErrorFeedback:

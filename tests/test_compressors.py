@@ -126,6 +126,41 @@ def test_empty_and_awkward_sizes_never_hang():
     assert [t.tolist() for t in first["uneven"]] == [[], [0.0, 1.0, 2.0]]
 
 
+SHAPES = [(0,), (1,), (7,), (13, 5), (3, 4, 2), (64, 32)]
+
+
+def _average_many_against_one_by_one(rank, world_size, names):
+    comm = Comm(rank, world_size)
+    generator = torch.Generator().manual_seed(rank)
+    tensors = [torch.randn(shape, generator=generator) for shape in SHAPES]
+    keys = [f"t{i}" for i in range(len(SHAPES))]
+    results = {}
+    for name in names:
+        comm.take_traffic()
+        batched = make(name, rank=rank).average_many(tensors, keys, 5, comm, with_local=True)
+        calls = comm.take_traffic().calls
+        single = make(name, rank=rank)
+        one_by_one = [single.average(t, key, 5, comm, with_local=True)
+                      for t, key in zip(tensors, keys)]
+        results[name] = (batched, one_by_one, calls)
+    return results
+
+
+def test_average_many_equals_one_tensor_at_a_time_in_one_or_two_collectives():
+    """Batching the payloads of many tensors changes the number of messages, not the result."""
+    names = ["none"] + COMPRESSORS
+    for results in run_workers(_average_many_against_one_by_one, 2, names):
+        for name in names:
+            batched, one_by_one, calls = results[name]
+            for (average, local), (expected, expected_local), shape in zip(batched, one_by_one,
+                                                                           SHAPES):
+                assert average.shape == shape, name
+                torch.testing.assert_close(average, expected, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(local, expected_local, rtol=1e-5, atol=1e-6)
+            # PowerSGD: P then Q; dqsgd: the payload lengths, then the payloads.
+            assert calls == (2 if name in ("powersgd", "dqsgd") else 1), name
+
+
 def test_every_compressor_registered():
     assert set(COMPRESSORS) | {"none"} <= set(registry.discover("compressor"))
 

@@ -4,9 +4,10 @@ Uncompressed, it works like torch DDP: gradients are grouped into buckets in the
 produces them, and each bucket's all-reduce starts as soon as its last gradient is accumulated,
 so communication overlaps with the rest of backward.
 
-With a compressor, each parameter's gradient is averaged through `compressor.average` after
-backward (per tensor, as compressors such as PowerSGD need the tensor's shape), with error
-feedback when the spec asks for it or the compressor requires it.
+With a compressor, the gradients are averaged after backward through
+`compressor.average_many`: each parameter's gradient is compressed on its own (compressors such
+as PowerSGD need the tensor's shape), and all payloads travel in one collective. Error feedback
+applies when the spec asks for it or the compressor requires it.
 """
 
 from __future__ import annotations
@@ -119,17 +120,17 @@ class AllReduce(Aggregator):
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view.view_as(p)
 
-    # -- compressed: one tensor at a time -----------------------------------------------------
+    # -- compressed: all gradients in one call ------------------------------------------------
 
     def _average_compressed(self, step: int) -> None:
-        comm, memory = self.ctx.comm, self.memory
-        for index, p in enumerate(self.params):
-            key = f"param{index}"
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            if memory is not None:
-                grad = memory.compensate(key, grad)
-            average, local = self.compressor.average(grad, key, step, comm,
-                                                     with_local=memory is not None)
+        memory = self.memory
+        keys = [f"param{index}" for index in range(len(self.params))]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if memory is not None:
+            grads = [memory.compensate(key, grad) for key, grad in zip(keys, grads)]
+        results = self.compressor.average_many(grads, keys, step, self.ctx.comm,
+                                               with_local=memory is not None)
+        for p, key, grad, (average, local) in zip(self.params, keys, grads, results):
             if memory is not None:
                 memory.update(key, grad, local)
             p.grad = average.view_as(p)

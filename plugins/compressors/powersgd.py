@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsgd_cli.api import Compressor, Payload, option
+from dsgd_cli.api import Compressor, Payload, all_reduce_flat, option
 from plugins.compressors._common import tensor_seed
 
 
@@ -63,19 +63,26 @@ class PowerSGD(Compressor):
         p, q = payload.tensors
         return (p @ q.T).view_as(like)
 
-    def average(self, tensor, key, step, comm, with_local=False):
+    def average_many(self, tensors, keys, step, comm, with_local=False):
+        """Two all-reduces per step for all tensors: the P factors together with the tensors
+        that travel uncompressed, then the Q factors."""
         n = comm.world_size
-        rank = self._factor_rank(tensor)
-        if rank == 0:
-            average = comm.all_reduce(tensor.clone(), "sum") / n
-            return average, tensor.clone() if with_local else None
-        matrix = tensor.reshape(tensor.shape[0], -1)
-        p = matrix @ self._start(matrix, key, step, rank)
-        comm.all_reduce(p, "sum")
-        p = torch.linalg.qr(p).Q  # orthonormal columns; the sum or the mean span the same space
-        q = matrix.T @ p
-        local = (p @ q.T).view_as(tensor) if with_local else None
-        comm.all_reduce(q, "sum")
-        q.div_(n)
-        self.q_memory[key] = q
-        return (p @ q.T).view_as(tensor), local
+        ranks = [self._factor_rank(t) for t in tensors]
+        plain = [i for i, rank in enumerate(ranks) if rank == 0]
+        factored = [i for i, rank in enumerate(ranks) if rank > 0]
+        matrices = {i: tensors[i].reshape(tensors[i].shape[0], -1) for i in factored}
+        ps = [matrices[i] @ self._start(matrices[i], keys[i], step, ranks[i]) for i in factored]
+        summed = all_reduce_flat([tensors[i] for i in plain] + ps, comm)
+        results: list = [None] * len(tensors)
+        for i, total in zip(plain, summed):
+            results[i] = (total / n, tensors[i].clone() if with_local else None)
+        # Orthonormal columns: the sum or the mean of the Ps span the same space.
+        ps = [torch.linalg.qr(p).Q for p in summed[len(plain):]]
+        qs = [matrices[i].T @ p for i, p in zip(factored, ps)]
+        local = [(p @ q.T).view_as(tensors[i]) if with_local else None
+                 for i, p, q in zip(factored, ps, qs)]
+        for i, p, q, own in zip(factored, ps, all_reduce_flat(qs, comm), local):
+            q = q / n
+            self.q_memory[keys[i]] = q
+            results[i] = ((p @ q.T).view_as(tensors[i]), own)
+        return results
