@@ -257,12 +257,16 @@ class Aggregator(Plugin):
 
     Class attributes tell the runtime how to treat it:
     `models_identical`: the workers' models are always equal (evaluate one, skip consensus);
-    `supports_compression`: the spec may give it a compressor other than `none`.
+    `supports_compression`: the spec may give it a compressor other than `none`;
+    `asynchronous`: workers never wait for each other while training (osgp, adpsgd). The
+    runtime then evaluates each worker's own model per epoch without communicating, and the
+    average model once, after `finish()`.
     """
 
     Options: ClassVar[type] = AggregatorOptions
     models_identical: ClassVar[bool] = True
     supports_compression: ClassVar[bool] = False
+    asynchronous: ClassVar[bool] = False
 
     @classmethod
     def check_world(cls, options: Any, world_size: int) -> None:

@@ -138,8 +138,9 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
 def _update_progress(progress: Progress, event: dict) -> None:
     if event["name"] == "train_loss":
         progress.step, progress.train_loss = event["step"], event["value"]
-    elif event["name"] == "test_accuracy":
-        progress.test_accuracy = event["value"]
+    elif event["name"] == "test_accuracy" or (
+            event["name"] == "test_accuracy_workers" and event["per_rank"]):
+        progress.test_accuracy = event["value"]  # asynchronous runs: a worker's own model
 
 
 def _stop(process: subprocess.Popen) -> None:

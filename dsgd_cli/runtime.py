@@ -155,6 +155,8 @@ class Worker:
                 reached_at = time.perf_counter() - started
         self.aggregator.finish()
         total_sent += self.comm.take_traffic().bytes_sent  # what finish() drained
+        if self.aggregator.asynchronous:  # the workers meet for the first time
+            self._evaluate(epochs - 1, step, final=True)
         self._report_run(started, train_seconds, samples, total_sent, reached_at)
         if config["save_dir"]:
             self._save_model(Path(config["save_dir"]) / config["name"].replace("/", "_"))
@@ -198,8 +200,12 @@ class Worker:
             self.comm.all_reduce(tensor, "sum")
         return tensor.tolist()
 
-    def _evaluate(self, epoch: int, step: int) -> float:
-        """Test metrics of the epoch; returns the test accuracy (average model if models differ)."""
+    def _evaluate(self, epoch: int, step: int, final: bool = False) -> float:
+        """Test metrics of the epoch; returns the test accuracy (average model if models differ).
+
+        Asynchronous algorithms evaluate only each worker's own model until `final`: the
+        average model needs every worker, and not waiting for each other is their point.
+        """
         model = self.aggregator.evaluation_model()
         if self.aggregator.models_identical:
             # Every worker evaluates its slice of the test set; the sums are combined.
@@ -212,6 +218,12 @@ class Worker:
 
         # Models differ: each worker's own model on the whole test set, then the average model.
         own_loss, own_correct, count = evaluate(self.task, model, self.test_x, self.test_y)
+        if self.aggregator.asynchronous:  # per rank; the run's final value is their mean
+            self.events.metric("test_loss_workers", own_loss / count, step=step, epoch=epoch)
+            self.events.metric("test_accuracy_workers", own_correct / count, step=step,
+                               epoch=epoch)
+            if not final:
+                return own_correct / count
         average = copy.deepcopy(model)
         tensors = [t.detach() for t in average.parameters()] + [
             b for b in average.buffers() if b.dtype.is_floating_point]
@@ -228,13 +240,12 @@ class Worker:
         loss, correct, avg_count, own_loss, own_correct, distance = self._all_sum(
             [loss, correct, avg_count, own_loss, own_correct, distance])
         n = self.world_size
-        self._epoch_metrics({
-            "test_loss": loss / avg_count,
-            "test_accuracy": correct / avg_count,
-            "test_loss_workers": own_loss / (n * count),
-            "test_accuracy_workers": own_correct / (n * count),
-            "consensus_distance": distance / n,
-        }, step, epoch)
+        metrics = {"test_loss": loss / avg_count, "test_accuracy": correct / avg_count,
+                   "consensus_distance": distance / n}
+        if not self.aggregator.asynchronous:
+            metrics["test_loss_workers"] = own_loss / (n * count)
+            metrics["test_accuracy_workers"] = own_correct / (n * count)
+        self._epoch_metrics(metrics, step, epoch)
         return correct / avg_count
 
     def _epoch_metrics(self, values: dict[str, float], step: int, epoch: int) -> None:
@@ -244,17 +255,22 @@ class Worker:
 
     def _report_run(self, started, train_seconds, samples, total_sent, reached_at) -> None:
         wall = time.perf_counter() - started
-        # Run totals: samples and bytes over all workers, the slowest worker's training time.
+        # Run totals: samples and bytes over all workers.
         samples, total_sent = self._all_sum([samples, total_sent])
-        tensor = torch.tensor([train_seconds], dtype=torch.float64, device=self.device)
+        # The slowest worker's training time; the time by which every worker had seen the
+        # target accuracy (workers of asynchronous algorithms each judge their own model).
+        latest = torch.tensor([train_seconds, math.inf if reached_at is None else reached_at],
+                              dtype=torch.float64, device=self.device)
         with self.comm.untracked():
-            self.comm.all_reduce(tensor, "max")
+            self.comm.all_reduce(latest, "max")
+        slowest_train_seconds, reached_by_all = latest.tolist()
         if self.rank == 0:
             self.events.metric("wall_seconds", wall, per_rank=False)
-            self.events.metric("samples_per_second", samples / float(tensor), per_rank=False)
+            self.events.metric("samples_per_second", samples / slowest_train_seconds,
+                               per_rank=False)
             self.events.metric("total_bytes_sent", total_sent, per_rank=False)
-            if reached_at is not None:
-                self.events.metric("time_to_accuracy", reached_at, per_rank=False)
+            if reached_by_all != math.inf:
+                self.events.metric("time_to_accuracy", reached_by_all, per_rank=False)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -52,6 +52,7 @@ class ADPSGDOptions(AggregatorOptions):
 class ADPSGD(Aggregator):
     Options = ADPSGDOptions
     models_identical = False
+    asynchronous = True
 
     @classmethod
     def make_topology(cls, options, world_size: int, seed: int = 0) -> Topology:

@@ -38,6 +38,7 @@ class OSGPOptions(SGPOptions):
 class OSGP(Aggregator):
     Options = OSGPOptions
     models_identical = False
+    asynchronous = True
 
     @classmethod
     def make_topology(cls, options, world_size: int, seed: int = 0):
