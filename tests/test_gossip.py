@@ -399,7 +399,9 @@ def test_torchrun_runs_converge(logreg_gossip, plugin, workers):
     names = {s.name for s in run.summaries}
     assert {"consensus_distance", "test_accuracy_workers"} <= names
     distances = [m.value for m in store.metric_history(run.id, "consensus_distance")]
-    assert len(distances) == 6 and all(0 <= d < 0.3 * float(optimum.norm()) for d in distances)
+    # once per epoch, or once at the end for the asynchronous ones (they never meet before)
+    assert len(distances) == (1 if plugin in ("osgp", "adpsgd") else 6)
+    assert all(0 <= d < 0.3 * float(optimum.norm()) for d in distances)
 
 
 def test_torchrun_bytes_match_the_graph(logreg_gossip):
