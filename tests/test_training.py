@@ -34,6 +34,12 @@ def logreg_runs(tmp_path_factory, plugin_env):
             aggregator: {{name: local_sgd, period: 4}}
           - name: third-party
             aggregator: {{name: model_average, every: 1}}
+          - name: momentum
+            optimizer: {{name: sgd, lr: 0.05, momentum: 0.9}}
+            aggregator: {{name: allreduce}}
+          - name: momentum-before-compression
+            optimizer: {{name: sgd, lr: 0.05}}
+            aggregator: {{name: allreduce, momentum_before_compression: 0.9}}
           - name: slow-network
             steps_per_epoch: 5
             network: {{bandwidth: 1Mbit, latency: 1ms}}
@@ -60,6 +66,17 @@ def test_local_sgd_period_1_equals_allreduce(logreg_runs):
     for name in ("local-1", "third-party", "allreduce-no-overlap"):
         for rank in (0, 1):
             torch.testing.assert_close(weights(name, rank), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_momentum_before_compression_without_a_compressor_equals_momentum_sgd(logreg_runs):
+    """The mean of the workers' momenta is the momentum of the mean gradient (it is linear),
+    so with nothing compressed, moving momentum in front of the averaging changes nothing."""
+    _, weights, _ = logreg_runs
+    reference = weights("momentum", 0)
+    assert not torch.allclose(reference, weights("allreduce", 0), atol=1e-3)
+    for rank in (0, 1):
+        torch.testing.assert_close(weights("momentum-before-compression", rank), reference,
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_local_sgd_with_longer_period_differs_but_converges(logreg_runs):

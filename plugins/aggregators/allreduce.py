@@ -8,6 +8,11 @@ With a compressor, the gradients are averaged after backward through
 `compressor.average_many`: each parameter's gradient is compressed on its own (compressors such
 as PowerSGD need the tensor's shape), and all payloads travel in one collective. Error feedback
 applies when the spec asks for it or the compressor requires it.
+
+`momentum_before_compression` moves momentum in front of the compressor (Zheng et al., 2019):
+each worker keeps m <- beta m + g and compresses m, and the optimizer, without momentum of its
+own, applies the average. Sign compressors with error feedback need it: behind the compressor,
+momentum re-applies the delayed residuals for many steps and training stalls.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ from dsgd_cli.api import Aggregator, AggregatorOptions, ErrorFeedback, Handle, o
 class AllReduceOptions(AggregatorOptions):
     bucket_mb: float = option(25.0, min=0.0, help="gradient bucket size in MiB (DDP's default)")
     overlap: bool = option(True, help="start each bucket's all-reduce during backward")
+    momentum_before_compression: float = option(
+        0.0, min=0.0, max=0.999,
+        help="momentum kept on each worker and compressed instead of the gradient (use an "
+             "optimizer without momentum)")
 
 
 class _Bucket:
@@ -61,7 +70,9 @@ class AllReduce(Aggregator):
     def setup(self, ctx):
         super().setup(ctx)
         self.compressor = ctx.compressor
-        self.compressed = not self.compressor.identity
+        self.momentum: dict[str, torch.Tensor] = {}
+        self.compressed = (not self.compressor.identity
+                           or self.options.momentum_before_compression > 0)
         use_memory = self.options.error_feedback or self.compressor.requires_error_feedback
         self.memory = ErrorFeedback() if use_memory else None
         self.params = ctx.parameters()
@@ -126,6 +137,8 @@ class AllReduce(Aggregator):
         memory = self.memory
         keys = [f"param{index}" for index in range(len(self.params))]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.options.momentum_before_compression > 0:
+            grads = [self._momentum(key, grad) for key, grad in zip(keys, grads)]
         if memory is not None:
             grads = [memory.compensate(key, grad) for key, grad in zip(keys, grads)]
         results = self.compressor.average_many(grads, keys, step, self.ctx.comm,
@@ -134,3 +147,12 @@ class AllReduce(Aggregator):
             if memory is not None:
                 memory.update(key, grad, local)
             p.grad = average.view_as(p)
+
+    def _momentum(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """m <- beta * m + g, as torch's SGD keeps it (the first m is g)."""
+        buffer = self.momentum.get(key)
+        if buffer is None:
+            buffer = self.momentum[key] = grad.detach().clone()
+        else:
+            buffer.mul_(self.options.momentum_before_compression).add_(grad)
+        return buffer
