@@ -126,8 +126,9 @@ class Compressor(Plugin):
     `summable = True`: the payload tensors of all workers may be summed elementwise (an
     all-reduce) and the sum decompressed once, giving the sum of the workers' values.
     Otherwise the payloads are all-gathered and `combine` turns them into the average.
-    `uniform_payload = False`: the payload tensors' lengths may differ between workers (dqsgd
-    picks its bits per worker), so they must be 1-D and their lengths are all-gathered first.
+    `uniform_payload = False` (only with `summable = False`): the payload tensors' lengths may
+    differ between workers (dqsgd picks its bits per worker), so they must be 1-D and their
+    lengths are all-gathered first.
     A payload's `context` must not depend on the worker's data: it is used to decompress
     every worker's payload.
     `requires_error_feedback = True`: the method is defined with error feedback (ef_sign,
@@ -179,7 +180,7 @@ class Compressor(Plugin):
             else:
                 live.append(i)
         payloads = [self.compress(tensors[i], keys[i], step) for i in live]
-        # Decompress our own payloads before a collective can overwrite their tensors.
+        # What this worker itself transmits, for error feedback.
         local = [self.decompress(payload, tensors[i]).clone() if with_local else None
                  for payload, i in zip(payloads, live)]
         sent = [t for payload in payloads for t in payload.tensors]
@@ -258,9 +259,9 @@ class Aggregator(Plugin):
     Class attributes tell the runtime how to treat it:
     `models_identical`: the workers' models are always equal (evaluate one, skip consensus);
     `supports_compression`: the spec may give it a compressor other than `none`;
-    `asynchronous`: workers never wait for each other while training (osgp, adpsgd). The
-    runtime then evaluates each worker's own model per epoch without communicating, and the
-    average model once, after `finish()`.
+    `asynchronous`: workers never wait for each other while training (osgp, adpsgd; implies
+    `models_identical = False`). The runtime then evaluates each worker's own model per epoch
+    without communicating, and the average model once, after `finish()`.
     """
 
     Options: ClassVar[type] = AggregatorOptions

@@ -40,9 +40,11 @@ def all_gather_flat(tensors: list[torch.Tensor], comm: "Comm",
     differ (their dtypes may not), they must be 1-D, and the byte counts are all-gathered
     first; the data then travels padded to the longest worker's.
     """
+    if not tensors:  # every worker has the same tensor count, so all of them skip alike
+        return [[] for _ in range(comm.world_size)]
     as_bytes = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    device = tensors[0].device if tensors else torch.device("cpu")
-    flat = torch.cat(as_bytes) if as_bytes else torch.empty(0, dtype=torch.uint8, device=device)
+    device = tensors[0].device
+    flat = torch.cat(as_bytes)
     own_sizes = [b.numel() for b in as_bytes]
     if uniform:
         sizes = [own_sizes] * comm.world_size

@@ -115,7 +115,8 @@ def _average_awkward_sizes(rank, world_size, names):
 
 
 def test_empty_and_awkward_sizes_never_hang():
-    names = ["none", "fp16", "qsgd", "terngrad", "sign", "ef_sign", "topk", "randomk", "powersgd"]
+    names = ["none", "fp16", "qsgd", "dqsgd", "terngrad", "sign", "ef_sign", "topk", "randomk",
+             "powersgd"]
     first, second = run_workers(_average_awkward_sizes, 2, names)
     for name in names:
         for size in (0, 1, 7, 13):
@@ -159,6 +160,28 @@ def test_average_many_equals_one_tensor_at_a_time_in_one_or_two_collectives():
                 torch.testing.assert_close(local, expected_local, rtol=1e-5, atol=1e-6)
             # PowerSGD: P then Q; dqsgd: the payload lengths, then the payloads.
             assert calls == (2 if name in ("powersgd", "dqsgd") else 1), name
+
+
+def _dqsgd_with_different_levels(rank, world_size):
+    comm = Comm(rank, world_size)
+    # A single spike needs 1 level for a small variance; Gaussian noise needs many.
+    x = torch.zeros(300)
+    if rank == 0:
+        x[7] = 5.0
+    else:
+        x = torch.randn(300, generator=torch.Generator().manual_seed(1))
+    compressor = make("dqsgd", rank=rank)
+    average, local = compressor.average(x, "t", 0, comm, with_local=True)
+    levels = [value for name, value in compressor.ctx.metrics.logged if name == "dqsgd_levels"]
+    return average, local, levels
+
+
+def test_dqsgd_payloads_of_different_lengths_average_exactly():
+    (average0, local0, levels0), (average1, local1, levels1) = run_workers(
+        _dqsgd_with_different_levels, 2)
+    assert levels0 == [1] and levels1[0] > 4  # 2-bit codes on one worker, wider on the other
+    torch.testing.assert_close(average0, (local0 + local1) / 2, rtol=0, atol=1e-7)
+    torch.testing.assert_close(average0, average1, rtol=0, atol=0)
 
 
 def test_every_compressor_registered():

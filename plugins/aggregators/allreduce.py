@@ -6,7 +6,8 @@ so communication overlaps with the rest of backward.
 
 With a compressor, the gradients are averaged after backward through
 `compressor.average_many`: each parameter's gradient is compressed on its own (compressors such
-as PowerSGD need the tensor's shape), and all payloads travel in one collective. Error feedback
+as PowerSGD need the tensor's shape), and all payloads travel together in one collective (two
+for PowerSGD and dqsgd). Error feedback
 applies when the spec asks for it or the compressor requires it.
 
 `momentum_before_compression` moves momentum in front of the compressor (Zheng et al., 2019):
