@@ -116,9 +116,9 @@ def test_time_to_accuracy_and_emulated_network(logreg_runs):
     emulated = 2 * 1e-3 + 40 * 8 / 1e6
     slow = rows["slow-network"]
     assert slow["step_seconds"] >= emulated
-    # comm_seconds counts the time blocked waiting: all of it but the few microseconds between
-    # issuing the all-reduce and waiting for it.
-    assert 0.9 * emulated <= slow["comm_seconds"] <= slow["step_seconds"]
+    # comm_seconds counts the time blocked waiting: all of it but the moments between issuing
+    # the all-reduce and waiting for it (microseconds, unless the scheduler steps in).
+    assert 0.5 * emulated <= slow["comm_seconds"] <= slow["step_seconds"]
 
 
 def test_metric_history_per_rank_and_epoch(logreg_runs):
