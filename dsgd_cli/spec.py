@@ -163,14 +163,23 @@ def expand_grid(experiment: dict, path: str) -> list[tuple[str, dict]]:
 
 
 def _set_dotted(mapping: dict, dotted: str, value: Any, path: str) -> None:
+    """Set one grid key. `section.name` picks a plugin: like a section naming another plugin
+    in `defaults`, it replaces the section's options (they belong to the old plugin)."""
     *parents, leaf = dotted.split(".")
-    if not parents and leaf not in EXPERIMENT_DEFAULTS or leaf in ("", "name", "grid"):
-        raise SpecError("grid key must name an experiment key or a plugin option", path=path)
+    if not leaf or (not parents and (leaf not in EXPERIMENT_DEFAULTS or leaf in ("name", "grid"))):
+        raise SpecError("grid key must name an experiment key, a plugin option or a plugin "
+                        "section's name", path=path)
     node = mapping
     for part in parents:
+        if node.get(part) is None and leaf == "name":  # e.g. a compressor section not yet there
+            node[part] = {}
         if not isinstance(node.get(part), dict):
             raise SpecError(f"{part!r} is not a section of the experiment", path=path)
         node = node[part]
+    if leaf == "name" and node.get("name") != value:
+        kept = {key: section for key, section in node.items() if isinstance(section, dict)}
+        node.clear()
+        node.update(kept)  # nested plugin sections stay: an aggregator keeps its compressor
     node[leaf] = value
 
 

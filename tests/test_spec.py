@@ -43,6 +43,26 @@ def test_defaults_merge_and_grid(tmp_path):
     assert sweep["aggregator"]["period"] == 2 and sweep["optimizer"]["momentum"] == 0.9
 
 
+def test_grid_over_plugin_names(tmp_path):
+    spec = write_spec(tmp_path, """
+defaults:
+  task: {name: logreg}
+experiments:
+  - name: compressors
+    aggregator: {name: allreduce, error_feedback: true, compressor: {name: topk, ratio: 0.1}}
+    grid: {aggregator.compressor.name: [topk, ef_sign]}
+  - name: optimizers
+    optimizer: {name: sgd, lr: 0.3}
+    grid: {optimizer.name: [sgd, adam]}
+""")
+    topk, ef_sign, sgd, adam = load_spec(spec)
+    assert topk.name == "compressors[aggregator.compressor.name=topk]"
+    assert topk.config["compressor"] == {"name": "topk", "ratio": 0.1}  # same plugin: kept
+    assert ef_sign.config["compressor"] == {"name": "ef_sign"}  # another plugin: its own defaults
+    assert ef_sign.config["aggregator"]["error_feedback"] is True
+    assert sgd.config["optimizer"]["lr"] == 0.3 and adam.config["optimizer"]["lr"] == 0.001
+
+
 def test_selection_and_worker_override(tmp_path):
     spec = write_spec(tmp_path, GOOD)
     chosen = load_spec(spec, only=["sweep"], workers=3)
@@ -75,6 +95,8 @@ BAD = [
      "experiments: duplicate experiment name 'a'"),
     ("empty grid", "experiments:\n  - {name: a, task: logreg, grid: {optimizer.lr: []}}\n",
      "experiments[0].grid.optimizer.lr: expected a non-empty list"),
+    ("grid over names", "experiments:\n  - {name: a, task: logreg, grid: {name: [b, c]}}\n",
+     "experiments[0].grid.name: grid key must name an experiment key, a plugin option or a plugin section's name"),
     ("cross-field check", "experiments:\n  - {name: a, task: logreg, optimizer: {name: sgd, nesterov: true}}\n",
      "experiments[0].optimizer: nesterov: true needs momentum > 0"),
 ]
