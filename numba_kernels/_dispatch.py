@@ -120,14 +120,17 @@ def _torch_alloc(device):
 
 
 def _out(out, n, dtype, device, name="out"):
+    """(flat buffer the kernel writes, tensor to return): a new tensor, or the caller's
+    ``out`` (checked) and a flat view of it."""
     if out is None:
-        return torch.empty(n, dtype=dtype, device=device)
-    out = _flat(out, name, dtype)
-    if out.numel() != n:
-        raise ValueError(f"{name} has {out.numel()} elements, expected {n}")
-    if out.device != torch.device(device):
-        raise ValueError(f"{name} is on {out.device}, expected {device}")
-    return out
+        out = torch.empty(n, dtype=dtype, device=device)
+        return out, out
+    flat = _flat(out, name, dtype)
+    if flat.numel() != n:
+        raise ValueError(f"{name} has {flat.numel()} elements, expected {n}")
+    if flat.device != torch.device(device):
+        raise ValueError(f"{name} is on {flat.device}, expected {device}")
+    return flat, out
 
 
 def _seed(seed):
@@ -210,16 +213,15 @@ def qsgd_dequantize(norms, q, levels: int, bucket_size: int, out=None):
     nb, bs = _num_buckets(d, None if bucket_size is None else _int(bucket_size, "bucket_size"))
     if norms.numel() != nb:
         raise ValueError(f"norms has {norms.numel()} elements, expected {nb} buckets")
-    given = out
-    out = _out(out, d, torch.float32, q.device)
+    out, result = _out(out, d, torch.float32, q.device)
     if d == 0:
-        return out if given is None else given
+        return result
     if q.is_cuda:
         with _on_device(q):
             _cuda().qsgd_dequantize(_dev(norms), _dev(q), levels, bs, _dev(out), _stream(q))
     else:
         _cpu.qsgd_dequantize(_np(norms), _np(q), levels, bs, _np(out))
-    return out if given is None else given
+    return result
 
 
 # ---------------------------------------------------------------------------
@@ -275,17 +277,16 @@ def terngrad_dequantize(scale, t, out=None):
     float) returned by :func:`terngrad_quantize`."""
     t = _flat(t, "t", torch.int8)
     d = t.numel()
-    given = out
-    out = _out(out, d, torch.float32, t.device)
+    out, result = _out(out, d, torch.float32, t.device)
     if d == 0:
-        return out if given is None else given
+        return result
     if t.is_cuda:
         s = _scale_tensor(scale, t.device)
         with _on_device(t):
             _cuda().scale_int8(_dev(t), _dev(s), _dev(out), _stream(t))
     else:
         _cpu.scale_int8(_np(t), _scale_float(scale), _np(out))
-    return out if given is None else given
+    return result
 
 
 # ---------------------------------------------------------------------------
@@ -323,17 +324,16 @@ def sign_unpack(packed, d: int, scale=1.0, out=None):
     d = _check_d(d)
     if packed.numel() != (d + 7) // 8:
         raise ValueError(f"packed has {packed.numel()} bytes, expected {(d + 7) // 8}")
-    given = out
-    out = _out(out, d, torch.float32, packed.device)
+    out, result = _out(out, d, torch.float32, packed.device)
     if d == 0:
-        return out if given is None else given
+        return result
     if packed.is_cuda:
         s = _scale_tensor(scale, packed.device)
         with _on_device(packed):
             _cuda().sign_unpack(_dev(packed), _dev(s), _dev(out), _stream(packed))
     else:
         _cpu.sign_unpack(_np(packed), d, _scale_float(scale), _np(out))
-    return out if given is None else given
+    return result
 
 
 def sign_vote(packed_list_tensor, d: int, out=None):
@@ -354,19 +354,18 @@ def sign_vote(packed_list_tensor, d: int, out=None):
     d = _check_d(d)
     if p.shape[1] != (d + 7) // 8:
         raise ValueError(f"packed rows have {p.shape[1]} bytes, expected {(d + 7) // 8}")
-    given = out
-    out = _out(out, d, torch.float32, p.device)
+    out, result = _out(out, d, torch.float32, p.device)
     if d == 0:
-        return out if given is None else given
+        return result
     if p.shape[0] == 0:
         out.fill_(1.0)
-        return out if given is None else given
+        return result
     if p.is_cuda:
         with _on_device(p):
             _cuda().sign_vote(_dev(p), _dev(out), _stream(p))
     else:
         _cpu.sign_vote(_np(p), d, _np(out))
-    return out if given is None else given
+    return result
 
 
 # ---------------------------------------------------------------------------
@@ -418,16 +417,15 @@ def unpack_codes(packed, d: int, bits: int, out=None):
     d = _check_d(d)
     if packed.numel() != packed_size(d, bits):
         raise ValueError(f"packed has {packed.numel()} bytes, expected {packed_size(d, bits)}")
-    given = out
-    out = _out(out, d, torch.int8, packed.device)
+    out, result = _out(out, d, torch.int8, packed.device)
     if d == 0:
-        return out if given is None else given
+        return result
     if packed.is_cuda:
         with _on_device(packed):
             _cuda().unpack_codes(_dev(packed), bits, _dev(out), _stream(packed))
     else:
         _cpu.unpack_codes(_np(packed), bits, _np(out))
-    return out if given is None else given
+    return result
 
 
 # ---------------------------------------------------------------------------
@@ -523,15 +521,12 @@ def scatter(indices, values, d: int, out=None, accumulate: bool = False):
     if indices.numel() != values.numel():
         raise ValueError("indices and values must have the same length")
     d = _check_d(d)
-    given = out
-    if out is None:
-        out = torch.zeros(d, dtype=torch.float32, device=indices.device)
-    else:
-        out = _out(out, d, torch.float32, indices.device)
-        if not accumulate:
-            out.zero_()
+    fresh = out is None
+    out, result = _out(out, d, torch.float32, indices.device)
+    if fresh or not accumulate:
+        out.zero_()
     if indices.numel() == 0:
-        return out if given is None else given
+        return result
     if indices.is_cuda:
         with _on_device(indices):
             _cuda().scatter(_dev(indices), _dev(values), _dev(out), accumulate, _stream(indices))
@@ -540,7 +535,7 @@ def scatter(indices, values, d: int, out=None, accumulate: bool = False):
         bad = fn(_np(indices), _np(values), _np(out))
         if bad:
             raise IndexError(f"{bad} indices out of range [0, {d})")
-    return out if given is None else given
+    return result
 
 
 # ---------------------------------------------------------------------------
@@ -564,10 +559,9 @@ def weighted_sum(tensors, weights, out=None):
         if t.numel() != d:
             raise ValueError(f"tensors[{i}] has {t.numel()} elements, expected {d}")
         _same_device(xs[0], t, f"tensors[{i}]")
-    given = out
-    out = _out(out, d, torch.float32, xs[0].device)
+    out, result = _out(out, d, torch.float32, xs[0].device)
     if d == 0:
-        return out if given is None else given
+        return result
     # an input aliasing out must be consumed by the first pass
     if len(xs) > 4:
         ptr = out.data_ptr()
@@ -579,7 +573,7 @@ def weighted_sum(tensors, weights, out=None):
     if out.is_cuda:
         with _on_device(out):
             _cuda().weighted_sum([_dev(t) for t in xs], weights, _dev(out), _stream(out))
-        return out if given is None else given
+        return result
     arrs = [_np(t) for t in xs]
     on = _np(out)
     w = [np.float32(v) for v in weights]
@@ -592,7 +586,7 @@ def weighted_sum(tensors, weights, out=None):
         m = min(3, n - j)
         _cpu.WSUM[m + 1][which](on, np.float32(1.0), *_interleave(arrs[j : j + m], w[j : j + m]), on)
         j += m
-    return out if given is None else given
+    return result
 
 
 def _interleave(arrs, ws):
