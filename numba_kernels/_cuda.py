@@ -586,16 +586,27 @@ def _k_magkeys(xb, ckey, cidx):
         i += stride
 
 
-@cuda.jit
-def _k_topk_count(xb, t, counts):
-    sm = cuda.shared.array(TPB, np.int64)
+@cuda.jit(device=True)
+def _items(size):
+    """This thread's contiguous share [lo, hi) of its block's SEG elements."""
     lo = cuda.blockIdx.x * SEG + cuda.threadIdx.x * ITEMS
-    hi = min(xb.size, lo + ITEMS)
+    return lo, min(size, lo + ITEMS)
+
+
+@cuda.jit(device=True)
+def _count_topk(xb, t, lo, hi):
     n = 0
     for i in range(lo, hi):
         if _magkey(xb[i]) >= t:
             n += 1
-    tot = _block_sum_i64(n, sm)
+    return n
+
+
+@cuda.jit
+def _k_topk_count(xb, t, counts):
+    sm = cuda.shared.array(TPB, np.int64)
+    lo, hi = _items(xb.size)
+    tot = _block_sum_i64(_count_topk(xb, t, lo, hi), sm)
     if cuda.threadIdx.x == 0:
         counts[cuda.blockIdx.x] = tot
 
@@ -604,13 +615,8 @@ def _k_topk_count(xb, t, counts):
 def _k_topk_write(xb, t, offsets, cidx, ckey):
     sa = cuda.shared.array(TPB, np.int64)
     sb = cuda.shared.array(TPB, np.int64)
-    lo = cuda.blockIdx.x * SEG + cuda.threadIdx.x * ITEMS
-    hi = min(xb.size, lo + ITEMS)
-    n = 0
-    for i in range(lo, hi):
-        if _magkey(xb[i]) >= t:
-            n += 1
-    ex, _eb, _ta, _tb = _block_scan2(n, 0, sa, sb)
+    lo, hi = _items(xb.size)
+    ex, _eb, _ta, _tb = _block_scan2(_count_topk(xb, t, lo, hi), 0, sa, sb)
     p = offsets[cuda.blockIdx.x] + ex
     for i in range(lo, hi):
         m = _magkey(xb[i])
@@ -620,16 +626,20 @@ def _k_topk_write(xb, t, offsets, cidx, ckey):
             p += 1
 
 
-@cuda.jit
-def _k_rk_count(key, d, sh_hi, sh_lo, T, counts):
-    sm = cuda.shared.array(TPB, np.int64)
-    lo = cuda.blockIdx.x * SEG + cuda.threadIdx.x * ITEMS
-    hi = min(d, lo + ITEMS)
+@cuda.jit(device=True)
+def _count_rk(key, sh_hi, sh_lo, T, lo, hi):
     n = 0
     for i in range(lo, hi):
         if _rk_key(key, i, sh_hi, sh_lo) < T:
             n += 1
-    tot = _block_sum_i64(n, sm)
+    return n
+
+
+@cuda.jit
+def _k_rk_count(key, d, sh_hi, sh_lo, T, counts):
+    sm = cuda.shared.array(TPB, np.int64)
+    lo, hi = _items(d)
+    tot = _block_sum_i64(_count_rk(key, sh_hi, sh_lo, T, lo, hi), sm)
     if cuda.threadIdx.x == 0:
         counts[cuda.blockIdx.x] = tot
 
@@ -638,13 +648,8 @@ def _k_rk_count(key, d, sh_hi, sh_lo, T, counts):
 def _k_rk_write(key, d, sh_hi, sh_lo, T, offsets, cidx, ckey):
     sa = cuda.shared.array(TPB, np.int64)
     sb = cuda.shared.array(TPB, np.int64)
-    lo = cuda.blockIdx.x * SEG + cuda.threadIdx.x * ITEMS
-    hi = min(d, lo + ITEMS)
-    n = 0
-    for i in range(lo, hi):
-        if _rk_key(key, i, sh_hi, sh_lo) < T:
-            n += 1
-    ex, _eb, _ta, _tb = _block_scan2(n, 0, sa, sb)
+    lo, hi = _items(d)
+    ex, _eb, _ta, _tb = _block_scan2(_count_rk(key, sh_hi, sh_lo, T, lo, hi), 0, sa, sb)
     p = offsets[cuda.blockIdx.x] + ex
     for i in range(lo, hi):
         kk = _rk_key(key, i, sh_hi, sh_lo)
@@ -683,11 +688,9 @@ def _k_hist(keys, prefix, mask, shift, dmask, hist):
         j += TPB
 
 
-@cuda.jit
-def _k_sel_count(ckey, v, largest, cs, ce):
-    sa = cuda.shared.array(TPB, np.int64)
-    lo = cuda.blockIdx.x * SEG + cuda.threadIdx.x * ITEMS
-    hi = min(ckey.size, lo + ITEMS)
+@cuda.jit(device=True)
+def _count_sel(ckey, v, largest, lo, hi):
+    """(#keys strictly on the kept side of v, #keys equal to v) in [lo, hi)."""
     ns = 0
     ne = 0
     for i in range(lo, hi):
@@ -696,6 +699,14 @@ def _k_sel_count(ckey, v, largest, cs, ce):
             ne += 1
         elif (kk > v) == largest:
             ns += 1
+    return ns, ne
+
+
+@cuda.jit
+def _k_sel_count(ckey, v, largest, cs, ce):
+    sa = cuda.shared.array(TPB, np.int64)
+    lo, hi = _items(ckey.size)
+    ns, ne = _count_sel(ckey, v, largest, lo, hi)
     ts = _block_sum_i64(ns, sa)
     te = _block_sum_i64(ne, sa)
     if cuda.threadIdx.x == 0:
@@ -708,16 +719,8 @@ def _k_sel_write(ckey, cidx, v, largest, need, off_s, off_e, out):
     """Keep strict elements and the first ``need`` ties, in order."""
     sa = cuda.shared.array(TPB, np.int64)
     sb = cuda.shared.array(TPB, np.int64)
-    lo = cuda.blockIdx.x * SEG + cuda.threadIdx.x * ITEMS
-    hi = min(ckey.size, lo + ITEMS)
-    ns = 0
-    ne = 0
-    for i in range(lo, hi):
-        kk = ckey[i]
-        if kk == v:
-            ne += 1
-        elif (kk > v) == largest:
-            ns += 1
+    lo, hi = _items(ckey.size)
+    ns, ne = _count_sel(ckey, v, largest, lo, hi)
     xs, xe, _ta, _tb = _block_scan2(ns, ne, sa, sb)
     gs = off_s[cuda.blockIdx.x] + xs  # strict elements before this one
     ge = off_e[cuda.blockIdx.x] + xe  # ties before this one

@@ -78,6 +78,7 @@ class AllReduce(Aggregator):
         self.memory = ErrorFeedback() if use_memory else None
         self.params = ctx.parameters()
         if self.compressed:
+            self.keys = [f"param{index}" for index in range(len(self.params))]
             return
         # Backward produces gradients roughly from the last layer to the first.
         ordered = list(reversed(self.params))
@@ -135,8 +136,7 @@ class AllReduce(Aggregator):
     # -- compressed: all gradients in one call ------------------------------------------------
 
     def _average_compressed(self, step: int) -> None:
-        memory = self.memory
-        keys = [f"param{index}" for index in range(len(self.params))]
+        memory, keys = self.memory, self.keys
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.options.momentum_before_compression > 0:
             grads = [self._momentum(key, grad) for key, grad in zip(keys, grads)]
