@@ -18,9 +18,9 @@ the instance as `self.options`.
 The worker loop (dsgd_cli/runtime.py) owns the order; the aggregator owns the algorithm::
 
     aggregator.setup(ctx)
-    for each step:
+    for each step, until the run's length is reached (or `aggregator.finished()`):
         aggregator.before_forward(step)
-        loss = task.loss(model(x), y); loss.backward()
+        loss = task.loss(model(x), y); loss.backward()   # ctx.loss = loss.detach()
         aggregator.after_backward(step)     # e.g. average the gradients
         optimizer.step()
         aggregator.after_step(step)         # e.g. average or gossip the models
@@ -33,17 +33,20 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+import time
+
 import torch
 from torch import nn
 
 from dsgd_cli.batching import all_gather_flat, all_reduce_flat
-from dsgd_cli.comm import Comm, Group, Handle, NetworkModel, Traffic
+from dsgd_cli.comm import Comm, Group, Handle, NetworkModel, SharedCounter, Traffic
 from dsgd_cli.options import option
 
 __all__ = [
     "Aggregator", "AggregatorOptions", "Comm", "Compressor", "ErrorFeedback", "Group",
     "Handle", "MetricsLogger", "NetworkModel", "NoOptions", "OptimizerPlugin", "Payload",
-    "Plugin", "Task", "TaskData", "Traffic", "WorkerContext", "all_gather_flat",
+    "Plugin", "RunLength", "SharedCounter", "Task", "TaskData", "Traffic", "WorkerContext",
+    "all_gather_flat",
     "all_reduce_flat", "flatten", "option", "unflatten_into",
 ]
 
@@ -232,8 +235,36 @@ class MetricsLogger(Protocol):
 
 
 @dataclass
+class RunLength:
+    """How long the run trains. Without a budget: `steps` per worker (epochs × steps per
+    epoch). With one: `samples` over all workers or training `seconds`, and `steps` is None.
+
+    `spent()` says whether the budget is used up, as any worker can see it: the samples
+    counter is shared by all workers (the runtime adds each step's batch when workers may run
+    different numbers of steps), the seconds count from the common start of training.
+    """
+
+    steps: int | None = None
+    samples: int | None = None
+    seconds: float | None = None
+    samples_counter: SharedCounter | None = None
+    started_at: float | None = None  # time.perf_counter() when training started
+
+    def spent(self) -> bool:
+        if self.samples is not None and self.samples_counter is not None:
+            return self.samples_counter.value() >= self.samples
+        if self.seconds is not None and self.started_at is not None:
+            return time.perf_counter() - self.started_at >= self.seconds
+        return False
+
+
+@dataclass
 class WorkerContext:
-    """What a plugin sees of the worker it runs in."""
+    """What a plugin sees of the worker it runs in.
+
+    `loss` is this step's training loss (detached), set by the runtime after backward;
+    `length` is how long the run trains.
+    """
 
     rank: int
     world_size: int
@@ -245,6 +276,8 @@ class WorkerContext:
     seed: int
     compressor: Compressor
     config: dict = field(default_factory=dict)
+    loss: torch.Tensor | None = None
+    length: RunLength = field(default_factory=RunLength)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -259,15 +292,22 @@ class Aggregator(Plugin):
     Class attributes tell the runtime how to treat it:
     `models_identical`: the workers' models are always equal (evaluate one, skip consensus);
     `supports_compression`: the spec may give it a compressor other than `none`;
-    `asynchronous`: workers never wait for each other while training (osgp, adpsgd; implies
-    `models_identical = False`). The runtime then evaluates each worker's own model per epoch
-    without communicating, and the average model once, after `finish()`.
+    `asynchronous`: workers never wait for each other while training (osgp, adpsgd, wagma,
+    backup). The runtime then evaluates each worker's own model per epoch without
+    communicating, and the average model once, after `finish()`.
+    `steps_may_differ`: workers may run different numbers of steps (adpsgd, wagma, backup), so
+    under a budget each worker stops on its own when the budget is spent; otherwise all
+    workers stop after the same step.
+    `decides_stop`: the algorithm itself ends the run (backup's coordinator counts the run's
+    steps); the runtime then stops a worker when `finished()` says so, and not before.
     """
 
     Options: ClassVar[type] = AggregatorOptions
     models_identical: ClassVar[bool] = True
     supports_compression: ClassVar[bool] = False
     asynchronous: ClassVar[bool] = False
+    steps_may_differ: ClassVar[bool] = False
+    decides_stop: ClassVar[bool] = False
 
     @classmethod
     def check_world(cls, options: Any, world_size: int) -> None:
@@ -284,6 +324,10 @@ class Aggregator(Plugin):
 
     def after_step(self, step: int) -> None:
         pass
+
+    def finished(self) -> bool:
+        """With `decides_stop`: whether this worker has done its last step."""
+        return False
 
     def finish(self) -> None:
         """Complete outstanding communication; called once after the last step."""

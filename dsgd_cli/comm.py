@@ -58,6 +58,22 @@ class Group:
         return len(self.ranks)
 
 
+class SharedCounter:
+    """An integer every worker can add to and read, kept in the rendezvous key-value store
+    (a round trip to the store per call, no collective: workers need not be in step)."""
+
+    def __init__(self, key: str):
+        self._store = dist.distributed_c10d._get_default_store()
+        self._key = f"dsgd/{key}"
+
+    def add(self, amount: int) -> int:
+        """Add `amount`; returns the new total."""
+        return int(self._store.add(self._key, int(amount)))
+
+    def value(self) -> int:
+        return self.add(0)
+
+
 class Handle:
     """A non-blocking operation in flight. `wait()` returns its result."""
 
@@ -245,6 +261,11 @@ class Comm:
     def barrier(self, group: Group | None = None) -> None:
         self._issue(lambda: dist.barrier(group=self._pg(group), async_op=True),
                     sent=0, received=0, messages=0, async_op=False)
+
+    def counter(self, name: str) -> SharedCounter:
+        """A counter shared by all workers, starting at 0; the same `name` on every worker
+        means the same counter."""
+        return SharedCounter(name)
 
     def new_group(self, ranks: Sequence[int], backend: str | None = None) -> Group:
         """A sub-group. Like torch.distributed, every rank must call this, in the same order.

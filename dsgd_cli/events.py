@@ -4,12 +4,15 @@ Workers append events and flush each one; the launcher tails the files, stores m
 arrive and draws progress. A worker that dies keeps everything it flushed before.
 
 Event types: `start` (total_steps), `metric` (name, value, step, epoch, seconds),
-`error` (reason, traceback), `done`.
+`error` (reason, traceback, at), `diverged` (name, value: "nan", "inf" or "-inf", step, at),
+`done`. Every number in the files is finite: JSON has no NaN or infinity.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ class EventWriter:
     def __init__(self, path: str | Path, rank: int):
         self.rank = rank
         self._file = open(path, "a", buffering=1)  # line buffered
+        self._lock = threading.Lock()  # a background evaluation thread writes too
         self._started = time.perf_counter()
 
     def seconds(self) -> float:
@@ -30,16 +34,35 @@ class EventWriter:
 
     def write(self, kind: str, **fields: Any) -> None:
         fields.update(type=kind, rank=self.rank)
-        self._file.write(json.dumps(fields) + "\n")
+        line = json.dumps(_finite(fields), allow_nan=False) + "\n"
+        with self._lock:
+            self._file.write(line)
 
     def metric(self, name: str, value: float, *, step: int | None = None,
                epoch: int | None = None, per_rank: bool = True) -> None:
-        self.write("metric", name=name, value=float(value), step=step, epoch=epoch,
+        """A value that is not finite is dropped: it is no measurement, and a training loss that
+        diverges is reported by the worker as a `diverged` event."""
+        value = float(value)
+        if not math.isfinite(value):
+            return
+        self.write("metric", name=name, value=value, step=step, epoch=epoch,
                    seconds=self.seconds(), per_rank=per_rank)
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        with self._lock:
+            if not self._file.closed:
+                self._file.close()
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite float in it replaced by its name ("nan", "inf", "-inf")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 class EventReader:

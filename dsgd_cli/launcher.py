@@ -3,7 +3,9 @@
 The launcher is the only writer of the database. For each run it records the configuration,
 starts `torchrun ... -m dsgd_cli.runtime`, stores metrics as workers flush them and draws a
 progress bar from rank 0's. When a worker fails, torchrun stops the others; the run is marked
-failed with the rank and reason of the first error, keeping every metric already stored.
+failed with the rank and reason of the first error, keeping every metric already stored. When a
+worker reports that training diverged (its loss is NaN or infinite), the launcher stops the run
+at once, as the other workers may wait for it forever, and marks it diverged.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Callable
 from dsgd_cli import registry
 from dsgd_cli.events import EventReader, events_path
 from dsgd_cli.spec import Experiment
-from dsgd_cli.store import MetricRow, Store
+from dsgd_cli.store import MetricRow, Store, finite_number
 
 POLL_SECONDS = 0.5
 GRACE_AFTER_ERROR_S = 10.0  # torchrun normally stops the other workers well before this
@@ -68,7 +70,7 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
     config = experiment.config
     run_id = store.create_run(experiment.name, config, spec_file, plugin_versions(config))
     progress = Progress()
-    errors: list[dict] = []
+    problems: list[dict] = []  # `error` and `diverged` events
     with tempfile.TemporaryDirectory(prefix=f"dsgd-run{run_id}-") as tmp:
         config_path = Path(tmp) / "config.json"
         config_path.write_text(json.dumps(config))
@@ -81,6 +83,8 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
                 for event in reader.read():
                     kind, rank = event["type"], event["rank"]
                     if kind == "metric":
+                        if not finite_number(event["value"]):
+                            continue  # no number to store or show (NaN parses from JSON)
                         rows.append(MetricRow(event["name"], event["value"], event["step"],
                                               event["epoch"], rank if event["per_rank"] else None,
                                               event["seconds"]))
@@ -88,8 +92,8 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
                             _update_progress(progress, event)
                     elif kind == "start" and rank == 0:
                         progress.total_steps = event["total_steps"]
-                    elif kind == "error":
-                        errors.append(event)
+                    elif kind in ("error", "diverged"):
+                        problems.append(event)
                     elif kind == "done":
                         done_ranks.add(rank)
             store.add_metrics(run_id, rows)
@@ -109,9 +113,12 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
                 while process.poll() is None:
                     time.sleep(POLL_SECONDS)
                     ingest()
-                    if errors and first_error_at is None:
+                    if problems and first_error_at is None:
                         first_error_at = time.monotonic()
-                    if first_error_at and time.monotonic() - first_error_at > GRACE_AFTER_ERROR_S:
+                    # A worker that diverged has left, and its peers may wait for it forever.
+                    diverged = any(e["type"] == "diverged" for e in problems)
+                    late = first_error_at and time.monotonic() - first_error_at > GRACE_AFTER_ERROR_S
+                    if diverged or late:
                         _stop(process)
                 ingest()
             except BaseException:  # Ctrl-C or anything else: never leave workers behind
@@ -122,17 +129,27 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
         returncode = process.returncode
         log_tail = _last_line(log_path)
 
-    if errors:
-        first = min(errors, key=lambda e: e.get("at", 0))
-        result = RunResult(run_id, experiment.name, "failed", f"rank {first['rank']}: {first['reason']}",
-                           first["rank"])
-    elif returncode != 0 or len(done_ranks) < experiment.workers:
-        result = RunResult(run_id, experiment.name, "failed",
-                           f"torchrun exited with code {returncode}: {log_tail}")
-    else:
-        result = RunResult(run_id, experiment.name, "completed")
+    result = run_result(run_id, experiment, problems, done_ranks, returncode, log_tail)
     store.finish_run(run_id, result.status, result.reason, result.failed_rank)
     return result
+
+
+def run_result(run_id: int, experiment: Experiment, problems: list[dict], done_ranks: set[int],
+               returncode: int, log_tail: str) -> RunResult:
+    """How a run ended, from its workers' `error` and `diverged` events and torchrun's exit.
+    The first problem reported is the cause; the others are mostly peers losing their link."""
+    if problems:
+        first = min(problems, key=lambda e: (e.get("at", 0), e["rank"]))
+        rank = first["rank"]
+        if first["type"] == "diverged":
+            return RunResult(run_id, experiment.name, "diverged",
+                             f"{first.get('name', 'train_loss')} is {first['value']} "
+                             f"at step {first['step']} on rank {rank}", rank)
+        return RunResult(run_id, experiment.name, "failed", f"rank {rank}: {first['reason']}", rank)
+    if returncode != 0 or len(done_ranks) < experiment.workers:
+        return RunResult(run_id, experiment.name, "failed",
+                         f"torchrun exited with code {returncode}: {log_tail}")
+    return RunResult(run_id, experiment.name, "completed")
 
 
 def _update_progress(progress: Progress, event: dict) -> None:

@@ -8,12 +8,13 @@ A plugin declares its options as a dataclass whose fields use `option(...)`::
 
 `parse_options(Options, raw, path)` checks a spec mapping against it: unknown keys, types
 (int, float, bool, str, Literal[...], X | None, list[X]) and bounds, and raises a
-`SpecError` naming the key path of the first problem.
+`SpecError` naming the key path of the first problem. NaN and infinities are never accepted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal, Mapping
@@ -91,6 +92,18 @@ def _type_error(value: Any, annotation: Any, path: str) -> SpecError:
     return SpecError(f"expected {describe_type(annotation)}, got {value!r}", path=path)
 
 
+def check_finite(value: Any, path: str) -> None:
+    """Raise SpecError for the first NaN or infinity in `value` (nested lists and mappings too)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SpecError(f"expected a finite number, got {value!r}", path=path)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_finite(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_finite(item, f"{path}[{index}]")
+
+
 def option_fields(options_cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(options_cls) if f.init]
 
@@ -110,6 +123,7 @@ def parse_options(options_cls: type, raw: Mapping[str, Any], path: str) -> Any:
             if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
                 raise SpecError(f"required option missing ({describe_type(hints[name])})", path=key_path)
             continue
+        check_finite(raw[name], key_path)
         value = _convert(raw[name], hints[name], key_path)
         low, high = field.metadata.get("min"), field.metadata.get("max")
         if isinstance(value, (int, float)) and not isinstance(value, bool):

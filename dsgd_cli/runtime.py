@@ -10,9 +10,11 @@ import copy
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -22,10 +24,18 @@ import torch.distributed as dist
 
 from dsgd_cli.api import TaskData, WorkerContext, flatten, unflatten_into
 from dsgd_cli.comm import Comm
+from dsgd_cli.evaluation import BackgroundEvaluation, evaluate, model_tensors
 from dsgd_cli.events import EventWriter, events_path
+from dsgd_cli.schedule import StopRule, Straggling, evaluation_points, run_length
 from dsgd_cli.spec import build_plugin, network_model
 
-EVAL_BATCH = 1024
+
+class Diverged(Exception):
+    """The training loss became NaN or infinite."""
+
+    def __init__(self, step: int, value: float):
+        super().__init__(f"train_loss is {value} at step {step}")
+        self.step, self.value = step, value
 
 
 class IntervalMetrics:
@@ -67,21 +77,6 @@ class Shard:
         return order[self.rank * self.size: (self.rank + 1) * self.size]
 
 
-def evaluate(task, model, x, y) -> tuple[float, float, float]:
-    """(summed loss, correct, count) of `model` on (x, y)."""
-    loss_sum, correct = 0.0, 0
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for start in range(0, len(y), EVAL_BATCH):
-            output = model(x[start: start + EVAL_BATCH])
-            target = y[start: start + EVAL_BATCH]
-            loss_sum += float(task.loss(output, target)) * len(target)
-            correct += task.count_correct(output, target)
-    model.train(was_training)
-    return loss_sum, float(correct), float(len(y))
-
-
 class Worker:
     def __init__(self, config: dict, events: EventWriter, rank: int, world_size: int,
                  device: torch.device):
@@ -98,17 +93,25 @@ class Worker:
         self.optimizer = build_plugin("optimizer", config["optimizer"]).build(params)
         self.comm = Comm(rank, world_size, network_model(config))
         self.interval = IntervalMetrics()
+        self.shard = Shard(len(self.train_y), rank, world_size, seed)
         self.aggregator = build_plugin("aggregator", config["aggregator"])
         self.ctx = WorkerContext(
             rank=rank, world_size=world_size, device=device, model=self.model,
             optimizer=self.optimizer, comm=self.comm, metrics=self.interval, seed=seed,
             compressor=build_plugin("compressor", config["compressor"]), config=config)
+        self.ctx.length = run_length(config, self.steps_per_epoch(), self.comm, self.aggregator)
+        # Every rank creates the same process groups in the same order: the runtime's first.
+        self.stop_rule = StopRule(self.ctx.length, self.aggregator, self.comm)
         self.ctx.compressor.setup(self.ctx)
         self.aggregator.setup(self.ctx)
+        self.evaluation = None
+        if config.get("budget") is not None:
+            self.evaluation = BackgroundEvaluation(
+                self.comm, self.task, self.aggregator.evaluation_model(), self.test_x,
+                self.test_y, self._scheduled_metrics, config["target_accuracy"])
         torch.manual_seed(seed * 7919 + rank)  # per-worker randomness (dropout, compressors)
-        self.shard = Shard(len(self.train_y), rank, world_size, seed)
-        stragglers = config.get("stragglers") or {}
-        self.slowdown = stragglers["slowdown"] if rank in stragglers.get("ranks", []) else 1.0
+        self.straggling = Straggling(config.get("stragglers"), rank, seed)
+        self.recent_compute: deque[float] = deque(maxlen=16)  # forward+backward seconds
 
     def steps_per_epoch(self) -> int:
         steps = math.ceil(self.shard.size / self.config["batch_size"])
@@ -117,59 +120,99 @@ class Worker:
 
     def train(self) -> None:
         config, events = self.config, self.events
-        batch, epochs = config["batch_size"], config["epochs"]
+        batch = config["batch_size"]
         steps_per_epoch = self.steps_per_epoch()
-        events.write("start", total_steps=epochs * steps_per_epoch)
+        budgeted = config.get("budget") is not None
+        points = evaluation_points(config.get("budget"))
+        events.write("start", total_steps=self.stop_rule.expected_steps(batch))
         step, samples, total_sent, reached_at = 0, 0, 0, None
-        last_compute = 0.0
-        started = time.perf_counter()
         train_seconds = 0.0
-        for epoch in range(epochs):
-            order = self.shard.indices(epoch)
-            for b in range(steps_per_epoch):
-                index = order[b * batch: (b + 1) * batch].to(self.device)
-                x, y = self.train_x[index], self.train_y[index]
-                if self.slowdown > 1:  # an emulated slower machine: stretch its compute
-                    time.sleep((self.slowdown - 1) * last_compute)
-                step_start = time.perf_counter()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.aggregator.before_forward(step)
-                loss = self.task.loss(self.model(x), y)
-                loss.backward()
-                last_compute = time.perf_counter() - step_start
-                self.aggregator.after_backward(step)
-                self.optimizer.step()
-                self.aggregator.after_step(step)
-                step_seconds = time.perf_counter() - step_start
-                traffic = self.comm.take_traffic()
-                total_sent += traffic.bytes_sent
-                samples += len(y)
-                train_seconds += step_seconds
-                self._accumulate(loss.detach(), step_seconds, traffic)
-                step += 1
-                if step % config["log_interval"] == 0 or b == steps_per_epoch - 1:
-                    self._flush_interval(step, epoch)
-            accuracy = self._evaluate(epoch, step)
-            target = config["target_accuracy"]
-            if target is not None and reached_at is None and accuracy >= target:
-                reached_at = time.perf_counter() - started
+        with self.comm.untracked():
+            self.comm.barrier()  # a common start: budgets in seconds count from here
+        started = time.perf_counter()
+        self.ctx.length.started_at = started
+        done = False
+        while not done:
+            epoch, b = divmod(step, steps_per_epoch)
+            if b == 0:
+                order = self.shard.indices(epoch)
+            index = order[b * batch: (b + 1) * batch].to(self.device)
+            x, y = self.train_x[index], self.train_y[index]
+            loss, step_seconds = self._step(step, x, y)
+            traffic = self.comm.take_traffic()
+            total_sent += traffic.bytes_sent
+            samples += len(y)
+            train_seconds += step_seconds
+            self._accumulate(loss, step_seconds, traffic)
+            step += 1
+            done = self.stop_rule.after_step(step, len(y))
+            end_of_epoch = b == steps_per_epoch - 1
+            if step % config["log_interval"] == 0 or end_of_epoch or done:
+                self._flush_interval(step, epoch)
+            if budgeted:
+                # Every point this worker has passed (all of them once it stops).
+                progress = math.inf if done else self.stop_rule.progress()
+                while points and points[0] <= progress:
+                    points.pop(0)
+                    self.evaluation.snapshot(self.aggregator.evaluation_model(), step, epoch,
+                                             time.perf_counter() - started)
+            elif end_of_epoch:
+                accuracy = self._evaluate(epoch, step)
+                target = config["target_accuracy"]
+                if target is not None and reached_at is None and accuracy >= target:
+                    reached_at = time.perf_counter() - started
         self.aggregator.finish()
         total_sent += self.comm.take_traffic().bytes_sent  # what finish() drained
+        if self.evaluation is not None:
+            self.evaluation.close()
+            reached_at = self.evaluation.reached_at if self.rank == 0 else 0.0
         if self.aggregator.asynchronous:  # the workers meet for the first time
-            self._evaluate(epochs - 1, step, final=True)
+            self._evaluate(epoch, step, final=True)
+        elif budgeted:
+            self._evaluate(epoch, step)
         self._report_run(started, train_seconds, samples, total_sent, reached_at)
         if config["save_dir"]:
             self._save_model(Path(config["save_dir"]) / config["name"].replace("/", "_"))
+
+    def _step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        """One training step in the loop's order; returns (loss, seconds)."""
+        started = time.perf_counter()
+        if self.straggling.active:
+            # An emulated slower machine: its compute takes `factor` times its natural time
+            # (the median of its recent forward+backward times: robust to the slow first
+            # steps), counted in the step's time.
+            factor = self.straggling.factor(step)
+            self.interval.log("slowdown", factor)
+            if factor > 1 and self.recent_compute:
+                time.sleep((factor - 1) * statistics.median(self.recent_compute))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.aggregator.before_forward(step)
+        compute_started = time.perf_counter()
+        loss = self.task.loss(self.model(x), y)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise Diverged(step, value)
+        loss.backward()
+        self.recent_compute.append(time.perf_counter() - compute_started)
+        self.ctx.loss = loss.detach()
+        self.aggregator.after_backward(step)
+        self.optimizer.step()
+        self.aggregator.after_step(step)
+        return value, time.perf_counter() - started
+
+    def _scheduled_metrics(self, values: dict[str, float], step: int, epoch: int) -> None:
+        for name, value in values.items():
+            self.events.metric(name, value, step=step, epoch=epoch, per_rank=False)
 
     def _save_model(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         state = self.aggregator.evaluation_model().state_dict()
         torch.save({k: v.detach().cpu() for k, v in state.items()}, directory / f"rank{self.rank}.pt")
 
-    def _accumulate(self, loss: torch.Tensor, step_seconds: float, traffic) -> None:
+    def _accumulate(self, loss: float, step_seconds: float, traffic) -> None:
         interval = self.interval
         interval.steps += 1
-        interval.loss += float(loss)
+        interval.loss += loss
         interval.step_seconds += step_seconds
         interval.comm_seconds += traffic.seconds
         interval.bytes_sent += traffic.bytes_sent
@@ -207,7 +250,8 @@ class Worker:
         average model needs every worker, and not waiting for each other is their point.
         """
         model = self.aggregator.evaluation_model()
-        if self.aggregator.models_identical:
+        asynchronous = self.aggregator.asynchronous
+        if self.aggregator.models_identical and not asynchronous:
             # Every worker evaluates its slice of the test set; the sums are combined.
             loss, correct, count = self._all_sum(list(evaluate(
                 self.task, model, self.test_x[self.rank::self.world_size],
@@ -218,15 +262,14 @@ class Worker:
 
         # Models differ: each worker's own model on the whole test set, then the average model.
         own_loss, own_correct, count = evaluate(self.task, model, self.test_x, self.test_y)
-        if self.aggregator.asynchronous:  # per rank; the run's final value is their mean
+        if asynchronous:  # per rank; the run's final value is their mean
             self.events.metric("test_loss_workers", own_loss / count, step=step, epoch=epoch)
             self.events.metric("test_accuracy_workers", own_correct / count, step=step,
                                epoch=epoch)
             if not final:
                 return own_correct / count
         average = copy.deepcopy(model)
-        tensors = [t.detach() for t in average.parameters()] + [
-            b for b in average.buffers() if b.dtype.is_floating_point]
+        tensors = model_tensors(average)
         flat = flatten(tensors)
         own_flat = flat.clone()
         with self.comm.untracked():
@@ -258,7 +301,8 @@ class Worker:
         # Run totals: samples and bytes over all workers.
         samples, total_sent = self._all_sum([samples, total_sent])
         # The slowest worker's training time; the time by which every worker had seen the
-        # target accuracy (workers of asynchronous algorithms each judge their own model).
+        # target accuracy (workers of asynchronous algorithms each judge their own model;
+        # under a budget rank 0 judged the average model and the others pass 0).
         latest = torch.tensor([train_seconds, math.inf if reached_at is None else reached_at],
                               dtype=torch.float64, device=self.device)
         with self.comm.untracked():
@@ -295,6 +339,10 @@ def main(argv: list[str] | None = None) -> None:
         dist.barrier()  # nobody tears down its connections while a peer still needs them
         events.write("done")
         exit_code = 0
+    except Diverged as diverged:
+        events.write("diverged", step=diverged.step, name="train_loss",
+                     value=str(diverged.value), at=time.time())
+        exit_code = 1
     except Exception as error:
         events.write("error", reason=f"{type(error).__name__}: {error}",
                      traceback=traceback.format_exc(), at=time.time())

@@ -3,12 +3,14 @@
 Resolution order: read YAML → merge `defaults` into each experiment → expand `grid` →
 apply command-line overrides → validate every key and resolve every plugin. Nothing launches
 unless every experiment passes; every error is a `SpecError` naming the file and key path.
+Numbers may use scientific notation (`1e-3`), and NaN or infinity (`.nan`, `.inf`) is an error.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ import yaml
 from dsgd_cli import registry
 from dsgd_cli.comm import NetworkModel
 from dsgd_cli.errors import PluginError, SpecError
-from dsgd_cli.options import options_to_dict, parse_options
+from dsgd_cli.options import check_finite, options_to_dict, parse_options
 
 TOP_LEVEL_KEYS = ("defaults", "experiments")
 PLUGIN_SECTIONS = ("task", "optimizer", "aggregator")
@@ -40,9 +42,22 @@ EXPERIMENT_DEFAULTS: dict[str, Any] = {
     "target_accuracy": None,   # records time_to_accuracy when reached
     "network": None,
     "stragglers": None,
+    "budget": None,            # {samples: N} or {seconds: T}: train until spent, not for epochs
     "save_dir": None,          # saves each worker's final model to <save_dir>/<name>/rank<r>.pt
     "grid": None,
 }
+
+
+class SpecLoader(yaml.SafeLoader):
+    """YAML 1.1 as PyYAML reads it, but `1e-3`, `1E6` or `-2.5e+4` are floats as in YAML 1.2,
+    not strings (YAML 1.1 wants a dot and a signed exponent: `1.0e-3`)."""
+
+
+SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    # YAML 1.2's core-schema float, only the forms with an exponent: the others already load
+    re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
 
 
 @dataclass
@@ -69,7 +84,7 @@ def load_spec(path: str | Path, *, only: list[str] | None = None,
     except OSError as error:
         raise SpecError(f"cannot read spec: {error.strerror}", file=file) from None
     try:
-        document = yaml.safe_load(text)
+        document = yaml.load(text, Loader=SpecLoader)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -85,6 +100,7 @@ def load_spec(path: str | Path, *, only: list[str] | None = None,
 def resolve_document(document: Any, workers_override: int | None = None) -> list[Experiment]:
     if not isinstance(document, dict):
         raise SpecError("expected a mapping with keys 'defaults' and 'experiments'")
+    check_finite(document, "")  # where the value is written: `defaults` or an experiment
     for key in document:
         if key not in TOP_LEVEL_KEYS:
             raise SpecError(f"unknown key (expected one of {', '.join(TOP_LEVEL_KEYS)})", path=str(key))
@@ -204,6 +220,7 @@ def validate_experiment(raw: dict, path: str, name: str) -> dict[str, Any]:
     config["save_dir"] = str(Path(save_dir).resolve()) if save_dir else None
     config["network"] = parse_network(raw["network"], f"{path}.network")
     config["stragglers"] = parse_stragglers(raw["stragglers"], f"{path}.stragglers", config["workers"])
+    config["budget"] = parse_budget(raw["budget"], f"{path}.budget")
 
     config["task"] = _plugin_section("task", raw["task"], f"{path}.task")
     config["optimizer"] = _plugin_section("optimizer", raw["optimizer"], f"{path}.optimizer")
@@ -311,13 +328,29 @@ def network_model(config: dict[str, Any]) -> NetworkModel | None:
     return None if network is None else NetworkModel(network["latency_s"], network["bytes_per_second"])
 
 
+def _number(raw: dict, key: str, path: str, *, low: float, high: float | None = None,
+            low_open: bool = False) -> float:
+    """A finite number in [low, high] (or (low, high] with `low_open`)."""
+    value = raw[key]
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if (not is_number or not math.isfinite(value) or (value <= low if low_open else value < low)
+            or (high is not None and value > high)):
+        bound = f"> {low}" if low_open else f">= {low}"
+        if high is not None:
+            bound += f" and <= {high}"
+        raise SpecError(f"expected a number {bound}, got {value!r}", path=f"{path}.{key}")
+    return float(value)
+
+
 def parse_stragglers(raw: Any, path: str, workers: int) -> dict[str, Any] | None:
-    """`{ranks: [0], slowdown: 3.0}`: those ranks compute `slowdown` times slower."""
+    """`{ranks: [0], slowdown: 3.0}`: those ranks compute `slowdown` times slower.
+    `random: {probability: p, slowdown: s}`: each worker, each step, computes `s` times slower
+    with probability `p` (drawn from the run's seed; combines with `ranks`)."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise SpecError("expected a mapping with keys ranks, slowdown", path=path)
-    _check_keys(raw, path, {"ranks", "slowdown"})
+        raise SpecError("expected a mapping with keys ranks, slowdown, random", path=path)
+    _check_keys(raw, path, {"ranks", "slowdown", "random"})
     ranks = raw.get("ranks", [])
     if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool)
                                               for r in ranks):
@@ -326,10 +359,41 @@ def parse_stragglers(raw: Any, path: str, workers: int) -> dict[str, Any] | None
         if not 0 <= rank < workers:
             raise SpecError(f"expected a rank between 0 and {workers - 1}, got {rank}",
                             path=f"{path}.ranks[{i}]")
-    slowdown = raw.get("slowdown", 1.0)
-    if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or slowdown < 1:
-        raise SpecError(f"expected a number >= 1, got {slowdown!r}", path=f"{path}.slowdown")
-    return {"ranks": sorted(set(ranks)), "slowdown": float(slowdown)}
+    slowdown = _number({"slowdown": raw.get("slowdown", 1.0)}, "slowdown", path, low=1)
+    result: dict[str, Any] = {"ranks": sorted(set(ranks)), "slowdown": slowdown, "random": None}
+    randomly = raw.get("random")
+    if randomly is not None:
+        where = f"{path}.random"
+        if not isinstance(randomly, dict):
+            raise SpecError("expected a mapping with keys probability, slowdown", path=where)
+        _check_keys(randomly, where, {"probability", "slowdown"})
+        for key in ("probability", "slowdown"):
+            if key not in randomly:
+                raise SpecError("required", path=f"{where}.{key}")
+        result["random"] = {
+            "probability": _number(randomly, "probability", where, low=0, high=1),
+            "slowdown": _number(randomly, "slowdown", where, low=1)}
+    return result
+
+
+def parse_budget(raw: Any, path: str) -> dict[str, Any] | None:
+    """`{samples: N}` (training samples over all workers) or `{seconds: T}` (training time),
+    with `evaluations` (default 10) evenly spaced evaluations of the average model."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise SpecError("expected a mapping with one of the keys samples, seconds", path=path)
+    _check_keys(raw, path, {"samples", "seconds", "evaluations"})
+    if ("samples" in raw) == ("seconds" in raw):
+        raise SpecError("expected exactly one of samples, seconds", path=path)
+    budget: dict[str, Any] = {"samples": None, "seconds": None,
+                              "evaluations": _int({"evaluations": raw.get("evaluations", 10)},
+                                                  "evaluations", path, low=1, high=10_000)}
+    if "samples" in raw:
+        budget["samples"] = _int(raw, "samples", path, low=1)
+    else:
+        budget["seconds"] = _number(raw, "seconds", path, low=0, low_open=True)
+    return budget
 
 
 def select(experiments: list[Experiment], only: list[str] | None) -> list[Experiment]:

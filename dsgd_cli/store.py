@@ -9,6 +9,7 @@ migrate it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from collections import defaultdict
@@ -45,7 +46,7 @@ class Run(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     experiment: Mapped[str] = mapped_column(String(256), index=True)
     spec_file: Mapped[str | None] = mapped_column(Text)
-    status: Mapped[str] = mapped_column(String(16))  # running, completed, failed, interrupted
+    status: Mapped[str] = mapped_column(String(16))  # running, completed, failed, diverged, interrupted
     reason: Mapped[str | None] = mapped_column(Text)
     failed_rank: Mapped[int | None] = mapped_column(Integer)
     task: Mapped[str] = mapped_column(String(128))
@@ -180,6 +181,8 @@ class Store:
             return run.id
 
     def add_metrics(self, run_id: int, rows: list[MetricRow]) -> None:
+        """Store `rows`, dropping any whose value is not a finite number (NaN is no value)."""
+        rows = [row for row in rows if finite_number(row.value)]
         if not rows:
             return
         with Session(self.engine) as session, session.begin():
@@ -238,10 +241,13 @@ def _with_details(query):
 
 
 def summarize(metrics: Iterable[tuple[str, int | None, float]]) -> dict[str, tuple[float, float]]:
-    """(final, best) per metric. Final of a per-rank metric: the mean of each rank's last value."""
+    """(final, best) per metric. Final of a per-rank metric: the mean of each rank's last value.
+    Values that are not finite numbers are ignored."""
     last: dict[str, dict[int | None, float]] = defaultdict(dict)
     values: dict[str, list[float]] = defaultdict(list)
     for name, rank, value in metrics:
+        if not finite_number(value):
+            continue
         last[name][rank] = value
         values[name].append(value)
     result = {}
@@ -250,6 +256,10 @@ def summarize(metrics: Iterable[tuple[str, int | None, float]]) -> dict[str, tup
         best = max(values[name]) if higher_is_better(name) else min(values[name])
         result[name] = (final, best)
     return result
+
+
+def finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _sqlite_pragmas(connection, _record) -> None:

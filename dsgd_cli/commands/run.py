@@ -8,13 +8,14 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn)
 
 from dsgd_cli.commands.common import DbOption, ExperimentOption
 from dsgd_cli.commands.compare import compare_rows
 from dsgd_cli.errors import RunFailed
-from dsgd_cli.launcher import Progress as RunProgress, launch, torchrun_command
+from dsgd_cli.launcher import Progress as RunProgress, RunResult, launch, torchrun_command
 from dsgd_cli.output import render
 from dsgd_cli.spec import load_spec
 from dsgd_cli.store import Store
@@ -38,7 +39,9 @@ def run(
         return
     store = Store(db)
     results = []
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    # Experiment names and failure reasons are plain text, never rich markup: a gloo error
+    # holds "[/127.0.0.1]:port", and a grid point's name "[key=value]".
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[stats]}"), TimeElapsedColumn())
     with Progress(*columns, console=console, refresh_per_second=4) as bars:
         for exp in experiments:
@@ -49,15 +52,25 @@ def run(
                 bars.update(bar, total=p.total_steps, completed=p.step, stats=_stats(p))
 
             result = launch(exp, store, str(spec), show)
-            status = "completed" if result.status == "completed" else f"[red]{result.status}[/red] ({result.reason})"
-            bars.update(bar, stats=f"{bars.tasks[bar].fields['stats']}  {status}".strip())
+            bars.update(bar, stats=f"{bars.tasks[bar].fields['stats']}  {status_markup(result)}".strip())
             results.append(result)
 
     typer.echo(render(compare_rows(store.runs(ids=[r.run_id for r in results]))))
     failed = [r for r in results if r.status != "completed"]
     if failed:
         raise RunFailed(f"{len(failed)} of {len(results)} runs failed: " + "; ".join(
-            f"{r.experiment} (run {r.run_id}): {r.reason}" for r in failed))
+            f"{r.experiment} (run {r.run_id}): {_why(r)}" for r in failed))
+
+
+def _why(result: RunResult) -> str:
+    return result.reason if result.status == "failed" else f"{result.status}: {result.reason}"
+
+
+def status_markup(result: RunResult) -> str:
+    """How a run ended, as rich markup for its progress line; the reason is plain text."""
+    if result.status == "completed":
+        return "completed"
+    return f"[red]{result.status}[/red] " + escape(f"({result.reason})")
 
 
 def _stats(p: RunProgress) -> str:

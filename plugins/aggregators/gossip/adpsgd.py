@@ -53,6 +53,7 @@ class ADPSGD(Aggregator):
     Options = ADPSGDOptions
     models_identical = False
     asynchronous = True
+    steps_may_differ = True  # an active and a passive worker need not stop together
 
     @classmethod
     def make_topology(cls, options, world_size: int, seed: int = 0) -> Topology:

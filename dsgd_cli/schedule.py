@@ -1,0 +1,126 @@
+"""How long a worker trains, when it evaluates, and how slow it is made to be.
+
+* `StopRule`: after which step this worker stops. Without a budget every worker runs
+  `epochs × steps_per_epoch` steps. With `budget: {samples: N}` or `{seconds: T}`:
+  - workers in step with each other (every algorithm whose `steps_may_differ` is False) stop
+    after the same step: the samples budget is a step count, and for the seconds budget each
+    step's "my time is up" flags are combined by a small non-blocking all-reduce whose result is
+    read one step later, so all workers see the same answer at the same step without waiting;
+  - workers that may run different numbers of steps (adpsgd, wagma, backup) each stop on their
+    own: the samples of all workers are added up in a counter shared through the rendezvous
+    store, and the seconds are measured from the common start;
+  - an aggregator that `decides_stop` (backup) ends the run itself.
+* `evaluation_points`: under a budget, where the average model is evaluated (see
+  `evaluation.BackgroundEvaluation`), in the budget's unit.
+* `Straggling`: the emulated load imbalance: fixed slow ranks, and random slow steps drawn
+  from the run's seed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import torch
+
+from dsgd_cli.api import Aggregator, RunLength
+from dsgd_cli.comm import Comm
+
+
+def run_length(config: dict, steps_per_epoch: int, comm: Comm, aggregator: Aggregator) -> RunLength:
+    budget = config.get("budget")
+    if budget is None:
+        return RunLength(steps=config["epochs"] * steps_per_epoch)
+    counter = None
+    if budget["samples"] is not None and (aggregator.steps_may_differ or aggregator.decides_stop):
+        counter = comm.counter(f"{config['name']}/samples")
+    return RunLength(samples=budget["samples"], seconds=budget["seconds"],
+                     samples_counter=counter)
+
+
+class StopRule:
+    def __init__(self, length: RunLength, aggregator: Aggregator, comm: Comm):
+        self.length, self.aggregator, self.comm = length, aggregator, comm
+        self.independent = aggregator.steps_may_differ or aggregator.decides_stop
+        self.global_samples = 0  # the run's samples as this worker knows them
+        self._flag_group = None
+        self._pending = None  # the all-reduce of the previous step's flags
+        if length.seconds is not None and not self.independent:
+            self._flag_group = comm.new_group(range(comm.world_size), backend="gloo")
+
+    def expected_steps(self, batch: int) -> int | None:
+        """Steps per worker when known in advance (for the progress bar)."""
+        if self.length.steps is not None:
+            return self.length.steps
+        if self.length.samples is not None and not self.independent:
+            return math.ceil(self.length.samples / (self.comm.world_size * batch))
+        return None
+
+    def after_step(self, steps: int, batch_samples: int) -> bool:
+        """Count this step; True when this worker has done its last step."""
+        length = self.length
+        if length.samples_counter is not None:
+            self.global_samples = length.samples_counter.add(batch_samples)
+        else:  # in step: every worker has processed as many samples as this one
+            self.global_samples += batch_samples * self.comm.world_size
+        if self.aggregator.decides_stop:
+            return self.aggregator.finished()
+        if length.steps is not None:
+            return steps >= length.steps
+        if length.samples is not None:
+            return self.global_samples >= length.samples
+        if self._flag_group is None:
+            return length.spent()
+        return self._agreed_time_is_up()
+
+    def _agreed_time_is_up(self) -> bool:
+        agreed = False
+        if self._pending is not None:
+            agreed = float(self._pending.wait()) > 0
+        flag = torch.tensor([1.0 if self.length.spent() else 0.0])
+        with self.comm.untracked():
+            self._pending = self.comm.all_reduce(flag, "max", group=self._flag_group,
+                                                 async_op=True)
+        if agreed:  # every worker stops now; let the last flags land before leaving
+            self._pending.wait()
+        return agreed
+
+    def progress(self) -> float:
+        """How much of the budget is spent, in its unit (samples or seconds)."""
+        if self.length.samples is not None:
+            return float(self.global_samples)
+        return time.perf_counter() - self.length.started_at
+
+
+def evaluation_points(budget: dict | None) -> list[float]:
+    """Evenly spaced points of the budget, before its end (the final evaluation covers that)."""
+    if budget is None:
+        return []
+    total = budget["samples"] if budget["samples"] is not None else budget["seconds"]
+    count = budget["evaluations"]
+    return [total * k / count for k in range(1, count)]
+
+
+class Straggling:
+    """How many times slower than its natural speed a worker computes at each step."""
+
+    def __init__(self, stragglers: dict | None, rank: int, seed: int):
+        stragglers = stragglers or {}
+        self.fixed = stragglers["slowdown"] if rank in stragglers.get("ranks", []) else 1.0
+        self.random = stragglers.get("random")
+        self.rank, self.seed = rank, seed
+
+    @property
+    def active(self) -> bool:
+        return self.fixed > 1 or (self.random is not None and self.random["probability"] > 0
+                                  and self.random["slowdown"] > 1)
+
+    def factor(self, step: int) -> float:
+        """The slowdown of `step`: the same seed, rank and step always give the same one."""
+        factor = self.fixed
+        if self.random is not None:
+            draw = random.Random(f"stragglers:{self.seed}:{self.rank}:{step}").random()
+            if draw < self.random["probability"]:
+                factor *= self.random["slowdown"]
+        return factor

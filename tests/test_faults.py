@@ -1,0 +1,309 @@
+"""Faults a run must survive: markup in names and errors, diverging training (NaN), and
+numbers in spec files as people write them (NaN is an error, `1e-3` a number)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import textwrap
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from rich.text import Text
+from typer.testing import CliRunner
+
+from conftest import compare_json, dsgd, write_spec
+from dsgd_cli import launcher
+from dsgd_cli.cli import app
+from dsgd_cli.commands.run import status_markup
+from dsgd_cli.errors import RunFailed, SpecError
+from dsgd_cli.events import EventReader, EventWriter, events_path
+from dsgd_cli.launcher import RunResult, run_result
+from dsgd_cli.options import option, parse_options
+from dsgd_cli.spec import load_spec
+from dsgd_cli.store import MetricRow, Store
+
+TINY = """
+defaults:
+  task: {name: logreg}
+  workers: 2
+  epochs: 1
+  steps_per_epoch: 3
+"""
+
+
+def tiny_spec(directory: Path, experiments: str, name: str = "spec.yaml") -> Path:
+    """A spec of tiny runs: `experiments` is the rest of the YAML after `defaults`."""
+    return write_spec(directory, TINY + textwrap.dedent(experiments), name)
+
+# -- names and error text are plain text, never rich markup ----------------------------------
+
+
+def test_names_with_brackets_run_and_are_recorded(tmp_path):
+    spec = tiny_spec(tmp_path, """
+    experiments:
+      - name: "a[/]b"
+      - name: g
+        grid: {optimizer.lr: [0.1]}
+    """)
+    db = tmp_path / "r.db"
+    result = dsgd("run", str(spec), "--db", str(db), env={"COLUMNS": "200"}, timeout=180)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Traceback" not in output
+    # Once in the progress bar, once in the summary table.
+    assert result.stdout.count("g[optimizer.lr=0.1]") >= 2, result.stdout
+    assert result.stdout.count("a[/]b") >= 2, result.stdout
+    rows = compare_json(db)
+    assert [(r["experiment"], r["status"]) for r in rows] == [
+        ("a[/]b", "completed"), ("g[optimizer.lr=0.1]", "completed")]
+
+
+def test_failure_reason_is_shown_as_plain_text():
+    reason = "rank 0: RuntimeError: [/tmp/gloo.cc:42] Connection closed by peer [/127.0.0.1]:4242 [red]\\"
+    markup = status_markup(RunResult(1, "a[/]b", "failed", reason, 0))
+    text = Text.from_markup(markup)  # what the progress column does with it: must not raise
+    assert text.plain == f"failed ({reason})"
+    assert [(text.plain[s.start:s.end], str(s.style)) for s in text.spans] == [("failed", "red")]
+    assert status_markup(RunResult(2, "x", "completed")) == "completed"
+
+
+# -- NaN and infinity in a spec are errors -----------------------------------------------------
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("experiments:\n  - {name: a, task: logreg, optimizer: {name: sgd, lr: .nan}}\n",
+     "experiments[0].optimizer.lr: expected a finite number, got nan"),
+    ("defaults: {optimizer: {name: sgd, lr: .inf}}\nexperiments:\n  - {name: a, task: logreg}\n",
+     "defaults.optimizer.lr: expected a finite number, got inf"),
+    ("experiments:\n  - {name: a, task: logreg, network: {latency: -.inf}}\n",
+     "experiments[0].network.latency: expected a finite number, got -inf"),
+    ("experiments:\n  - {name: a, task: logreg, grid: {optimizer.lr: [0.1, .NaN]}}\n",
+     "experiments[0].grid.optimizer.lr[1]: expected a finite number, got nan"),
+], ids=["option", "in defaults", "spec key", "grid value"])
+def test_non_finite_numbers_are_spec_errors(tmp_path, text, expected):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(text)
+    db = tmp_path / "results.db"
+    result = dsgd("run", str(spec), "--db", str(db))
+    assert result.returncode == 2, result.stderr
+    message = result.stderr.strip()
+    assert "\n" not in message and "Traceback" not in message
+    assert message == f"dsgd: error: {spec}: {expected}"
+    assert not db.exists()
+
+
+@dataclass
+class Numbers:
+    lr: float = option(0.1, min=0.0)
+    scale: float | None = option(None)
+    weights: list[float] = option([])
+
+
+@pytest.mark.parametrize("raw, path, shown", [
+    ({"lr": float("nan")}, "a.lr", "nan"),
+    ({"lr": float("-inf")}, "a.lr", "-inf"),
+    ({"scale": float("inf")}, "a.scale", "inf"),
+    ({"weights": [1.0, float("nan")]}, "a.weights[1]", "nan"),
+])
+def test_options_reject_non_finite_numbers(raw, path, shown):
+    with pytest.raises(SpecError) as caught:
+        parse_options(Numbers, raw, "a")
+    assert caught.value.path == path
+    assert caught.value.detail == f"expected a finite number, got {shown}"
+
+
+# -- scientific notation ---------------------------------------------------------------------
+
+
+def test_scientific_notation_loads_as_numbers(tmp_path):
+    spec = tiny_spec(tmp_path, """
+    experiments:
+      - name: small
+        target_accuracy: 5e-1
+        optimizer: {name: sgd, lr: 1e-3, weight_decay: 0.0e+0}
+      - name: large
+        optimizer: {name: adam, lr: 1E6, eps: .5e-7}
+      - name: not-numbers
+        task: {name: logreg, features: 12}
+        save_dir: 1e
+    """)
+    small, large, other = load_spec(spec)
+    assert small.config["optimizer"]["lr"] == 0.001 and small.config["target_accuracy"] == 0.5
+    assert large.config["optimizer"]["lr"] == 1000000.0 and large.config["optimizer"]["eps"] == 5e-8
+    assert isinstance(large.config["optimizer"]["lr"], float)
+    assert other.config["task"]["features"] == 12 and isinstance(other.config["task"]["features"], int)
+    assert other.config["steps_per_epoch"] == 3 and isinstance(other.config["steps_per_epoch"], int)
+    assert Path(other.config["save_dir"]).name == "1e"  # still a string
+
+
+def test_scientific_notation_is_not_a_string_anymore(tmp_path):
+    spec = tiny_spec(tmp_path, """
+    experiments:
+      - name: a
+        optimizer: {name: sgd, lr: 1e-3}
+        aggregator: {name: local_sgd, period: 2}
+    """)
+    result = dsgd("run", str(spec), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "optimizer options: lr=0.001" in result.stdout
+    bad = tiny_spec(tmp_path, """
+    experiments:
+      - {name: a, optimizer: {name: sgd, lr: e5}}
+    """, name="bad.yaml")
+    result = dsgd("run", str(bad), "--dry-run")
+    assert result.returncode == 2
+    assert "experiments[0].optimizer.lr: expected a number, got 'e5'" in result.stderr
+
+
+# -- values that are not finite never reach the database ---------------------------------------
+
+
+def test_store_drops_non_finite_values(tmp_path):
+    store = Store(str(tmp_path / "r.db"))
+    experiment = load_spec(tiny_spec(tmp_path, "experiments: [{name: a}]\n"))[0]
+    run_id = store.create_run("a", experiment.config, None, [])
+    store.add_metrics(run_id, [MetricRow("train_loss", 2.0, step=1, rank=0),
+                               MetricRow("train_loss", float("nan"), step=2, rank=0),
+                               MetricRow("train_loss", float("inf"), step=3, rank=0),
+                               MetricRow("test_loss", float("-inf"), epoch=0)])
+    store.add_metrics(run_id, [MetricRow("test_loss", float("nan"))])  # nothing left to insert
+    store.finish_run(run_id, "diverged", "train_loss is nan at step 2 on rank 0", 0)
+    assert [(m.step, m.value) for m in store.metric_history(run_id, "train_loss")] == [(1, 2.0)]
+    assert store.count_metrics(run_id) == 1
+    run = store.get_run(run_id)
+    assert {s.name: (s.final, s.best) for s in run.summaries} == {"train_loss": (2.0, 2.0)}
+
+
+def test_event_writer_writes_strict_json_only(tmp_path):
+    path = events_path(tmp_path, 0)
+    writer = EventWriter(path, 0)
+    writer.metric("train_loss", 1.5, step=1)
+    writer.metric("train_loss", float("nan"), step=2)
+    writer.metric("test_loss", float("inf"), epoch=0)
+    writer.write("diverged", step=2, name="train_loss", value=float("-inf"), at=time.time())
+    writer.close()
+
+    def no_constants(name):
+        raise AssertionError(f"{name} in the events file")
+
+    events = [json.loads(line, parse_constant=no_constants) for line in path.read_text().splitlines()]
+    assert [(e["type"], e.get("step"), e["value"]) for e in events] == [
+        ("metric", 1, 1.5), ("diverged", 2, "-inf")]
+
+
+def test_event_writer_is_thread_safe(tmp_path):
+    path = events_path(tmp_path, 1)
+    writer = EventWriter(path, 1)
+
+    def write_many(thread: int) -> None:
+        for step in range(300):
+            writer.metric(f"m{thread}", step + 0.5, step=step)
+
+    threads = [threading.Thread(target=write_many, args=(t,)) for t in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    writer.close()
+    events = EventReader(path).read()
+    assert len(events) == 6 * 300
+    for t in range(6):
+        assert [e["step"] for e in events if e["name"] == f"m{t}"] == list(range(300))
+
+
+# -- a diverged run: stopped at once, recorded, and the spec goes on ---------------------------
+
+# Stands in for torchrun: both "workers" report, then rank 1's loss becomes NaN. It writes the
+# NaN as a metric the way an old worker did (bare NaN in the JSON), then a `diverged` event,
+# and rank 0 stays blocked in a collective that will never finish.
+FAKE_TORCHRUN = """
+import json, sys, time
+config = json.load(open(sys.argv[1]))
+events = sys.argv[2]
+diverges = config["name"].startswith("bad")
+
+def write(rank, **event):
+    with open(f"{events}/rank{rank}.jsonl", "a") as file:
+        file.write(json.dumps({"rank": rank, **event}) + "\\n")
+
+def metric(rank, step, value):
+    write(rank, type="metric", name="train_loss", value=value, step=step, epoch=0,
+          seconds=0.1 * step, per_rank=True)
+
+for rank in range(config["workers"]):
+    write(rank, type="start", total_steps=3)
+for step in (1, 2, 3):
+    for rank in range(config["workers"]):
+        value = float("nan") if diverges and rank == 1 and step == 3 else 1.0 / step
+        metric(rank, step, value)
+if diverges:
+    write(1, type="diverged", step=3, name="train_loss", value="nan", at=time.time())
+    time.sleep(120)
+    sys.exit(1)
+for rank in range(config["workers"]):
+    write(rank, type="done")
+"""
+
+
+@pytest.fixture
+def fake_torchrun(tmp_path, monkeypatch):
+    script = tmp_path / "fake_torchrun.py"
+    script.write_text(FAKE_TORCHRUN)
+    monkeypatch.setattr(launcher, "torchrun_command",
+                        lambda experiment, config, events: [sys.executable, str(script), str(config),
+                                                            str(events)])
+
+
+def test_run_result_names_the_first_problem(tmp_path):
+    experiment = load_spec(tiny_spec(tmp_path, "experiments: [{name: a}]\n"))[0]
+    diverged = {"type": "diverged", "rank": 1, "step": 12, "name": "train_loss", "value": "inf",
+                "at": 100.0}
+    peer_lost = {"type": "error", "rank": 0, "reason": "RuntimeError: [/x] Connection closed",
+                 "at": 100.5}
+    result = run_result(7, experiment, [peer_lost, diverged], set(), 1, "")
+    assert result == RunResult(7, "a", "diverged", "train_loss is inf at step 12 on rank 1", 1)
+    crashed = {**peer_lost, "at": 99.0}
+    result = run_result(7, experiment, [diverged, crashed], set(), 1, "")
+    assert (result.status, result.reason, result.failed_rank) == (
+        "failed", "rank 0: RuntimeError: [/x] Connection closed", 0)
+    assert run_result(7, experiment, [], {0, 1}, 0, "").status == "completed"
+
+
+def test_launch_stops_a_diverged_run_at_once(tmp_path, fake_torchrun):
+    experiment = load_spec(tiny_spec(tmp_path, "experiments: [{name: bad}]\n"))[0]
+    store = Store(str(tmp_path / "r.db"))
+    started = time.monotonic()
+    result = launcher.launch(experiment, store, None)
+    assert time.monotonic() - started < launcher.GRACE_AFTER_ERROR_S  # not waiting for rank 0
+    assert result == RunResult(1, "bad", "diverged", "train_loss is nan at step 3 on rank 1", 1)
+    run = store.get_run(1)
+    assert (run.status, run.reason, run.failed_rank) == ("diverged", result.reason, 1)
+    losses = store.metric_history(1, "train_loss")
+    assert sorted((m.rank, m.step) for m in losses) == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2)]
+    assert all(math.isfinite(m.value) for m in losses)
+    assert {s.name: s.final for s in run.summaries} == {"train_loss": pytest.approx((1 / 3 + 1 / 2) / 2)}
+
+
+def test_dsgd_run_goes_on_after_a_diverged_run(tmp_path, fake_torchrun):
+    spec = tiny_spec(tmp_path, """
+    experiments:
+      - name: bad
+      - name: good
+    """)
+    db = tmp_path / "r.db"
+    result = CliRunner().invoke(app, ["run", str(spec), "--db", str(db)])
+    assert isinstance(result.exception, RunFailed), result.output
+    assert result.exception.exit_code == 1
+    assert str(result.exception) == (
+        "1 of 2 runs failed: bad (run 1): diverged: train_loss is nan at step 3 on rank 1")
+    assert "diverged (train_loss is nan at step 3 on rank 1)" in result.output  # progress line
+    table = result.output.splitlines()[-4:]  # the summary table: header, rule, two runs
+    assert "bad" in table[2] and "diverged" in table[2]
+    assert "good" in table[3] and "completed" in table[3]
+    assert [(r.experiment, r.status) for r in Store(str(db)).runs()] == [
+        ("bad", "diverged"), ("good", "completed")]

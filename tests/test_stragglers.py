@@ -1,0 +1,534 @@
+"""The straggler-tolerant aggregators (backup, wagma, lsgd, dasgd), random stragglers and
+budgets, each checked against its definition.
+
+Two kinds of test, as in test_gossip.py:
+
+* the plugins driven by a hand-written training loop in 4 spawned processes on a real gloo
+  group (one spawn runs every scenario), where losses, gradients and delays are under the
+  test's control;
+* real `dsgd run` launches under torchrun (one launch runs every experiment).
+
+Assertions are on values, step counts and the order of events; the one bound on seconds
+(wagma's fast workers) compares two times measured in the same run with a wide margin.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import dsgd, write_spec
+from distributed import run_workers
+from dsgd_cli.api import Comm, RunLength, WorkerContext, flatten
+from dsgd_cli.schedule import Straggling
+from dsgd_cli.spec import load_spec
+from dsgd_cli.store import Store
+from plugins.aggregators.backup import Backup
+from plugins.aggregators.dasgd import DaSGD
+from plugins.aggregators.lsgd import LSGD
+from plugins.aggregators.wagma import WAGMA, group_of
+
+WORKERS = 4
+
+
+# -- the in-process harness -------------------------------------------------------------------
+
+class _Metrics:
+    def __init__(self):
+        self.values: dict[str, list[float]] = {}
+
+    def log(self, name, value):
+        self.values.setdefault(name, []).append(float(value))
+
+
+def _context(rank: int, n: int, lr: float, model_seed: int | None = None) -> WorkerContext:
+    torch.manual_seed(100 + rank if model_seed is None else model_seed)
+    model = nn.Linear(3, 1, bias=False, dtype=torch.float64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    return WorkerContext(rank=rank, world_size=n, device=torch.device("cpu"), model=model,
+                         optimizer=optimizer, comm=Comm(rank, n), metrics=_Metrics(), seed=0,
+                         compressor=None, config={})
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return flatten([p.detach() for p in model.parameters()]).clone()
+
+
+def _step(aggregator, ctx, step: int, gradient: torch.Tensor, loss: float = 0.0) -> None:
+    """One step in the runtime's order, with the gradient set by the test."""
+    ctx.optimizer.zero_grad(set_to_none=True)
+    aggregator.before_forward(step)
+    for p in ctx.model.parameters():
+        p.grad = gradient.view_as(p).clone()
+    ctx.loss = torch.tensor(loss)
+    aggregator.after_backward(step)
+    ctx.optimizer.step()
+    aggregator.after_step(step)
+
+
+def _gradient(rank: int, step: int) -> torch.Tensor:
+    """A different, known gradient per rank and step."""
+    return torch.tensor([rank + 1.0, -0.5 * step, 0.25 * (rank - step)], dtype=torch.float64)
+
+
+def _scenario_backup(rank, n):
+    """Rank 3 is a straggler; backups: 1; the run is 12 updates long."""
+    ctx = _context(rank, n, lr=0.1, model_seed=0)
+    ctx.length = RunLength(steps=12)
+    aggregator = Backup(Backup.Options(backups=1))
+    aggregator.setup(ctx)
+    local_steps = 0
+    while not aggregator.finished():
+        if rank == 3:
+            time.sleep(0.05)
+        version = aggregator.applied
+        _step(aggregator, ctx, local_steps, _gradient(rank, version))
+        local_steps += 1
+    aggregator.finish()
+    return {"steps": local_steps, "model": _flat(ctx.model), "metrics": ctx.metrics.values}
+
+
+def _scenario_wagma(rank, n):
+    """Rank 1 is a straggler doing 10 steps while the others do 40; tau = 5."""
+    ctx = _context(rank, n, lr=0.05)
+    aggregator = WAGMA(WAGMA.Options(group_size=2, tau=5))
+    aggregator.setup(ctx)
+    steps = 10 if rank == 1 else 40
+    for step in range(steps):
+        if rank == 1:
+            time.sleep(0.05)
+        _step(aggregator, ctx, step, _gradient(rank, step))
+    aggregator.finish()
+    return {"steps": steps, "metrics": ctx.metrics.values}
+
+
+LSGD_LOSSES = [3.0, 1.0, 2.0, 0.5]  # local leaders: 1 in {0, 1}, 3 in {2, 3}; global: 3
+
+
+def _scenario_lsgd(rank, n, pull: float):
+    """No gradient (lr 0): only the pulls move the models. Local election every step, global
+    election every second step, both with strength `pull`."""
+    ctx = _context(rank, n, lr=0.0)
+    aggregator = LSGD(LSGD.Options(period=1, pull=pull, group_size=2, global_period=2,
+                                   global_pull=pull))
+    aggregator.setup(ctx)
+    models = [_flat(ctx.model)]
+    for step in range(2):
+        _step(aggregator, ctx, step, torch.zeros(3, dtype=torch.float64), LSGD_LOSSES[rank])
+        models.append(_flat(ctx.model))
+    return {"models": models, "metrics": ctx.metrics.values}
+
+
+def _scenario_lsgd_independent(rank, n):
+    """pull: 0 and global_pull: 0 with real gradient steps: each worker runs its own SGD."""
+    ctx = _context(rank, n, lr=0.1)
+    aggregator = LSGD(LSGD.Options(period=1, pull=0.0, group_size=2, global_period=1,
+                                   global_pull=0.0))
+    aggregator.setup(ctx)
+    reference = _flat(ctx.model)
+    for step in range(5):
+        _step(aggregator, ctx, step, _gradient(rank, step), loss=float(rank))
+        reference = reference - 0.1 * _gradient(rank, step)
+    return {"model": _flat(ctx.model), "reference": reference}
+
+
+DASGD = {"period": 2, "delay": 1, "lr": 0.1, "steps": 7}
+
+
+def _scenario_dasgd(rank, n):
+    ctx = _context(rank, n, lr=DASGD["lr"])
+    aggregator = DaSGD(DaSGD.Options(period=DASGD["period"], delay=DASGD["delay"]))
+    aggregator.setup(ctx)
+    initial = _flat(ctx.model)
+    models = []
+    for step in range(DASGD["steps"]):
+        _step(aggregator, ctx, step, _gradient(rank, step))
+        models.append(_flat(ctx.model))
+    aggregator.finish()
+    return {"initial": initial, "models": models, "final": _flat(ctx.model)}
+
+
+def _all_scenarios(rank, n):
+    torch.set_num_threads(1)
+    results = {}
+    for name, scenario in [("backup", _scenario_backup), ("wagma", _scenario_wagma),
+                           ("dasgd", _scenario_dasgd),
+                           ("lsgd_independent", _scenario_lsgd_independent)]:
+        results[name] = scenario(rank, n)
+        torch.distributed.barrier()
+    for pull in (0.0, 0.5, 1.0):
+        results[f"lsgd_{pull}"] = _scenario_lsgd(rank, n, pull)
+        torch.distributed.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def spawned() -> list[dict]:
+    return run_workers(_all_scenarios, WORKERS, timeout=240)
+
+
+# -- backup ---------------------------------------------------------------------------------
+
+def test_backup_drops_the_stragglers_gradients_and_never_waits_for_it(spawned):
+    runs = [r["backup"] for r in spawned]
+    fast, straggler = runs[:3], runs[3]
+    # The fast workers did every one of the 12 updates; the straggler skipped most of them,
+    # so no update can have waited for it.
+    assert [r["steps"] for r in fast] == [12, 12, 12]
+    assert straggler["steps"] <= 6
+    for r in fast:
+        assert r["metrics"]["dropped_own"] == [0.0] * 12
+        assert r["metrics"]["dropped"] == [1.0] * 12
+    assert straggler["metrics"]["dropped_own"] == [1.0] * straggler["steps"]
+    assert sum(straggler["metrics"]["updates_applied"]) == 12  # it caught up
+    # Every worker applied the same 12 updates: identical models.
+    for r in runs[1:]:
+        assert torch.equal(r["model"], runs[0]["model"])
+
+
+def test_backup_updates_average_the_first_gradients(spawned):
+    """Update s is the average of the fast ranks' gradients for version s."""
+    expected = _context(0, WORKERS, lr=0.1, model_seed=0)
+    model = _flat(expected.model)
+    for version in range(12):
+        model = model - 0.1 * sum(_gradient(rank, version) for rank in range(3)) / 3
+    torch.testing.assert_close(spawned[0]["backup"]["model"], model, rtol=1e-12, atol=1e-12)
+
+
+# -- wagma ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,size", [(2, 2), (4, 2), (8, 2), (8, 4), (16, 4), (32, 2),
+                                    (32, 8), (64, 8), (16, 16)])
+def test_wagma_groups_partition_and_connect_everyone_in_log_s_n_rounds(n, size):
+    rounds = math.ceil(math.log2(n) / math.log2(size))
+    for start in range(6):
+        mixing = torch.eye(n, dtype=torch.float64)
+        for r in range(start, start + rounds):
+            step = torch.zeros(n, n, dtype=torch.float64)
+            for rank in range(n):
+                group = group_of(rank, r, n, size)
+                assert len(group) == size and rank in group
+                assert all(group_of(member, r, n, size) == group for member in group)
+                step[rank, list(group)] = 1.0 / size
+            mixing = step @ mixing
+        assert (mixing > 0).all(), f"round {start}: not everyone reached everyone"
+        if math.log2(n) % math.log2(size) == 0:  # disjoint masks: exactly the global average
+            torch.testing.assert_close(mixing, torch.full((n, n), 1.0 / n, dtype=torch.float64))
+
+
+def test_wagma_checks_its_world():
+    for workers, options, message in [
+            (3, {}, "power-of-two number of workers"),
+            (4, {"group_size": 8}, "no larger than the 4 workers"),
+            (8, {"group_size": 3}, "power of two")]:
+        with pytest.raises(ValueError, match=message):
+            WAGMA.check_world(WAGMA.Options(**options), workers)
+
+
+def test_wagma_fast_workers_do_not_wait_for_the_straggler(spawned):
+    runs = [r["wagma"] for r in spawned]
+    straggler, fast = runs[1], [runs[0], runs[2], runs[3]]
+    # 40 rounds completed by fast workers while the straggler published only 10 models: the
+    # straggler's peers went on with its latest model, which it reports as stale.
+    assert max(straggler["metrics"]["staleness"]) >= 1
+    for r in fast:
+        assert len(r["metrics"]["rounds"]) == 40
+    # Staleness is bounded by the global average every tau = 5 rounds.
+    for r in runs:
+        assert max(r["metrics"]["staleness"]) <= 4
+    # Fast workers wait only for communication in group rounds and for the straggler in the
+    # one global round in five: their typical wait is far below its 50 ms step.
+    for r in fast:
+        assert statistics.median(r["metrics"]["wait_seconds"]) < 0.025
+
+
+# -- lsgd -----------------------------------------------------------------------------------
+
+def test_lsgd_elects_the_lowest_loss_worker(spawned):
+    for rank, r in enumerate(spawned):
+        metrics = r["lsgd_0.5"]["metrics"]
+        assert metrics["leader_rank"] == ([1.0, 1.0] if rank < 2 else [3.0, 3.0])
+        assert metrics["global_leader_rank"] == [3.0]
+
+
+def test_lsgd_pulls_towards_the_leader(spawned):
+    initial = [r["lsgd_0.5"]["models"][0] for r in spawned]
+    after_local = [r["lsgd_0.5"]["models"][1] for r in spawned]
+    local_leader = {0: 1, 1: 1, 2: 3, 3: 3}
+    for rank in range(WORKERS):  # x_i - 0.5 (x_i - x_leader)
+        leader = initial[local_leader[rank]]
+        expected = initial[rank] - 0.5 * (initial[rank] - leader)
+        torch.testing.assert_close(after_local[rank], expected)
+    # Step 2: local pull again, then the global pull towards rank 3.
+    final = [r["lsgd_0.5"]["models"][2] for r in spawned]
+    local = [after_local[r] - 0.5 * (after_local[r] - after_local[local_leader[r]])
+             for r in range(WORKERS)]
+    for rank in range(WORKERS):
+        expected = local[rank] if rank == 3 else local[rank] - 0.5 * (local[rank] - local[3])
+        torch.testing.assert_close(final[rank], expected)
+
+
+def test_lsgd_pull_1_copies_the_leader_and_pull_0_is_independent_sgd(spawned):
+    leader_model = spawned[3]["lsgd_1.0"]["models"][1]
+    for r in spawned:
+        assert torch.equal(r["lsgd_1.0"]["models"][2], leader_model)
+        assert torch.equal(r["lsgd_0.0"]["models"][2], r["lsgd_0.0"]["models"][0])
+        torch.testing.assert_close(r["lsgd_independent"]["model"],
+                                   r["lsgd_independent"]["reference"], rtol=0, atol=1e-14)
+
+
+# -- dasgd ----------------------------------------------------------------------------------
+
+def test_dasgd_applies_the_average_from_delay_steps_before(spawned):
+    """Replays the definition: the average of the models after step t (t + 1 a multiple of
+    the period) replaces them at step t + delay, keeping the progress made since."""
+    period, delay, lr, steps = (DASGD[k] for k in ("period", "delay", "lr", "steps"))
+    models = [r["dasgd"]["initial"].clone() for r in spawned]
+    snapshots: dict[int, list[torch.Tensor]] = {}
+    for step in range(steps):
+        models = [models[rank] - lr * _gradient(rank, step) for rank in range(WORKERS)]
+        if (step + 1) % period == 0:
+            snapshots[step + delay] = [m.clone() for m in models]
+        if step in snapshots:
+            sent = snapshots.pop(step)
+            average = sum(sent) / WORKERS
+            models = [average + (models[rank] - sent[rank]) for rank in range(WORKERS)]
+        for rank in range(WORKERS):
+            torch.testing.assert_close(spawned[rank]["dasgd"]["models"][step], models[rank],
+                                       rtol=1e-12, atol=1e-12)
+    # An average still in flight at the end is applied by finish().
+    for step, sent in snapshots.items():
+        average = sum(sent) / WORKERS
+        models = [average + (models[rank] - sent[rank]) for rank in range(WORKERS)]
+    for rank in range(WORKERS):
+        torch.testing.assert_close(spawned[rank]["dasgd"]["final"], models[rank],
+                                   rtol=1e-12, atol=1e-12)
+
+
+# -- random stragglers ------------------------------------------------------------------------
+
+def test_random_stragglers_are_drawn_from_the_seed():
+    config = {"ranks": [], "slowdown": 1.0, "random": {"probability": 0.2, "slowdown": 4.0}}
+    draws = [Straggling(config, rank=1, seed=7).factor(step) for step in range(2000)]
+    assert draws == [Straggling(config, rank=1, seed=7).factor(step) for step in range(2000)]
+    assert draws != [Straggling(config, rank=1, seed=8).factor(step) for step in range(2000)]
+    assert draws != [Straggling(config, rank=2, seed=7).factor(step) for step in range(2000)]
+    assert set(draws) == {1.0, 4.0}
+    slow = draws.count(4.0) / len(draws)
+    assert abs(slow - 0.2) < 4 * math.sqrt(0.2 * 0.8 / len(draws))  # 4 standard deviations
+    fixed = {"ranks": [1], "slowdown": 3.0, "random": config["random"]}
+    assert {Straggling(fixed, 1, 7).factor(s) for s in range(100)} == {3.0, 12.0}
+    assert {Straggling(fixed, 0, 7).factor(s) for s in range(100)} == {1.0, 4.0}
+
+
+@pytest.mark.parametrize("section,message", [
+    ("{random: {probability: 1.5, slowdown: 2}}",
+     "stragglers.random.probability: expected a number >= 0 and <= 1, got 1.5"),
+    ("{random: {probability: 0.5}}", "stragglers.random.slowdown: required"),
+    ("{random: {probability: 0.5, slowdown: 0.5}}",
+     "stragglers.random.slowdown: expected a number >= 1, got 0.5"),
+    ("{random: {probability: 0.5, slowdown: x}}",
+     "stragglers.random.slowdown: expected a number >= 1, got 'x'"),
+    ("{random: [0.5]}", "stragglers.random: expected a mapping with keys probability, slowdown"),
+])
+def test_random_stragglers_are_validated(tmp_path, section, message):
+    spec = write_spec(tmp_path, f"""
+        experiments:
+          - {{name: a, task: logreg, stragglers: {section}}}
+    """)
+    result = dsgd("run", str(spec), "--db", str(tmp_path / "r.db"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"dsgd: error: {spec}: experiments[0].{message}"
+    assert not (tmp_path / "r.db").exists()
+
+
+@pytest.mark.parametrize("section,message", [
+    ("{samples: 100, seconds: 3}", "budget: expected exactly one of samples, seconds"),
+    ("{}", "budget: expected exactly one of samples, seconds"),
+    ("{samples: 0}", "budget.samples: expected an integer >= 1, got 0"),
+    ("{seconds: -1}", "budget.seconds: expected a number > 0, got -1"),
+    ("{samples: 10, evaluations: 0}", "budget.evaluations: expected an integer between 1 and 10000, got 0"),
+    ("{steps: 10}", "budget.steps: unknown key"),
+])
+def test_budget_is_validated(tmp_path, section, message):
+    spec = write_spec(tmp_path, f"""
+        experiments:
+          - {{name: a, task: logreg, budget: {section}}}
+    """)
+    result = dsgd("run", str(spec), "--db", str(tmp_path / "r.db"))
+    assert result.returncode == 2
+    assert f"{spec}: experiments[0].{message}" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_stragglers_and_budget_are_recorded_in_the_config(tmp_path):
+    spec = write_spec(tmp_path, """
+        experiments:
+          - name: a
+            task: logreg
+            stragglers: {ranks: [0], slowdown: 2, random: {probability: 0.25, slowdown: 3}}
+            budget: {seconds: 5}
+    """)
+    (experiment,) = load_spec(spec)
+    assert experiment.config["stragglers"] == {
+        "ranks": [0], "slowdown": 2.0, "random": {"probability": 0.25, "slowdown": 3.0}}
+    assert experiment.config["budget"] == {"samples": None, "seconds": 5.0, "evaluations": 10}
+
+
+# -- real launches ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """One `dsgd run` of every experiment these tests need, models saved."""
+    tmp = tmp_path_factory.mktemp("stragglers")
+    spec = write_spec(tmp, f"""
+        defaults:
+          task: {{name: logreg}}
+          workers: 2
+          epochs: 2
+          steps_per_epoch: 8
+          batch_size: 32
+          log_interval: 1
+          optimizer: {{name: sgd, lr: 0.5}}
+          save_dir: {tmp / "models"}
+        experiments:
+          - name: allreduce
+            aggregator: {{name: allreduce}}
+          - name: backup-0
+            aggregator: {{name: backup, backups: 0}}
+          - name: local-1
+            aggregator: {{name: local_sgd, period: 1}}
+          - name: local-2
+            aggregator: {{name: local_sgd, period: 2}}
+          - name: dasgd-0
+            aggregator: {{name: dasgd, period: 2, delay: 0}}
+          - name: wagma-tau-1
+            aggregator: {{name: wagma, tau: 1}}
+          - name: wagma-patient
+            aggregator: {{name: wagma, group_size: 2, tau: 10, patience: 30}}
+          - name: random-stragglers
+            stragglers: {{random: {{probability: 0.3, slowdown: 2}}}}
+            aggregator: {{name: allreduce}}
+          - name: random-compute
+            task: {{name: mnist1d_cnn}}
+            steps_per_epoch: 40
+            epochs: 1
+            stragglers: {{random: {{probability: 0.5, slowdown: 4}}}}
+            aggregator: {{name: local_sgd, period: 1000}}
+          - name: budget-allreduce
+            steps_per_epoch: null
+            budget: {{samples: 1000, evaluations: 4}}
+            target_accuracy: 0.55
+            aggregator: {{name: allreduce}}
+          - name: budget-adpsgd
+            task: {{name: mnist1d_mlp}}
+            steps_per_epoch: null
+            batch_size: 40  # divides each worker's 2,000 examples: every batch is full
+            budget: {{samples: 3200, evaluations: 4}}
+            stragglers: {{ranks: [1], slowdown: 20}}
+            aggregator: {{name: adpsgd}}
+          - name: budget-seconds
+            steps_per_epoch: null
+            budget: {{seconds: 1.5, evaluations: 3}}
+            aggregator: {{name: local_sgd, period: 3}}
+    """)
+    db = tmp / "results.db"
+    result = dsgd("run", str(spec), "--db", str(db), timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    store = Store(str(db))
+    runs = {run.experiment: run for run in store.runs()}
+
+    def weights(name: str, rank: int) -> torch.Tensor:
+        return torch.load(tmp / "models" / name / f"rank{rank}.pt")["weight"][0]
+
+    def history(name: str, metric: str):
+        return store.metric_history(runs[name].id, metric)
+
+    return runs, weights, history
+
+
+def test_equivalences_to_synchronous_algorithms(launched):
+    _, weights, _ = launched
+    for rank in (0, 1):
+        # backups: 0 uses every gradient: allreduce (summed in another order).
+        torch.testing.assert_close(weights("backup-0", rank), weights("allreduce", 0),
+                                   rtol=1e-5, atol=1e-6)
+        # delay 0 applies each average at once: local SGD, bit for bit.
+        assert torch.equal(weights("dasgd-0", rank), weights("local-2", rank))
+        # Every round global (tau 1), or every member fresh (S = n, patience): local SGD(1).
+        for name in ("wagma-tau-1", "wagma-patient"):
+            assert torch.equal(weights(name, rank), weights("local-1", 0)), name
+    assert not torch.equal(weights("local-2", 0), weights("local-1", 0))
+
+
+def test_random_straggler_delays_follow_the_seed(launched):
+    runs, _, history = launched
+    config = runs["random-stragglers"].config
+    recorded = {(m.rank, m.step): m.value for m in history("random-stragglers", "slowdown")}
+    assert len(recorded) == 2 * 16
+    for (rank, step), value in recorded.items():  # metric step s is loop step s - 1
+        assert value == Straggling(config["stragglers"], rank, config["seed"]).factor(step - 1)
+    assert set(recorded.values()) == {1.0, 2.0}
+
+
+def test_a_slowed_step_computes_slowdown_times_longer(launched):
+    """Within each worker (same process, interleaved steps), the steps drawn slow take about
+    `slowdown` times as long to compute as the others (no communication: local SGD with a
+    period longer than the run)."""
+    _, _, history = launched
+    slowdown = {(m.rank, m.step): m.value for m in history("random-compute", "slowdown")}
+    for rank in (0, 1):
+        times = {1.0: [], 4.0: []}
+        for m in history("random-compute", "compute_seconds"):
+            if m.rank == rank and m.step > 3:  # the first steps set the natural time
+                times[slowdown[(rank, m.step)]].append(m.value)
+        ratio = statistics.median(times[4.0]) / statistics.median(times[1.0])
+        # Configured: 4. A step right after a sleep also computes a little slower (cold
+        # caches), so the measured ratio runs above 4; a wrong slowdown would miss by far more.
+        assert 3.0 < ratio < 6.0, (rank, ratio)
+
+
+def _steps(history, name) -> dict[int, int]:
+    steps: dict[int, int] = {}
+    for m in history(name, "train_loss"):
+        steps[m.rank] = max(steps.get(m.rank, 0), m.step)
+    return steps
+
+
+def test_a_samples_budget_processes_that_many_samples(launched):
+    runs, _, history = launched
+    for name, budget, batch in (("budget-allreduce", 1000, 32), ("budget-adpsgd", 3200, 40)):
+        steps = _steps(history, name)
+        samples = batch * sum(steps.values())
+        assert budget <= samples < budget + 2 * batch, (name, steps)
+    allreduce = _steps(history, "budget-allreduce")
+    assert allreduce == {0: 16, 1: 16}  # in step: ceil(1000 / 64)
+    # Asynchronous, with rank 1 twenty times slower: the fast worker does more of the work.
+    adpsgd = _steps(history, "budget-adpsgd")
+    assert adpsgd[0] > 1.5 * adpsgd[1], adpsgd
+
+
+def test_a_budget_evaluates_the_average_model_on_schedule(launched):
+    runs, _, history = launched
+    for name, evaluations in (("budget-allreduce", 4), ("budget-adpsgd", 4),
+                              ("budget-seconds", 3)):
+        accuracy = history(name, "test_accuracy")
+        assert len(accuracy) == evaluations, name  # the scheduled ones, then the final one
+        assert all(m.rank is None for m in accuracy)
+        seconds = [m.seconds for m in accuracy]
+        assert seconds == sorted(seconds)
+    summaries = {s.name: s.final for s in runs["budget-allreduce"].summaries}
+    assert 0 < summaries["time_to_accuracy"] <= summaries["wall_seconds"]
+
+
+def test_a_seconds_budget_stops_workers_in_step_together(launched):
+    runs, _, history = launched
+    steps = _steps(history, "budget-seconds")
+    assert steps[0] == steps[1] > 3
+    summaries = {s.name: s.final for s in runs["budget-seconds"].summaries}
+    assert summaries["wall_seconds"] >= 1.5
