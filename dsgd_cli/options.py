@@ -77,6 +77,8 @@ def _convert(value: Any, annotation: Any, path: str) -> Any:
     elif annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if isinstance(value, float) and value.is_integer():  # 1e4, as people write counts
+            return int(value)
     elif annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)

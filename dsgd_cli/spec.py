@@ -246,6 +246,8 @@ def validate_experiment(raw: dict, path: str, name: str) -> dict[str, Any]:
 
 def _int(raw: dict, key: str, path: str, low: int | None = None, high: int | None = None) -> int:
     value = raw[key]
+    if isinstance(value, float) and value.is_integer():  # 2e4, as people write counts
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise SpecError(f"expected an integer, got {value!r}", path=f"{path}.{key}")
     if low is not None and value < low or high is not None and value > high:

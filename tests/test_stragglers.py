@@ -532,3 +532,18 @@ def test_a_seconds_budget_stops_workers_in_step_together(launched):
     assert steps[0] == steps[1] > 3
     summaries = {s.name: s.final for s in runs["budget-seconds"].summaries}
     assert summaries["wall_seconds"] >= 1.5
+
+
+def test_counts_may_be_written_in_scientific_notation(tmp_path):
+    spec = write_spec(tmp_path, """
+        experiments:
+          - {name: a, task: logreg, budget: {samples: 2e4}, aggregator: {name: lsgd, period: 1e1}}
+          - {name: b, task: logreg, budget: {samples: 2.5}}
+    """)
+    result = dsgd("run", str(spec), "--dry-run")
+    assert result.returncode == 2
+    assert "experiments[1].budget.samples: expected an integer, got 2.5" in result.stderr
+    spec.write_text(spec.read_text().replace("samples: 2.5", "samples: 1e3"))
+    a, b = load_spec(spec)
+    assert a.config["budget"]["samples"] == 20000 and isinstance(a.config["budget"]["samples"], int)
+    assert a.config["aggregator"]["period"] == 10 and b.config["budget"]["samples"] == 1000
