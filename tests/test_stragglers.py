@@ -25,6 +25,7 @@ from torch import nn
 from conftest import dsgd, write_spec
 from distributed import run_workers
 from dsgd_cli.api import Comm, RunLength, WorkerContext, flatten
+from dsgd_cli.errors import SpecError
 from dsgd_cli.schedule import Straggling
 from dsgd_cli.spec import load_spec
 from dsgd_cli.store import Store
@@ -341,9 +342,20 @@ def test_random_stragglers_are_validated(tmp_path, section, message):
         experiments:
           - {{name: a, task: logreg, stragglers: {section}}}
     """)
+    with pytest.raises(SpecError) as error:
+        load_spec(spec)
+    assert str(error.value) == f"{spec}: experiments[0].{message}"
+
+
+def test_a_bad_straggler_spec_is_one_line_and_exit_2(tmp_path):
+    spec = write_spec(tmp_path, """
+        experiments:
+          - {name: a, task: logreg, stragglers: {random: {probability: 2, slowdown: 3}}}
+    """)
     result = dsgd("run", str(spec), "--db", str(tmp_path / "r.db"))
     assert result.returncode == 2
-    assert result.stderr.strip() == f"dsgd: error: {spec}: experiments[0].{message}"
+    assert result.stderr.strip() == (f"dsgd: error: {spec}: experiments[0].stragglers.random."
+                                     "probability: expected a number >= 0 and <= 1, got 2")
     assert not (tmp_path / "r.db").exists()
 
 
@@ -360,10 +372,9 @@ def test_budget_is_validated(tmp_path, section, message):
         experiments:
           - {{name: a, task: logreg, budget: {section}}}
     """)
-    result = dsgd("run", str(spec), "--db", str(tmp_path / "r.db"))
-    assert result.returncode == 2
-    assert f"{spec}: experiments[0].{message}" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    with pytest.raises(SpecError) as error:
+        load_spec(spec)
+    assert str(error.value).startswith(f"{spec}: experiments[0].{message}")
 
 
 def test_stragglers_and_budget_are_recorded_in_the_config(tmp_path):
@@ -540,9 +551,8 @@ def test_counts_may_be_written_in_scientific_notation(tmp_path):
           - {name: a, task: logreg, budget: {samples: 2e4}, aggregator: {name: lsgd, period: 1e1}}
           - {name: b, task: logreg, budget: {samples: 2.5}}
     """)
-    result = dsgd("run", str(spec), "--dry-run")
-    assert result.returncode == 2
-    assert "experiments[1].budget.samples: expected an integer, got 2.5" in result.stderr
+    with pytest.raises(SpecError, match=r"experiments\[1\].budget.samples: expected an integer, got 2.5"):
+        load_spec(spec)
     spec.write_text(spec.read_text().replace("samples: 2.5", "samples: 1e3"))
     a, b = load_spec(spec)
     assert a.config["budget"]["samples"] == 20000 and isinstance(a.config["budget"]["samples"], int)

@@ -196,6 +196,7 @@ def test_worker_crash_fails_run_and_keeps_metrics(tmp_path, plugin_env):
     assert after.status == "completed"  # one failed run does not stop the rest
 
 
+@pytest.mark.slow
 def test_mnist1d_cnn_reaches_80_percent(tmp_path):
     spec = write_spec(tmp_path, """
         experiments:
