@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import typer
@@ -10,7 +11,7 @@ from dsgd_cli.commands.compare import compare
 from dsgd_cli.commands.plugins import plugins
 from dsgd_cli.commands.run import run
 from dsgd_cli.commands.runs import runs, show
-from dsgd_cli.errors import DsgdError
+from dsgd_cli.errors import DsgdError, Interrupted
 
 app = typer.Typer(help="Run, record and compare distributed data-parallel SGD algorithms.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -21,16 +22,25 @@ app.command()(show)
 app.command()(plugins)
 
 
+def _interrupt(signum, _frame) -> None:
+    name = signal.Signals(signum).name
+    raise Interrupted(name, 128 + signum)
+
+
 def main() -> None:
+    # SIGINT and SIGTERM become one exception that a running launch turns into an
+    # `interrupted` run (it stops the run's processes first), and that click does not swallow.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     # Typer reports usage errors itself (exit 2); our own errors of user input come here.
     try:
         app()
+    except Interrupted as interrupted:
+        print("dsgd: interrupted", file=sys.stderr)
+        sys.exit(interrupted.exit_code)
     except DsgdError as error:
         print(f"dsgd: error: {error}", file=sys.stderr)
         sys.exit(error.exit_code)
-    except KeyboardInterrupt:
-        print("dsgd: interrupted", file=sys.stderr)
-        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -30,3 +30,12 @@ class RunFailed(DsgdError):
     """At least one run ended in failure."""
 
     exit_code = 1
+
+
+class Interrupted(DsgdError):
+    """SIGINT (Ctrl-C) or SIGTERM (timeout, SLURM, schedulers) stopped dsgd."""
+
+    def __init__(self, signal_name: str, exit_code: int):
+        super().__init__(f"interrupted by {signal_name}")
+        self.signal_name = signal_name
+        self.exit_code = exit_code

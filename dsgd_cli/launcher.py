@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from dsgd_cli import registry
+from dsgd_cli.errors import Interrupted
 from dsgd_cli.events import EventReader, events_path
 from dsgd_cli.spec import Experiment
 from dsgd_cli.store import MetricRow, Store, finite_number
@@ -106,8 +107,15 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
         env["PYTHONUNBUFFERED"] = "1"
         log_path = Path(tmp) / "torchrun.log"
         with open(log_path, "w") as log:
-            process = subprocess.Popen(torchrun_command(experiment, config_path, tmp), stdout=log,
-                                       stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                process = subprocess.Popen(torchrun_command(experiment, config_path, tmp),
+                                           stdout=log, stderr=subprocess.STDOUT, env=env,
+                                           start_new_session=True)
+            except OSError as error:  # never leave the run `running`
+                result = RunResult(run_id, experiment.name, "failed",
+                                   f"cannot start torchrun: {error}")
+                store.finish_run(run_id, result.status, result.reason)
+                return result
             try:
                 first_error_at = None
                 while process.poll() is None:
@@ -121,10 +129,14 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
                     if diverged or late:
                         _stop(process)
                 ingest()
-            except BaseException:  # Ctrl-C or anything else: never leave workers behind
+            except BaseException as error:  # a signal or anything else: leave no worker behind
                 _stop(process)
                 ingest()
-                store.finish_run(run_id, "interrupted", "interrupted by the user")
+                if isinstance(error, (Interrupted, KeyboardInterrupt)):
+                    name = getattr(error, "signal_name", "SIGINT")
+                    store.finish_run(run_id, "interrupted", f"interrupted by {name}")
+                else:
+                    store.finish_run(run_id, "failed", f"dsgd failed: {error!r}")
                 raise
         returncode = process.returncode
         log_tail = _last_line(log_path)
@@ -161,7 +173,8 @@ def _update_progress(progress: Progress, event: dict) -> None:
 
 
 def _stop(process: subprocess.Popen) -> None:
-    """Terminate torchrun and its workers (their own process group), then make sure."""
+    """Terminate torchrun and its workers (their own process group), then make sure. A second
+    interrupt while they shut down kills them at once."""
     for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         if process.poll() is not None:
             return
@@ -173,6 +186,8 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             continue
+        except (Interrupted, KeyboardInterrupt):
+            continue  # on to SIGKILL
 
 
 def _last_line(path: Path) -> str:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -307,3 +310,59 @@ def test_dsgd_run_goes_on_after_a_diverged_run(tmp_path, fake_torchrun):
     assert "good" in table[3] and "completed" in table[3]
     assert [(r.experiment, r.status) for r in Store(str(db)).runs()] == [
         ("bad", "diverged"), ("good", "completed")]
+
+
+# -- signals and launch failures ----------------------------------------------------------------
+
+def _processes_of_run(run_id: int) -> list[str]:
+    """Command lines of live processes that belong to a run (its temp dir is in their args)."""
+    found = subprocess.run(["pgrep", "-af", f"dsgd-run{run_id}-"], capture_output=True, text=True)
+    return [line for line in found.stdout.splitlines() if "pgrep" not in line]
+
+
+@pytest.mark.parametrize("signum,exit_code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_interrupts_the_run_and_stops_its_processes(tmp_path, signum, exit_code):
+    spec = write_spec(tmp_path, """
+        experiments:
+          - {name: long, task: logreg, epochs: 100000, log_interval: 1}
+          - {name: never, task: logreg, steps_per_epoch: 2}
+    """)
+    db = tmp_path / "r.db"
+    process = subprocess.Popen([sys.executable, "-m", "dsgd_cli", "run", str(spec), "--db", str(db)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # wait until training has recorded something
+        time.sleep(0.5)
+        if db.exists() and Store(str(db)).runs() and Store(str(db)).count_metrics(1) > 0:
+            break
+    assert process.poll() is None, process.communicate()
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == exit_code
+    assert stderr.strip().splitlines()[-1] == "dsgd: interrupted"
+    assert "Traceback" not in stderr
+    (run,) = Store(str(db)).runs()  # the next experiment never started
+    assert (run.status, run.reason) == ("interrupted", f"interrupted by {signum.name}")
+    assert {s.name for s in run.summaries} >= {"train_loss"}
+    assert _processes_of_run(run.id) == []
+    assert not list(Path(tempfile.gettempdir()).glob(f"dsgd-run{run.id}-*"))
+
+
+def test_a_launch_that_cannot_start_is_recorded_as_failed(tmp_path, monkeypatch):
+    from dsgd_cli import launcher
+
+    def refuse(*args, **kwargs):
+        raise OSError("no such program")
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", refuse)
+    spec = write_spec(tmp_path, """
+        experiments:
+          - {name: a, task: logreg, steps_per_epoch: 2}
+    """)
+    (experiment,) = load_spec(spec)
+    store = Store(str(tmp_path / "r.db"))
+    result = launcher.launch(experiment, store, str(spec))
+    assert (result.status, result.reason) == ("failed", "cannot start torchrun: no such program")
+    (run,) = store.runs()
+    assert run.status == "failed" and run.ended_at is not None
