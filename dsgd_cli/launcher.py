@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -117,7 +118,7 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
                 store.finish_run(run_id, result.status, result.reason)
                 return result
             try:
-                first_error_at = None
+                first_error_at, stopped = None, False
                 while process.poll() is None:
                     time.sleep(POLL_SECONDS)
                     ingest()
@@ -128,6 +129,7 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
                     late = first_error_at and time.monotonic() - first_error_at > GRACE_AFTER_ERROR_S
                     if diverged or late:
                         _stop(process)
+                        stopped = True
                 ingest()
             except BaseException as error:  # a signal or anything else: leave no worker behind
                 _stop(process)
@@ -140,16 +142,56 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
                 raise
         returncode = process.returncode
         log_tail = _last_line(log_path)
+        # Workers that dsgd itself stopped died of its signals: torchrun's record of them
+        # says nothing about the cause.
+        failures = [] if stopped else torchrun_failures(log_path.read_text(errors="replace"))
 
-    result = run_result(run_id, experiment, problems, done_ranks, returncode, log_tail)
+    result = run_result(run_id, experiment, problems, done_ranks, returncode, log_tail, failures)
     store.finish_run(run_id, result.status, result.reason, result.failed_rank)
     return result
 
 
+@dataclass
+class WorkerExit:
+    """A worker that torchrun saw fail: its rank and exit code (negative: killed by a signal)."""
+
+    rank: int
+    exitcode: int
+
+    def describe(self) -> str:
+        if self.exitcode < 0:
+            try:
+                return f"killed by {signal.Signals(-self.exitcode).name}"
+            except ValueError:
+                return f"killed by signal {-self.exitcode}"
+        return f"exited with code {self.exitcode}"
+
+
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def torchrun_failures(log: str) -> list[WorkerExit]:
+    """The failed workers of torchrun's error summary ("Root Cause (first observed failure)"
+    and the other "Failures"), root cause first."""
+    root_at = log.find("Root Cause")
+    found = [(match.start() < root_at, WorkerExit(int(match.group(1)), int(match.group(2))))
+             for match in _FAILURE.finditer(log)]
+    return [exit for _, exit in sorted(found, key=lambda pair: pair[0])]
+
+
 def run_result(run_id: int, experiment: Experiment, problems: list[dict], done_ranks: set[int],
-               returncode: int, log_tail: str) -> RunResult:
-    """How a run ended, from its workers' `error` and `diverged` events and torchrun's exit.
-    The first problem reported is the cause; the others are mostly peers losing their link."""
+               returncode: int, log_tail: str, failures: list[WorkerExit] = ()) -> RunResult:
+    """How a run ended, from its workers' `error` and `diverged` events, the failures torchrun
+    recorded (`failures`, empty when dsgd stopped the workers itself) and torchrun's exit.
+
+    A worker killed by a signal wrote nothing; its peers then fail with symptoms such as
+    "Connection closed by peer", so a signal death is the cause. Otherwise the first problem
+    a worker reported is the cause; the others are mostly peers losing their link."""
+    reported = {event["rank"] for event in problems}
+    killed = [exit for exit in failures if exit.exitcode < 0 and exit.rank not in reported]
+    if killed:
+        return RunResult(run_id, experiment.name, "failed",
+                         f"rank {killed[0].rank}: {killed[0].describe()}", killed[0].rank)
     if problems:
         first = min(problems, key=lambda e: (e.get("at", 0), e["rank"]))
         rank = first["rank"]
@@ -158,6 +200,9 @@ def run_result(run_id: int, experiment: Experiment, problems: list[dict], done_r
                              f"{first.get('name', 'train_loss')} is {first['value']} "
                              f"at step {first['step']} on rank {rank}", rank)
         return RunResult(run_id, experiment.name, "failed", f"rank {rank}: {first['reason']}", rank)
+    if failures:  # died without a word, e.g. at start-up
+        return RunResult(run_id, experiment.name, "failed",
+                         f"rank {failures[0].rank}: {failures[0].describe()}", failures[0].rank)
     if returncode != 0 or len(done_ranks) < experiment.workers:
         return RunResult(run_id, experiment.name, "failed",
                          f"torchrun exited with code {returncode}: {log_tail}")

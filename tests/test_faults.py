@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -366,3 +367,86 @@ def test_a_launch_that_cannot_start_is_recorded_as_failed(tmp_path, monkeypatch)
     assert (result.status, result.reason) == ("failed", "cannot start torchrun: no such program")
     (run,) = store.runs()
     assert run.status == "failed" and run.ended_at is not None
+
+
+TORCHRUN_SUMMARY = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+dsgd_cli.runtime FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-22_10:31:54
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 20063)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_10:31:54
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 20064)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 20064
+============================================================
+"""
+
+
+def test_the_killed_rank_is_blamed_not_the_survivor():
+    failures = launcher.torchrun_failures(TORCHRUN_SUMMARY)
+    assert [(f.rank, f.exitcode) for f in failures] == [(1, -9), (0, 1)]
+    (experiment,) = [launcher.Experiment("a", {"workers": 2})]
+    survivor = {"type": "error", "rank": 0, "reason": "RuntimeError: Connection closed by peer",
+                "at": 1.0}
+    result = run_result(1, experiment, [survivor], set(), 1, "", failures)
+    assert (result.status, result.failed_rank, result.reason) == (
+        "failed", 1, "rank 1: killed by SIGKILL")
+    # A worker that dies at start-up without a word: its exit code, not torchrun's banner.
+    result = run_result(1, experiment, [], set(), 1, "=====", [launcher.WorkerExit(1, 1)])
+    assert (result.failed_rank, result.reason) == (1, "rank 1: exited with code 1")
+    # A worker's own exception still names itself.
+    own = {"type": "error", "rank": 1, "reason": "ValueError: bad", "at": 1.0}
+    result = run_result(1, experiment, [own], set(), 1, "", [launcher.WorkerExit(1, 1)])
+    assert result.reason == "rank 1: ValueError: bad"
+
+
+def _worker_pid(run_id: int, rank: int) -> int:
+    for line in _processes_of_run(run_id):
+        pid, args = line.split(" ", 1)
+        if "dsgd_cli.runtime" in args and "torch.distributed.run" not in args:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in environ:
+                return int(pid)
+    raise AssertionError(f"no rank {rank} worker of run {run_id}")
+
+
+@pytest.mark.parametrize("aggregator", ["allreduce", "adpsgd"])
+def test_a_worker_killed_by_a_signal_is_named_with_the_signal(tmp_path, aggregator):
+    spec = write_spec(tmp_path, f"""
+        experiments:
+          - {{name: long, task: logreg, epochs: 100000, log_interval: 1,
+              aggregator: {{name: {aggregator}}}}}
+          - {{name: after, task: logreg, steps_per_epoch: 2}}
+    """)
+    db = tmp_path / "r.db"
+    process = subprocess.Popen([sys.executable, "-m", "dsgd_cli", "run", str(spec), "--db", str(db)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        if db.exists() and Store(str(db)).runs() and Store(str(db)).count_metrics(1) > 4:
+            break
+    os.kill(_worker_pid(1, 1), signal.SIGKILL)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1
+    assert "Traceback" not in stderr
+    killed, after = Store(str(db)).runs()
+    assert (killed.status, killed.failed_rank, killed.reason) == (
+        "failed", 1, "rank 1: killed by SIGKILL")
+    assert Store(str(db)).count_metrics(killed.id) > 4  # what it recorded is kept
+    assert after.status == "completed"
+    assert _processes_of_run(killed.id) == []
