@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -315,10 +314,46 @@ def test_dsgd_run_goes_on_after_a_diverged_run(tmp_path, fake_torchrun):
 
 # -- signals and launch failures ----------------------------------------------------------------
 
-def _processes_of_run(run_id: int) -> list[str]:
-    """Command lines of live processes that belong to a run (its temp dir is in their args)."""
-    found = subprocess.run(["pgrep", "-af", f"dsgd-run{run_id}-"], capture_output=True, text=True)
+def _workers(cli: subprocess.Popen) -> dict[int, tuple[int, str]]:
+    """rank -> (pid, temp dir) of the workers a `dsgd run` process has started (its
+    grandchildren, under torchrun), once they are there."""
+    workers, parents = {}, [cli.pid]
+    while parents:
+        children = subprocess.run(["pgrep", "-P", ",".join(map(str, parents))],
+                                  capture_output=True, text=True).stdout.split()
+        parents = [int(pid) for pid in children]
+        for pid in parents:
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"dsgd_cli.runtime" in args and b"torch.distributed.run" not in args:
+                rank = [int(v[5:]) for v in environ if v.startswith(b"RANK=")][0]
+                workers[rank] = (pid, args[-2].decode())
+    return workers
+
+
+def _alive(directory: str) -> list[str]:
+    """Live processes whose arguments name a run's temp dir."""
+    found = subprocess.run(["pgrep", "-af", directory], capture_output=True, text=True)
     return [line for line in found.stdout.splitlines() if "pgrep" not in line]
+
+
+def _start_and_wait_for_training(spec: Path, db: Path, cwd: Path):
+    """`dsgd run SPEC` in a subprocess, returned once its first run has recorded metrics and
+    both workers are up, with the workers."""
+    cli = subprocess.Popen([sys.executable, "-m", "dsgd_cli", "run", str(spec), "--db", str(db)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        if db.exists() and Store(str(db)).runs() and Store(str(db)).count_metrics(1) > 4:
+            workers = _workers(cli)
+            if len(workers) == 2:
+                return cli, workers
+    cli.kill()
+    raise AssertionError(f"training did not start: {cli.communicate()}")
 
 
 @pytest.mark.parametrize("signum,exit_code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
@@ -329,25 +364,21 @@ def test_a_signal_interrupts_the_run_and_stops_its_processes(tmp_path, signum, e
           - {name: never, task: logreg, steps_per_epoch: 2}
     """)
     db = tmp_path / "r.db"
-    process = subprocess.Popen([sys.executable, "-m", "dsgd_cli", "run", str(spec), "--db", str(db)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               cwd=tmp_path)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # wait until training has recorded something
-        time.sleep(0.5)
-        if db.exists() and Store(str(db)).runs() and Store(str(db)).count_metrics(1) > 0:
-            break
-    assert process.poll() is None, process.communicate()
+    process, workers = _start_and_wait_for_training(spec, db, tmp_path)
+    directory = workers[0][1]
     process.send_signal(signum)
-    _, stderr = process.communicate(timeout=60)
+    try:
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
     assert process.returncode == exit_code
     assert stderr.strip().splitlines()[-1] == "dsgd: interrupted"
     assert "Traceback" not in stderr
     (run,) = Store(str(db)).runs()  # the next experiment never started
     assert (run.status, run.reason) == ("interrupted", f"interrupted by {signum.name}")
     assert {s.name for s in run.summaries} >= {"train_loss"}
-    assert _processes_of_run(run.id) == []
-    assert not list(Path(tempfile.gettempdir()).glob(f"dsgd-run{run.id}-*"))
+    assert _alive(directory) == []
+    assert not Path(directory).exists()
 
 
 def test_a_launch_that_cannot_start_is_recorded_as_failed(tmp_path, monkeypatch):
@@ -413,16 +444,6 @@ def test_the_killed_rank_is_blamed_not_the_survivor():
     assert result.reason == "rank 1: ValueError: bad"
 
 
-def _worker_pid(run_id: int, rank: int) -> int:
-    for line in _processes_of_run(run_id):
-        pid, args = line.split(" ", 1)
-        if "dsgd_cli.runtime" in args and "torch.distributed.run" not in args:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            if f"RANK={rank}".encode() in environ:
-                return int(pid)
-    raise AssertionError(f"no rank {rank} worker of run {run_id}")
-
-
 @pytest.mark.parametrize("aggregator", ["allreduce", "adpsgd"])
 def test_a_worker_killed_by_a_signal_is_named_with_the_signal(tmp_path, aggregator):
     spec = write_spec(tmp_path, f"""
@@ -432,16 +453,12 @@ def test_a_worker_killed_by_a_signal_is_named_with_the_signal(tmp_path, aggregat
           - {{name: after, task: logreg, steps_per_epoch: 2}}
     """)
     db = tmp_path / "r.db"
-    process = subprocess.Popen([sys.executable, "-m", "dsgd_cli", "run", str(spec), "--db", str(db)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               cwd=tmp_path)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        if db.exists() and Store(str(db)).runs() and Store(str(db)).count_metrics(1) > 4:
-            break
-    os.kill(_worker_pid(1, 1), signal.SIGKILL)
-    _, stderr = process.communicate(timeout=120)
+    process, workers = _start_and_wait_for_training(spec, db, tmp_path)
+    os.kill(workers[1][0], signal.SIGKILL)
+    try:
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
     assert process.returncode == 1
     assert "Traceback" not in stderr
     killed, after = Store(str(db)).runs()
@@ -449,4 +466,4 @@ def test_a_worker_killed_by_a_signal_is_named_with_the_signal(tmp_path, aggregat
         "failed", 1, "rank 1: killed by SIGKILL")
     assert Store(str(db)).count_metrics(killed.id) > 4  # what it recorded is kept
     assert after.status == "completed"
-    assert _processes_of_run(killed.id) == []
+    assert _alive(workers[0][1]) == []
