@@ -12,6 +12,7 @@ import json
 import math
 import os
 import socket
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -20,7 +21,7 @@ from typing import Any, Iterable
 
 from sqlalchemy import (JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, or_,
                         create_engine, delete, event, func, insert, select)
-from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
+from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError, OperationalError
 from sqlalchemy.orm import (DeclarativeBase, Mapped, Session, mapped_column, relationship,
                             selectinload)
 
@@ -29,6 +30,7 @@ from dsgd_cli.errors import StoreError
 
 SCHEMA_VERSION = 1
 DEFAULT_DB = "dsgd.db"
+MIGRATE_ATTEMPTS = 5
 
 
 class Base(DeclarativeBase):
@@ -142,7 +144,9 @@ class Store:
     def __init__(self, db: str | None = None):
         self.url = resolve_url(db)
         try:
-            self.engine = create_engine(self.url)
+            # SQLite: a writer waits up to 30 s for another's lock instead of failing at once.
+            connect_args = {"timeout": 30} if self.url.startswith("sqlite") else {}
+            self.engine = create_engine(self.url, connect_args=connect_args)
             if self.engine.dialect.name == "sqlite":
                 event.listen(self.engine, "connect", _sqlite_pragmas)
             self._migrate()
@@ -153,6 +157,18 @@ class Store:
             raise StoreError(f"cannot open results database {self.url}: driver not installed ({error.name})") from None
 
     def _migrate(self) -> None:
+        # Two dsgd processes may create a new database at once: the loser of a race finds a
+        # table or the version row already there, and simply tries again.
+        for attempt in range(MIGRATE_ATTEMPTS):
+            try:
+                self._create_schema()
+                return
+            except (IntegrityError, OperationalError):
+                if attempt == MIGRATE_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
+
+    def _create_schema(self) -> None:
         Base.metadata.create_all(self.engine)
         with Session(self.engine) as session, session.begin():
             row = session.get(Meta, "schema_version")

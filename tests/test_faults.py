@@ -467,3 +467,24 @@ def test_a_worker_killed_by_a_signal_is_named_with_the_signal(tmp_path, aggregat
     assert Store(str(db)).count_metrics(killed.id) > 4  # what it recorded is kept
     assert after.status == "completed"
     assert _alive(workers[0][1]) == []
+
+
+def _record_one_run(path: str) -> None:
+    store = Store(path)
+    config = {"task": {"name": "t"}, "aggregator": {"name": "a"}, "compressor": {"name": "c"},
+              "optimizer": {"name": "o"}, "workers": 2}
+    store.finish_run(store.create_run("x", config, None, []), "completed")
+
+
+def test_processes_creating_a_new_database_at_once_all_succeed(tmp_path):
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    path = str(tmp_path / "new.db")
+    processes = [context.Process(target=_record_one_run, args=(path,)) for _ in range(6)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(60)
+    assert [p.exitcode for p in processes] == [0] * 6
+    assert len(Store(path).runs()) == 6
