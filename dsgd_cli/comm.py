@@ -1,6 +1,6 @@
 """`Comm`: every collective and point-to-point call a plugin may make, with accounting.
 
-Plugins never call torch.distributed themselves (DESIGN.md principle 3). Each call here
+Plugins never call torch.distributed themselves (README, "Writing a plugin"). Each call here
 
 * counts the bytes this worker sends and receives, using the traffic of the algorithm the
   backends run (ring all-reduce: 2(n-1)/n of the buffer each way; ring all-gather: (n-1)

@@ -1,6 +1,6 @@
 """The worker process that torchrun starts, one per worker: `python -m dsgd_cli.runtime`.
 
-It owns the order of the training loop (DESIGN.md principle 4); the aggregator plugin owns the
+It owns the order of the training loop (README, "Writing a plugin"); the aggregator plugin owns the
 algorithm through its hooks. Every metric goes to this rank's event file (see events.py).
 """
 

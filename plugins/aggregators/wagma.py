@@ -129,8 +129,7 @@ class WAGMA(Aggregator):
         if self.thread is None:
             return
         with self.lock:
-            self._sync_locked()
-            self.published = self.base = self.vector.read()
+            self._publish_locked()
             self.fresh = True
             self.arrivals += 1
             arrival = self.arrivals
@@ -152,8 +151,7 @@ class WAGMA(Aggregator):
         if self.thread is None:
             return
         with self.lock:
-            self._sync_locked()
-            self.published = self.base = self.vector.read()
+            self._publish_locked()
             self.training_done = True
             self.lock.notify_all()
         while self.thread.is_alive():
@@ -169,6 +167,11 @@ class WAGMA(Aggregator):
             current = self.vector.read()
             self.vector.write(self.published + (current - self.base))
             self.base = self.published
+
+    def _publish_locked(self) -> None:
+        """Make the model, with every completed round brought in, what the peers will get."""
+        self._sync_locked()
+        self.published = self.base = self.vector.read()
 
     def _check(self) -> None:
         if self.error is not None:

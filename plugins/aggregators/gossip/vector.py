@@ -1,8 +1,8 @@
 """The model as one flat vector: what gossip algorithms send, average and push.
 
 It holds the parameters, followed by the floating-point buffers (batch-norm statistics) when
-`sync_buffers` is on; otherwise buffers stay local to each worker (ALGORITHMS.md, "Model or
-gradient, and batch norm").
+`sync_buffers` is on; otherwise buffers stay local to each worker (README, the options every
+aggregator accepts).
 """
 
 from __future__ import annotations
