@@ -17,19 +17,21 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from dsgd_cli import registry
-from dsgd_cli.errors import Interrupted
 from dsgd_cli.events import EventReader, events_path
 from dsgd_cli.spec import Experiment
 from dsgd_cli.store import MetricRow, Store, finite_number
 
 POLL_SECONDS = 0.5
 GRACE_AFTER_ERROR_S = 10.0  # torchrun normally stops the other workers well before this
+TERMINATE_WAIT_S = 5.0  # after SIGTERM, before SIGKILL
+RUN_MARKER = "DSGD_RUN_DIR"  # set in the environment of a run's processes
 PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor")
 
 
@@ -69,13 +71,29 @@ def plugin_versions(config: dict) -> list[tuple[str, str, str, str]]:
 
 def launch(experiment: Experiment, store: Store, spec_file: str | None,
            on_progress: Callable[[Progress], None] = lambda p: None) -> RunResult:
+    """Run one experiment and record it. The run is never left `running`: whatever ends it is
+    recorded before `launch` returns or raises. A SIGINT or SIGTERM meanwhile stops the run's
+    processes and marks it interrupted; then the signal takes its usual course (the CLI's
+    handler raises `Interrupted`)."""
     config = experiment.config
-    run_id = store.create_run(experiment.name, config, spec_file, plugin_versions(config))
+    with _Interrupts() as interrupts:
+        run_id = store.create_run(experiment.name, config, spec_file, plugin_versions(config))
+        try:
+            result = _run(run_id, experiment, store, on_progress, interrupts)
+        except BaseException as error:
+            store.finish_run(run_id, "failed", f"dsgd failed: {error!r}")
+            raise
+        store.finish_run(run_id, result.status, result.reason, result.failed_rank)
+    return result
+
+
+def _run(run_id: int, experiment: Experiment, store: Store,
+         on_progress: Callable[[Progress], None], interrupts: _Interrupts) -> RunResult:
     progress = Progress()
     problems: list[dict] = []  # `error` and `diverged` events
     with tempfile.TemporaryDirectory(prefix=f"dsgd-run{run_id}-") as tmp:
         config_path = Path(tmp) / "config.json"
-        config_path.write_text(json.dumps(config))
+        config_path.write_text(json.dumps(experiment.config))
         readers = [EventReader(events_path(tmp, rank)) for rank in range(experiment.workers)]
         done_ranks: set[int] = set()
 
@@ -106,49 +124,42 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
         env.setdefault("OMP_NUM_THREADS", "1")  # workers share the machine's cores
         env.setdefault("NUMBA_NUM_THREADS", env["OMP_NUM_THREADS"])
         env["PYTHONUNBUFFERED"] = "1"
+        env["LOGLEVEL"] = "WARNING"  # torchrun's warnings name the workers it stopped itself
+        env[RUN_MARKER] = tmp  # inherited by the workers: how _stop finds them
         log_path = Path(tmp) / "torchrun.log"
-        with open(log_path, "w") as log:
-            try:
+        try:
+            with open(log_path, "w") as log:
                 process = subprocess.Popen(torchrun_command(experiment, config_path, tmp),
                                            stdout=log, stderr=subprocess.STDOUT, env=env,
                                            start_new_session=True)
-            except OSError as error:  # never leave the run `running`
-                result = RunResult(run_id, experiment.name, "failed",
-                                   f"cannot start torchrun: {error}")
-                store.finish_run(run_id, result.status, result.reason)
-                return result
-            try:
-                first_error_at, stopped = None, False
-                while process.poll() is None:
-                    time.sleep(POLL_SECONDS)
-                    ingest()
-                    if problems and first_error_at is None:
-                        first_error_at = time.monotonic()
-                    # A worker that diverged has left, and its peers may wait for it forever.
-                    diverged = any(e["type"] == "diverged" for e in problems)
-                    late = first_error_at and time.monotonic() - first_error_at > GRACE_AFTER_ERROR_S
-                    if diverged or late:
-                        _stop(process)
-                        stopped = True
+        except OSError as error:
+            return RunResult(run_id, experiment.name, "failed", f"cannot start torchrun: {error}")
+        first_error_at, diverged, late, interrupted_by = None, False, False, None
+        try:
+            while process.poll() is None:
+                time.sleep(POLL_SECONDS)
                 ingest()
-            except BaseException as error:  # a signal or anything else: leave no worker behind
-                _stop(process)
-                ingest()
-                if isinstance(error, (Interrupted, KeyboardInterrupt)):
-                    name = getattr(error, "signal_name", "SIGINT")
-                    store.finish_run(run_id, "interrupted", f"interrupted by {name}")
-                else:
-                    store.finish_run(run_id, "failed", f"dsgd failed: {error!r}")
-                raise
-        returncode = process.returncode
-        log_tail = _last_line(log_path)
+                if problems and first_error_at is None:
+                    first_error_at = time.monotonic()
+                # A worker that diverged has left, and its peers may wait for it forever.
+                diverged = any(e["type"] == "diverged" for e in problems)
+                late = first_error_at is not None and (
+                    time.monotonic() - first_error_at > GRACE_AFTER_ERROR_S)
+                interrupted_by = interrupts.caught[0] if interrupts.caught else None
+                if diverged or late or interrupted_by:
+                    break
+        finally:  # whatever happened, no process of the run outlives it
+            _stop(process, tmp, interrupts)
+        ingest()
+        if interrupted_by:
+            return RunResult(run_id, experiment.name, "interrupted",
+                             f"interrupted by {interrupted_by.name}")
         # Workers that dsgd itself stopped died of its signals: torchrun's record of them
         # says nothing about the cause.
-        failures = [] if stopped else torchrun_failures(log_path.read_text(errors="replace"))
-
-    result = run_result(run_id, experiment, problems, done_ranks, returncode, log_tail, failures)
-    store.finish_run(run_id, result.status, result.reason, result.failed_rank)
-    return result
+        log_text = log_path.read_text(errors="replace")
+        failures = [] if diverged or late else torchrun_failures(log_text)
+        return run_result(run_id, experiment, problems, done_ranks, process.returncode,
+                          _last_line(log_text), failures)
 
 
 @dataclass
@@ -167,31 +178,37 @@ class WorkerExit:
         return f"exited with code {self.exitcode}"
 
 
-_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n"
+                      r"\s*exitcode\s*:\s*(-?\d+)(?:\s*\(pid:\s*(\d+)\))?")
+_CLOSED = re.compile(r"Sending process (\d+) closing signal")
 
 
 def torchrun_failures(log: str) -> list[WorkerExit]:
-    """The failed workers of torchrun's error summary ("Root Cause (first observed failure)"
-    and the other "Failures"), root cause first."""
+    """The workers that failed by themselves, from torchrun's error summary, root cause
+    ("first observed failure") first. That summary also lists the workers torchrun stopped
+    because of the failure, which it logs as "Sending process PID closing signal SIGTERM":
+    those are left out."""
+    closed = set(_CLOSED.findall(log))
     root_at = log.find("Root Cause")
     found = [(match.start() < root_at, WorkerExit(int(match.group(1)), int(match.group(2))))
-             for match in _FAILURE.finditer(log)]
+             for match in _FAILURE.finditer(log) if match.group(3) not in closed]
     return [exit for _, exit in sorted(found, key=lambda pair: pair[0])]
 
 
 def run_result(run_id: int, experiment: Experiment, problems: list[dict], done_ranks: set[int],
                returncode: int, log_tail: str, failures: list[WorkerExit] = ()) -> RunResult:
-    """How a run ended, from its workers' `error` and `diverged` events, the failures torchrun
-    recorded (`failures`, empty when dsgd stopped the workers itself) and torchrun's exit.
+    """How a run ended, from its workers' `error` and `diverged` events, the workers that
+    torchrun saw fail by themselves (`failures`, empty when dsgd stopped the workers) and
+    torchrun's exit.
 
-    A worker killed by a signal wrote nothing; its peers then fail with symptoms such as
-    "Connection closed by peer", so a signal death is the cause. Otherwise the first problem
-    a worker reported is the cause; the others are mostly peers losing their link."""
+    A worker that died without a word (killed by a signal, or at start-up) is the cause: its
+    peers then fail with symptoms such as "Connection reset by peer". Otherwise the first
+    problem a worker reported is the cause; the others are mostly peers losing their link."""
     reported = {event["rank"] for event in problems}
-    killed = [exit for exit in failures if exit.exitcode < 0 and exit.rank not in reported]
-    if killed:
+    silent = [exit for exit in failures if exit.rank not in reported]
+    if silent:
         return RunResult(run_id, experiment.name, "failed",
-                         f"rank {killed[0].rank}: {killed[0].describe()}", killed[0].rank)
+                         f"rank {silent[0].rank}: {silent[0].describe()}", silent[0].rank)
     if problems:
         first = min(problems, key=lambda e: (e.get("at", 0), e["rank"]))
         rank = first["rank"]
@@ -200,9 +217,6 @@ def run_result(run_id: int, experiment: Experiment, problems: list[dict], done_r
                              f"{first.get('name', 'train_loss')} is {first['value']} "
                              f"at step {first['step']} on rank {rank}", rank)
         return RunResult(run_id, experiment.name, "failed", f"rank {rank}: {first['reason']}", rank)
-    if failures:  # died without a word, e.g. at start-up
-        return RunResult(run_id, experiment.name, "failed",
-                         f"rank {failures[0].rank}: {failures[0].describe()}", failures[0].rank)
     if returncode != 0 or len(done_ranks) < experiment.workers:
         return RunResult(run_id, experiment.name, "failed",
                          f"torchrun exited with code {returncode}: {log_tail}")
@@ -217,27 +231,66 @@ def _update_progress(progress: Progress, event: dict) -> None:
         progress.test_accuracy = event["value"]  # asynchronous runs: a worker's own model
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """Terminate torchrun and its workers (their own process group), then make sure. A second
-    interrupt while they shut down kills them at once."""
-    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        if process.poll() is not None:
+class _Interrupts:
+    """While a run is on, SIGINT and SIGTERM are noted in `caught` instead of going to their
+    handlers (the CLI's raises, and an exception at an arbitrary point could cut a database
+    write or the cleanup short); the launcher polls `caught`. On leaving, the first signal
+    caught is raised again, for its own handler."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.caught: list[signal.Signals] = []
+        self._previous: dict = {}
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is threading.main_thread():  # else they are not ours
+            self._previous = {sig: signal.signal(sig, self._note) for sig in self.SIGNALS}
+        return self
+
+    def _note(self, signum, _frame) -> None:
+        self.caught.append(signal.Signals(signum))
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        if self.caught:
+            signal.raise_signal(self.caught[0])
+
+
+def _stop(process: subprocess.Popen, run_dir: str, interrupts: _Interrupts) -> None:
+    """Stop every process of a run: SIGTERM, then SIGKILL to those left after
+    TERMINATE_WAIT_S, or at once when another SIGINT or SIGTERM comes."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = _processes(process, run_dir)
+        if not pids:
             return
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline, caught = time.monotonic() + TERMINATE_WAIT_S, len(interrupts.caught)
+        while (_processes(process, run_dir) and time.monotonic() < deadline
+               and len(interrupts.caught) == caught):
+            time.sleep(0.1)
+
+
+def _processes(process: subprocess.Popen, run_dir: str) -> set[int]:
+    """The live processes of a run: torchrun and whatever carries the run's marker in its
+    environment. torchrun starts each worker in a session of its own, so a signal to torchrun's
+    process group misses them, and they outlive a torchrun that was killed."""
+    pids = {process.pid} if process.poll() is None else set()
+    marker = f"{RUN_MARKER}={run_dir}".encode()
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                pids.add(int(entry.name))
+        except OSError:  # gone, or another user's
             continue
-        except (Interrupted, KeyboardInterrupt):
-            continue  # on to SIGKILL
+    return pids
 
 
-def _last_line(path: Path) -> str:
-    try:
-        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return ""
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[-1][:500] if lines else "(no output)"

@@ -488,3 +488,128 @@ def test_processes_creating_a_new_database_at_once_all_succeed(tmp_path):
         process.join(60)
     assert [p.exitcode for p in processes] == [0] * 6
     assert len(Store(path).runs()) == 6
+
+
+# -- a worker that dies at start-up, a second interrupt, an error in dsgd itself ---------------
+
+DIES_AT_START = """
+import os, signal, sys
+from dsgd_cli import runtime
+if os.environ["RANK"] == "1":
+    {how}
+runtime.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("how, reason", [
+    ("os.kill(os.getpid(), signal.SIGKILL)", "rank 1: killed by SIGKILL"),
+    ("sys.exit(3)", "rank 1: exited with code 3"),
+], ids=["signal", "exit code"])
+def test_a_worker_that_dies_at_start_up_is_named(tmp_path, monkeypatch, how, reason):
+    """Real torchrun, whose rank 1 dies before it writes a word: the reason comes from
+    torchrun's failure records, not from its banner."""
+    script = tmp_path / "dies_at_start.py"
+    script.write_text(DIES_AT_START.format(how=how))
+    torchrun_command = launcher.torchrun_command
+
+    def command(experiment, config, events):
+        args = torchrun_command(experiment, config, events)
+        at = args.index("dsgd_cli.runtime")
+        return args[:at - 1] + [str(script)] + args[at + 1:]  # instead of `-m dsgd_cli.runtime`
+
+    monkeypatch.setattr(launcher, "torchrun_command", command)
+    (experiment,) = load_spec(tiny_spec(tmp_path, "experiments: [{name: a}]\n"))
+    store = Store(str(tmp_path / "r.db"))
+    result = launcher.launch(experiment, store, None)
+    assert (result.status, result.failed_rank, result.reason) == ("failed", 1, reason)
+    (run,) = store.runs()
+    assert (run.status, run.failed_rank, run.reason) == ("failed", 1, reason)
+    assert _alive(str(script)) == []
+
+
+# Stands in for torchrun and one worker, which torchrun starts in a session of its own; both
+# note a SIGTERM and carry on. Only SIGKILL stops them.
+STUBBORN = """
+import os, signal, subprocess, sys, time
+config, events = sys.argv[1:3]
+here = os.path.dirname(os.path.abspath(__file__))
+
+def carry_on(*_):
+    with open(os.path.join(here, "terminated"), "a") as file:
+        file.write(f"{os.getpid()}\\n")
+
+signal.signal(signal.SIGTERM, carry_on)
+if sys.argv[3:] != ["worker"]:
+    subprocess.Popen([sys.executable, __file__, config, events, "worker"], start_new_session=True)
+else:
+    with open(os.path.join(events, "rank0.jsonl"), "a") as file:
+        file.write('{"type": "metric", "rank": 0, "name": "train_loss", "value": 0.5, "step": 1, '
+                   '"epoch": 0, "seconds": 0.1, "per_rank": true}\\n')
+while True:
+    time.sleep(1)
+"""
+
+# `dsgd run` with the stand-in for torchrun, and no end to the wait after SIGTERM.
+STUBBORN_DSGD = """
+import sys
+from dsgd_cli import cli, launcher
+launcher.TERMINATE_WAIT_S = 600
+launcher.torchrun_command = lambda experiment, config, events: [
+    sys.executable, {script!r}, str(config), str(events)]
+sys.argv = ["dsgd", "run", {spec!r}, "--db", {db!r}]
+cli.main()
+"""
+
+
+def _wait_for(condition, what: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {seconds} s"
+        time.sleep(0.2)
+
+
+def test_a_second_interrupt_kills_the_run_at_once(tmp_path):
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    spec = tiny_spec(tmp_path, "experiments: [{name: stubborn}, {name: never}]\n")
+    db = tmp_path / "r.db"
+    terminated = tmp_path / "terminated"
+    code = STUBBORN_DSGD.format(script=str(script), spec=str(spec), db=str(db))
+    cli = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        _wait_for(lambda: db.exists() and Store(str(db)).runs()
+                  and Store(str(db)).count_metrics(1) > 0, "metrics")
+        cli.send_signal(signal.SIGINT)
+        # Both got SIGTERM, and dsgd waits for them to go.
+        _wait_for(lambda: terminated.exists() and len(terminated.read_text().split()) == 2,
+                  "SIGTERM to torchrun and its worker", 30)
+        assert cli.poll() is None
+        cli.send_signal(signal.SIGINT)
+        _, stderr = cli.communicate(timeout=30)
+    finally:
+        cli.kill()
+        for line in _alive(str(script)):  # only if the test failed: nothing else is ours
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert cli.returncode == 130
+    assert stderr == "dsgd: interrupted\n"
+    (run,) = Store(str(db)).runs()
+    assert (run.status, run.reason) == ("interrupted", "interrupted by SIGINT")
+    assert {s.name: s.final for s in run.summaries} == {"train_loss": 0.5}
+    assert _alive(str(script)) == []
+
+
+def test_an_error_in_dsgd_during_a_run_fails_it_and_stops_its_processes(tmp_path, fake_torchrun):
+    (experiment,) = load_spec(tiny_spec(tmp_path, "experiments: [{name: bad}]\n"))  # runs 120 s
+    store = Store(str(tmp_path / "r.db"))
+
+    def disk_full(run_id, rows):
+        raise RuntimeError("disk full")
+
+    store.add_metrics = disk_full
+    with pytest.raises(RuntimeError, match="disk full"):
+        launcher.launch(experiment, store, None)
+    (run,) = store.runs()
+    assert (run.status, run.reason) == ("failed", "dsgd failed: RuntimeError('disk full')")
+    assert run.ended_at is not None
+    assert _alive(str(tmp_path / "fake_torchrun.py")) == []
