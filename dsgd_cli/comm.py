@@ -52,6 +52,7 @@ class Group:
 
     ranks: tuple[int, ...]
     process_group: Any = None  # None means the default (world) group
+    backend: str = "gloo"  # nccl moves CUDA tensors only
 
     @property
     def size(self) -> int:
@@ -125,11 +126,16 @@ def _nbytes(tensor: torch.Tensor) -> int:
 class Comm:
     """Communication for one worker. Built by the runtime; plugins get it as `ctx.comm`."""
 
-    def __init__(self, rank: int, world_size: int, network: NetworkModel | None = None):
+    def __init__(self, rank: int, world_size: int, network: NetworkModel | None = None,
+                 device: torch.device | str = "cpu"):
         self.rank = rank
         self.world_size = world_size
         self.network = network or NetworkModel()
-        self.world = Group(tuple(range(world_size)))
+        # Tensors for the world group and for groups of its backend live here: with NCCL the
+        # worker's GPU. Groups made with backend="gloo" take CPU tensors wherever the world is.
+        self.device = torch.device(device)
+        self.world = Group(tuple(range(world_size)), None,
+                           dist.get_backend() if dist.is_initialized() else "gloo")
         self._traffic = Traffic()
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -204,6 +210,13 @@ class Comm:
     def _pg(group: Group | None):
         return None if group is None else group.process_group
 
+    def _check(self, tensor: torch.Tensor, group: Group | None, operation: str) -> None:
+        """NCCL fails obscurely, or hangs, on a CPU tensor: say which call was wrong."""
+        if (group or self.world).backend == "nccl" and tensor.device.type != "cuda":
+            raise ValueError(
+                f"{operation}: a {tensor.device.type} tensor on an nccl group; make it on "
+                "comm.device, or use a group made with backend='gloo'")
+
     def _size(self, group: Group | None) -> int:
         return self.world_size if group is None else group.size
 
@@ -212,6 +225,7 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Group | None = None,
                    async_op: bool = False):
         """Reduce `tensor` in place over the group. `op`: sum, avg, max, min."""
+        self._check(tensor, group, "all_reduce")
         reduce_ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
                       "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         if op not in reduce_ops:
@@ -231,6 +245,7 @@ class Comm:
     def all_gather(self, tensor: torch.Tensor, group: Group | None = None,
                    async_op: bool = False):
         """Every member's `tensor` (same shape everywhere), as a list in group-rank order."""
+        self._check(tensor, group, "all_gather")
         n = self._size(group)
         outputs = [torch.empty_like(tensor) for _ in range(n)]
         traffic = (n - 1) * _nbytes(tensor)
@@ -250,6 +265,7 @@ class Comm:
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group | None = None,
                   async_op: bool = False):
         """Copy `tensor` from global rank `src` to every member, in place."""
+        self._check(tensor, group, "broadcast")
         n = self._size(group)
         size = _nbytes(tensor)
         is_root = self.rank == src
@@ -271,7 +287,8 @@ class Comm:
         """A sub-group. Like torch.distributed, every rank must call this, in the same order.
         `backend` (e.g. "gloo" for CPU tensors next to an nccl world) defaults to the world's."""
         ranks = tuple(sorted(ranks))
-        return Group(ranks, dist.new_group(list(ranks), backend=backend))
+        return Group(ranks, dist.new_group(list(ranks), backend=backend),
+                     backend or self.world.backend)
 
     # -- point to point ---------------------------------------------------------------------
 
@@ -285,6 +302,7 @@ class Comm:
     def isend(self, tensor: torch.Tensor, dst: int, group: Group | None = None) -> Handle:
         """Send `tensor` to global rank `dst` (a member of `group`). With gloo, the send
         completes once the receiver has posted a matching receive."""
+        self._check(tensor, group, "isend")
         return self._issue(lambda: dist.isend(tensor, dst, group=self._pg(group)),
                            sent=_nbytes(tensor), received=0, messages=1, async_op=True,
                            result=tensor)
@@ -294,6 +312,7 @@ class Comm:
         """Receive into `tensor` from global rank `src`, or from any member of `group` when
         `src` is None (put the sender in the message if the receiver needs it). Messages
         between two ranks on one group arrive in the order they were sent."""
+        self._check(tensor, group, "irecv")
         # The sender pays the emulated transfer time; the receiver waits for the data.
         return self._issue(lambda: dist.irecv(tensor, src, group=self._pg(group)), sent=0,
                            received=_nbytes(tensor), messages=0, async_op=True, result=tensor)

@@ -32,6 +32,7 @@ POLL_SECONDS = 0.5
 GRACE_AFTER_ERROR_S = 10.0  # torchrun normally stops the other workers well before this
 TERMINATE_WAIT_S = 5.0  # after SIGTERM, before SIGKILL
 RUN_MARKER = "DSGD_RUN_DIR"  # set in the environment of a run's processes
+DEVICE_VARIABLE = "DSGD_DEVICE"  # tells the workers: cuda or cpu
 PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor")
 
 
@@ -69,17 +70,41 @@ def plugin_versions(config: dict) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+@dataclass(frozen=True)
+class DevicePlan:
+    """Where a run's workers compute: "cuda" (one GPU each, NCCL) or "cpu" (gloo)."""
+
+    kind: str
+    notice: str | None = None  # why a machine with CUDA runs on the CPU
+
+
+def choose_device(workers: int) -> DevicePlan:
+    """NCCL needs a GPU of its own for every worker on a machine. With fewer GPUs than
+    workers the run falls back to CPU tensors and gloo, and says so."""
+    import torch  # already loaded by the spec; not needed by the reading commands
+
+    if not torch.cuda.is_available():
+        return DevicePlan("cpu")
+    gpus = torch.cuda.device_count()
+    if gpus >= workers:
+        return DevicePlan("cuda")
+    return DevicePlan("cpu", f"{workers} workers but {gpus} GPU{'s' if gpus != 1 else ''} "
+                             "on this machine: running on the CPU with gloo")
+
+
 def launch(experiment: Experiment, store: Store, spec_file: str | None,
-           on_progress: Callable[[Progress], None] = lambda p: None) -> RunResult:
+           on_progress: Callable[[Progress], None] = lambda p: None,
+           device: DevicePlan | None = None) -> RunResult:
     """Run one experiment and record it. The run is never left `running`: whatever ends it is
     recorded before `launch` returns or raises. A SIGINT or SIGTERM meanwhile stops the run's
     processes and marks it interrupted; then the signal takes its usual course (the CLI's
-    handler raises `Interrupted`)."""
+    handler raises `Interrupted`). `device`: by default `choose_device`'s."""
     config = experiment.config
+    device = device or choose_device(experiment.workers)
     with _Interrupts() as interrupts:
         run_id = store.create_run(experiment.name, config, spec_file, plugin_versions(config))
         try:
-            result = _run(run_id, experiment, store, on_progress, interrupts)
+            result = _run(run_id, experiment, store, on_progress, interrupts, device)
         except BaseException as error:
             store.finish_run(run_id, "failed", f"dsgd failed: {error!r}")
             raise
@@ -88,7 +113,8 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
 
 
 def _run(run_id: int, experiment: Experiment, store: Store,
-         on_progress: Callable[[Progress], None], interrupts: _Interrupts) -> RunResult:
+         on_progress: Callable[[Progress], None], interrupts: _Interrupts,
+         device: DevicePlan) -> RunResult:
     progress = Progress()
     problems: list[dict] = []  # `error` and `diverged` events
     with tempfile.TemporaryDirectory(prefix=f"dsgd-run{run_id}-") as tmp:
@@ -126,6 +152,7 @@ def _run(run_id: int, experiment: Experiment, store: Store,
         env["PYTHONUNBUFFERED"] = "1"
         env["LOGLEVEL"] = "WARNING"  # torchrun's warnings name the workers it stopped itself
         env[RUN_MARKER] = tmp  # inherited by the workers: how _stop finds them
+        env[DEVICE_VARIABLE] = device.kind
         log_path = Path(tmp) / "torchrun.log"
         try:
             with open(log_path, "w") as log:

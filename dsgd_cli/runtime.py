@@ -70,6 +70,9 @@ class Shard:
 
     def __post_init__(self):
         self.size = self.num_examples // self.world_size
+        if self.size == 0:
+            raise ValueError(f"{self.num_examples} training examples cannot be shared by "
+                             f"{self.world_size} workers: each needs at least one")
 
     def indices(self, epoch: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -91,7 +94,7 @@ class Worker:
         self.model = self.task.build_model().to(device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_plugin("optimizer", config["optimizer"]).build(params)
-        self.comm = Comm(rank, world_size, network_model(config))
+        self.comm = Comm(rank, world_size, network_model(config), device)
         self.interval = IntervalMetrics()
         self.shard = Shard(len(self.train_y), rank, world_size, seed)
         self.aggregator = build_plugin("aggregator", config["aggregator"])
@@ -317,6 +320,17 @@ class Worker:
                 self.events.metric("time_to_accuracy", reached_by_all, per_rank=False)
 
 
+def device_and_backend(local_rank: int) -> tuple[torch.device, str]:
+    """The launcher's choice (`launcher.choose_device`, in $DSGD_DEVICE); for a worker started
+    by hand, CUDA when it is there."""
+    kind = os.environ.get("DSGD_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device, "nccl"
+    return torch.device("cpu"), "gloo"
+
+
 def main(argv: list[str] | None = None) -> None:
     config_path, events_dir = (argv or sys.argv[1:])[:2]
     rank = int(os.environ.get("RANK", "0"))
@@ -326,12 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with open(config_path) as file:
             config = json.load(file)
-        if torch.cuda.is_available():
-            device = torch.device("cuda", local_rank)
-            torch.cuda.set_device(device)
-            backend = "nccl"
-        else:
-            device, backend = torch.device("cpu"), "gloo"
+        device, backend = device_and_backend(local_rank)
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=config.get("timeout_s", 600)))

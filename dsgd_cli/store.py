@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from sqlalchemy import (JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, or_,
-                        create_engine, delete, event, func, insert, select)
+                        create_engine, delete, event, func, insert, inspect, select, update)
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError, OperationalError
 from sqlalchemy.orm import (DeclarativeBase, Mapped, Session, mapped_column, relationship,
                             selectinload)
@@ -141,20 +142,53 @@ class MetricRow:
 
 
 class Store:
-    def __init__(self, db: str | None = None):
+    """The results database. `readonly`: for the commands that only read (runs, compare,
+    show): the database must exist already, is opened read-only and is never changed.
+    Otherwise the schema is created on first use, and a database dsgd cannot write to is
+    refused at once, before anything is launched."""
+
+    def __init__(self, db: str | None = None, *, readonly: bool = False):
         self.url = resolve_url(db)
+        self.readonly = readonly
         try:
-            # SQLite: a writer waits up to 30 s for another's lock instead of failing at once.
-            connect_args = {"timeout": 30} if self.url.startswith("sqlite") else {}
-            self.engine = create_engine(self.url, connect_args=connect_args)
-            if self.engine.dialect.name == "sqlite":
-                event.listen(self.engine, "connect", _sqlite_pragmas)
-            self._migrate()
+            self.engine = _engine(self.url, readonly)
+            if readonly:
+                self._check_schema(missing_ok=False)
+            else:
+                self._check_schema(missing_ok=True)
+                self._migrate()
+                self._check_writable()
         except (ArgumentError, DatabaseError, OperationalError) as error:
             reason = getattr(error, "orig", None) or error
-            raise StoreError(f"cannot open results database {self.url}: {reason}") from None
+            verb = "write to" if not readonly and _read_only_error(error) else "open"
+            raise StoreError(f"cannot {verb} results database {self.url}: {reason}") from None
         except ModuleNotFoundError as error:
             raise StoreError(f"cannot open results database {self.url}: driver not installed ({error.name})") from None
+
+    def _check_schema(self, missing_ok: bool) -> None:
+        """Every dsgd table already there has dsgd's columns: another program's `runs` table
+        must not be read, or written to, as if it were ours."""
+        tables = set(inspect(self.engine).get_table_names())
+        if not missing_ok and "runs" not in tables:
+            raise StoreError(f"{self.url} holds no dsgd results (no table 'runs')")
+        for table in Base.metadata.sorted_tables:
+            if table.name not in tables:
+                continue
+            have = {column["name"] for column in inspect(self.engine).get_columns(table.name)}
+            lacking = [column.name for column in table.columns if column.name not in have]
+            if lacking:
+                more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+                raise StoreError(f"{self.url} is not a dsgd results database: its table "
+                                 f"'{table.name}' lacks the columns "
+                                 f"{', '.join(map(repr, lacking[:3]))}{more}")
+        if "meta" in tables:
+            with Session(self.engine) as session:
+                self._check_version(session.get(Meta, "schema_version"))
+
+    def _check_version(self, row: Meta | None) -> None:
+        if row is not None and int(row.value) > SCHEMA_VERSION:
+            raise StoreError(f"results database {self.url} has schema version {row.value}, "
+                             f"newer than this dsgd understands ({SCHEMA_VERSION}); upgrade dsgd")
 
     def _migrate(self) -> None:
         # Two dsgd processes may create a new database at once: the loser of a race finds a
@@ -163,8 +197,8 @@ class Store:
             try:
                 self._create_schema()
                 return
-            except (IntegrityError, OperationalError):
-                if attempt == MIGRATE_ATTEMPTS - 1:
+            except (IntegrityError, OperationalError) as error:
+                if attempt == MIGRATE_ATTEMPTS - 1 or _read_only_error(error):
                     raise
                 time.sleep(0.05 * (attempt + 1))
 
@@ -174,9 +208,14 @@ class Store:
             row = session.get(Meta, "schema_version")
             if row is None:
                 session.add(Meta(key="schema_version", value=str(SCHEMA_VERSION)))
-            elif int(row.value) > SCHEMA_VERSION:
-                raise StoreError(f"results database {self.url} has schema version {row.value}, "
-                                 f"newer than this dsgd understands ({SCHEMA_VERSION}); upgrade dsgd")
+            self._check_version(row)
+
+    def _check_writable(self) -> None:
+        """Rewrite the version row unchanged: fails now, rather than after training, when the
+        file, its directory or the database user is read-only."""
+        with Session(self.engine) as session, session.begin():
+            session.execute(update(Meta).where(Meta.key == "schema_version")
+                            .values(value=Meta.value))
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -278,8 +317,35 @@ def finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _sqlite_pragmas(connection, _record) -> None:
-    cursor = connection.cursor()
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.close()
+def _engine(url: str, readonly: bool):
+    if not url.startswith("sqlite"):
+        return create_engine(url)
+    path = make_url(url).database
+    in_memory = path in (None, "", ":memory:")
+    if readonly and not in_memory:
+        if not Path(path).is_file():
+            raise StoreError(f"no results database at {path} (`dsgd run` creates one)")
+        # SQLite's URI form opens the file read-only. A database in WAL mode needs its
+        # shared-memory file even to read; in a directory nobody may write to, no writer can
+        # exist either, so the file is opened as immutable instead.
+        mode = "mode=ro" if os.access(Path(path).parent, os.W_OK) else "immutable=1"
+        url = f"sqlite:///file:{Path(path).resolve()}?{mode}&uri=true"
+    # A writer waits up to 30 s for another's lock instead of failing at once.
+    engine = create_engine(url, connect_args={"timeout": 30})
+    event.listen(engine, "connect", _sqlite_pragmas(journal=not readonly))
+    return engine
+
+
+def _sqlite_pragmas(journal: bool):
+    def on_connect(connection, _record) -> None:
+        cursor = connection.cursor()
+        cursor.execute("PRAGMA foreign_keys=ON")
+        if journal:  # changing the journal mode writes to the file
+            cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.close()
+    return on_connect
+
+
+def _read_only_error(error: Exception) -> bool:
+    text = str(getattr(error, "orig", None) or error).lower()
+    return any(words in text for words in ("readonly", "read-only", "read only", "permission denied"))

@@ -39,7 +39,7 @@ def compare(
 ) -> None:
     """Tabulate past runs: configuration and final metrics, one row per run."""
     check_format(fmt)
-    runs = Store(db).runs(experiments=experiment, last=last)
+    runs = Store(db, readonly=True).runs(experiments=experiment, last=last)
     typer.echo(render(compare_rows(runs, metric), fmt, _columns(metric)))
 
 

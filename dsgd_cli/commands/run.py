@@ -15,7 +15,8 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from dsgd_cli.commands.common import DbOption, ExperimentOption
 from dsgd_cli.commands.compare import compare_rows
 from dsgd_cli.errors import RunFailed
-from dsgd_cli.launcher import Progress as RunProgress, RunResult, launch, torchrun_command
+from dsgd_cli.launcher import (Progress as RunProgress, RunResult, choose_device, launch,
+                               torchrun_command)
 from dsgd_cli.output import render
 from dsgd_cli.spec import load_spec
 from dsgd_cli.store import Store
@@ -51,7 +52,10 @@ def run(
             def show(p: RunProgress, bar=bar) -> None:
                 bars.update(bar, total=p.total_steps, completed=p.step, stats=_stats(p))
 
-            result = launch(exp, store, str(spec), show)
+            device = choose_device(exp.workers)
+            if device.notice:
+                bars.console.print(f"{exp.name}: {device.notice}", markup=False, highlight=False)
+            result = launch(exp, store, str(spec), show, device)
             bars.update(bar, stats=f"{bars.tasks[bar].fields['stats']}  {status_markup(result)}".strip())
             results.append(result)
 

@@ -12,13 +12,15 @@ from dsgd_cli.errors import DsgdError
 from dsgd_cli.output import check_format, render
 from dsgd_cli.store import Store
 
+MAX_RUN_ID = 2**63 - 1  # the largest id a database integer holds
+
 
 def runs(db: DbOption = None, experiment: ExperimentOption = None,
          fmt: FormatOption = "simple") -> None:
     """List recorded runs."""
     check_format(fmt)
     rows = []
-    for run in Store(db).runs(experiments=experiment):
+    for run in Store(db, readonly=True).runs(experiments=experiment):
         duration = (run.ended_at - run.started_at).total_seconds() if run.ended_at else None
         rows.append({"id": run.id, "experiment": run.experiment, "status": run.status,
                      "workers": run.workers, "started": run.started_at.strftime("%Y-%m-%d %H:%M:%S"),
@@ -29,7 +31,8 @@ def runs(db: DbOption = None, experiment: ExperimentOption = None,
 def show(run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`")],
          db: DbOption = None) -> None:
     """Print one run: status, configuration, plugin versions and final metrics."""
-    run = Store(db).get_run(run_id)
+    store = Store(db, readonly=True)
+    run = store.get_run(run_id) if 0 < run_id <= MAX_RUN_ID else None
     if run is None:
         raise DsgdError(f"no run with id {run_id}")
     typer.echo(f"run {run.id}: {run.experiment}")

@@ -87,7 +87,7 @@ class LSGD(Aggregator):
     def leader(self, level: _Level) -> int:
         """The rank with the lowest recent loss in the level's group (ties: the lowest rank)."""
         comm = self.ctx.comm
-        mine = torch.tensor([level.recent_loss()], dtype=torch.float64)
+        mine = torch.tensor([level.recent_loss()], dtype=torch.float64, device=comm.device)
         losses = torch.cat(comm.all_gather(mine, group=level.group))
         return level.ranks[int(torch.argmin(losses))]  # argmin returns the first minimum
 

@@ -106,7 +106,8 @@ class OverlapGossip:
         """Finish every round any worker started, then stop both threads (all ranks call it)."""
         with self.lock:
             self.frozen = True
-            last_started = torch.tensor([float(self.next_round - 1)], dtype=torch.float64)
+            last_started = torch.tensor([float(self.next_round - 1)], dtype=torch.float64,
+                                        device=self.comm.device)
         self.comm.all_reduce(last_started, "max")  # the world group: the loops, not the threads
         with self.lock:
             self.last_round = int(last_started.item())
