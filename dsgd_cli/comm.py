@@ -19,10 +19,14 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+
+DEFAULT_TIMEOUT_S = 600.0  # the spec's `timeout` when it has none
 
 
 @dataclass(frozen=True)
@@ -75,13 +79,18 @@ class SharedCounter:
         return self.add(0)
 
 
+class CommTimeout(RuntimeError):
+    """An operation made no progress for the run's `timeout`: a peer is gone or stuck."""
+
+
 class Handle:
     """A non-blocking operation in flight. `wait()` returns its result."""
 
     def __init__(self, comm: "Comm", works: Sequence[Any], issued_at: float, emulated_s: float,
                  result: Any = None, on_complete: Callable[[], Any] | None = None,
-                 blocking: bool = False):
+                 blocking: bool = False, operation: str = "communication"):
         self._comm = comm
+        self._operation = operation  # what failed, in an error: "recv from rank 2"
         self._works = works
         self._issued_at = issued_at
         self._emulated_s = emulated_s
@@ -101,9 +110,12 @@ class Handle:
         if self._done:
             return self._result
         started = self._issued_at if self._blocking else time.perf_counter()
-        for work in self._works:
-            if work is not None:
-                work.wait()
+        try:
+            for work in self._works:
+                if work is not None:
+                    work.wait()
+        except RuntimeError as error:
+            raise self._comm._failure(self._operation, error) from error
         _sleep_until(self._issued_at + self._emulated_s)
         if self._on_complete is not None:
             self._result = self._on_complete()
@@ -127,10 +139,12 @@ class Comm:
     """Communication for one worker. Built by the runtime; plugins get it as `ctx.comm`."""
 
     def __init__(self, rank: int, world_size: int, network: NetworkModel | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S):
         self.rank = rank
         self.world_size = world_size
         self.network = network or NetworkModel()
+        # Process groups give up on an operation after this long (gloo enforces it).
+        self.timeout_s = timeout_s
         # Tensors for the world group and for groups of its backend live here: with NCCL the
         # worker's GPU. Groups made with backend="gloo" take CPU tensors wherever the world is.
         self.device = torch.device(device)
@@ -193,7 +207,7 @@ class Comm:
             self._traffic.calls += calls
 
     def _issue(self, start: Callable[[], Any], *, sent: int, received: int, messages: int,
-               async_op: bool, result: Any = None,
+               async_op: bool, operation: str, result: Any = None,
                on_complete: Callable[[], Any] | None = None) -> Any:
         """Run one operation: count it, emulate the network, block unless `async_op`."""
         tracked = self._tracking()
@@ -201,10 +215,31 @@ class Comm:
         if tracked:
             self._add(sent=sent, received=received, calls=1)
         issued_at = time.perf_counter()
-        work = start()
+        try:
+            work = start()
+        except RuntimeError as error:
+            raise self._failure(operation, error) from error
         handle = Handle(self, [work], issued_at, emulated_s, result, on_complete,
-                        blocking=not async_op)
+                        blocking=not async_op, operation=operation)
         return handle if async_op else handle.wait()
+
+    def _failure(self, operation: str, error: RuntimeError) -> RuntimeError:
+        """The backend's error, saying which operation failed. gloo reports a timeout as
+        "Timed out waiting Nms for recv operation", whatever the operation was, and once one
+        operation timed out the connections it used fail at once ("pair closure")."""
+        text = str(error)
+        if "Timed out" in text:
+            return CommTimeout(f"{operation}: no progress for {self.timeout_s:g} s "
+                               f"(the spec's timeout)")
+        if "timeout caused pair closure" in text:
+            return RuntimeError(f"{operation}: connection closed after an earlier timeout")
+        return RuntimeError(f"{operation}: {text}")
+
+    def _members(self, group: Group | None) -> str:
+        ranks = (group or self.world).ranks
+        if len(ranks) == self.world_size:
+            return f"all {self.world_size} workers"
+        return "ranks " + ", ".join(map(str, ranks))
 
     @staticmethod
     def _pg(group: Group | None):
@@ -240,7 +275,8 @@ class Comm:
         return self._issue(
             lambda: dist.all_reduce(tensor, reduce_ops[op], group=self._pg(group), async_op=True),
             sent=traffic, received=traffic, messages=2 * (n - 1), async_op=async_op,
-            result=tensor, on_complete=finish)
+            operation=f"all_reduce over {self._members(group)}", result=tensor,
+            on_complete=finish)
 
     def all_gather(self, tensor: torch.Tensor, group: Group | None = None,
                    async_op: bool = False):
@@ -251,7 +287,8 @@ class Comm:
         traffic = (n - 1) * _nbytes(tensor)
         return self._issue(
             lambda: dist.all_gather(outputs, tensor, group=self._pg(group), async_op=True),
-            sent=traffic, received=traffic, messages=n - 1, async_op=async_op, result=outputs)
+            sent=traffic, received=traffic, messages=n - 1, async_op=async_op,
+            operation=f"all_gather over {self._members(group)}", result=outputs)
 
     def all_gather_uneven(self, tensor: torch.Tensor, group: Group | None = None) -> list[torch.Tensor]:
         """All-gather of 1-D tensors whose lengths differ between members (lengths go first)."""
@@ -272,11 +309,13 @@ class Comm:
         return self._issue(
             lambda: dist.broadcast(tensor, src, group=self._pg(group), async_op=True),
             sent=(n - 1) * size if is_root else 0, received=0 if is_root else size,
-            messages=n - 1 if is_root else 0, async_op=async_op, result=tensor)
+            messages=n - 1 if is_root else 0, async_op=async_op,
+            operation=f"broadcast from rank {src} over {self._members(group)}", result=tensor)
 
     def barrier(self, group: Group | None = None) -> None:
         self._issue(lambda: dist.barrier(group=self._pg(group), async_op=True),
-                    sent=0, received=0, messages=0, async_op=False)
+                    sent=0, received=0, messages=0, async_op=False,
+                    operation=f"barrier of {self._members(group)}")
 
     def counter(self, name: str) -> SharedCounter:
         """A counter shared by all workers, starting at 0; the same `name` on every worker
@@ -287,8 +326,9 @@ class Comm:
         """A sub-group. Like torch.distributed, every rank must call this, in the same order.
         `backend` (e.g. "gloo" for CPU tensors next to an nccl world) defaults to the world's."""
         ranks = tuple(sorted(ranks))
-        return Group(ranks, dist.new_group(list(ranks), backend=backend),
-                     backend or self.world.backend)
+        process_group = dist.new_group(list(ranks), backend=backend,
+                                       timeout=timedelta(seconds=self.timeout_s))
+        return Group(ranks, process_group, backend or self.world.backend)
 
     # -- point to point ---------------------------------------------------------------------
 
@@ -305,7 +345,7 @@ class Comm:
         self._check(tensor, group, "isend")
         return self._issue(lambda: dist.isend(tensor, dst, group=self._pg(group)),
                            sent=_nbytes(tensor), received=0, messages=1, async_op=True,
-                           result=tensor)
+                           operation=f"send to rank {dst}", result=tensor)
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None,
               group: Group | None = None) -> Handle:
@@ -314,5 +354,7 @@ class Comm:
         between two ranks on one group arrive in the order they were sent."""
         self._check(tensor, group, "irecv")
         # The sender pays the emulated transfer time; the receiver waits for the data.
+        source = f"rank {src}" if src is not None else f"any of {self._members(group)}"
         return self._issue(lambda: dist.irecv(tensor, src, group=self._pg(group)), sent=0,
-                           received=_nbytes(tensor), messages=0, async_op=True, result=tensor)
+                           received=_nbytes(tensor), messages=0, async_op=True,
+                           operation=f"recv from {source}", result=tensor)

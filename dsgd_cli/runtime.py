@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dsgd_cli.api import TaskData, WorkerContext, flatten, unflatten_into
-from dsgd_cli.comm import Comm
+from dsgd_cli.comm import DEFAULT_TIMEOUT_S, Comm
 from dsgd_cli.evaluation import BackgroundEvaluation, evaluate, model_tensors
 from dsgd_cli.events import EventWriter, events_path
 from dsgd_cli.schedule import StopRule, Straggling, evaluation_points, run_length
@@ -94,7 +94,8 @@ class Worker:
         self.model = self.task.build_model().to(device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_plugin("optimizer", config["optimizer"]).build(params)
-        self.comm = Comm(rank, world_size, network_model(config), device)
+        self.comm = Comm(rank, world_size, network_model(config), device,
+                         timeout_s=config.get("timeout", DEFAULT_TIMEOUT_S))
         self.interval = IntervalMetrics()
         self.shard = Shard(len(self.train_y), rank, world_size, seed)
         self.aggregator = build_plugin("aggregator", config["aggregator"])
@@ -343,9 +344,11 @@ def main(argv: list[str] | None = None) -> None:
         device, backend = device_and_backend(local_rank)
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=config.get("timeout_s", 600)))
-        Worker(config, events, rank, world_size, device).train()
-        dist.barrier()  # nobody tears down its connections while a peer still needs them
+                                timeout=timedelta(seconds=config.get("timeout", DEFAULT_TIMEOUT_S)))
+        worker = Worker(config, events, rank, world_size, device)
+        worker.train()
+        with worker.comm.untracked():  # nobody tears down its links while a peer needs them
+            worker.comm.barrier()
         events.write("done")
         exit_code = 0
     except Diverged as diverged:
