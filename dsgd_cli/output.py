@@ -31,11 +31,11 @@ def render(rows: list[dict[str, Any]], fmt: str = "simple", columns: list[str] |
         writer.writeheader()
         writer.writerows(rows)
         return buffer.getvalue().rstrip("\n")
-    table = [[_cell(row.get(c)) for c in columns] for row in rows]
+    table = [[cell(row.get(c)) for c in columns] for row in rows]
     return tabulate(table, headers=columns, tablefmt=fmt, disable_numparse=True)
 
 
-def _cell(value: Any) -> str:
+def cell(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, float):

@@ -27,6 +27,27 @@ def dsgd(*args: str, env: dict | None = None, cwd: Path | None = None,
                           timeout=timeout)
 
 
+def dsgd_in_process(*args: str) -> subprocess.CompletedProcess:
+    """`dsgd ARGS` run by `dsgd_cli.cli.main` in this process: much faster than `dsgd` for
+    commands that launch nothing; the same exit code and output."""
+    from contextlib import redirect_stderr, redirect_stdout
+    from io import StringIO
+
+    from dsgd_cli.cli import main
+
+    out, err = StringIO(), StringIO()
+    argv, sys.argv = sys.argv, ["dsgd", *args]
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            main()
+        code = 0
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 1
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(["dsgd", *args], code, out.getvalue(), err.getvalue())
+
+
 def write_spec(directory: Path, text: str, name: str = "spec.yaml") -> Path:
     path = directory / name
     path.write_text(textwrap.dedent(text))

@@ -4,20 +4,16 @@ refuses in one line before it launches anything."""
 
 from __future__ import annotations
 
-import io
 import os
 import sqlite3
 import stat
-import sys
 import tempfile
 import traceback
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
 
-from conftest import dsgd, write_spec
-from dsgd_cli.cli import main
+from conftest import dsgd, dsgd_in_process, write_spec
 from dsgd_cli.store import MetricRow, Store
 
 NOBODY = 65534
@@ -83,17 +79,8 @@ def dsgd_as_user_without_write_access(*args: str) -> tuple[int, str, str]:
 
 
 def _run_main(args) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    argv, sys.argv = sys.argv, ["dsgd", *args]
-    try:
-        with redirect_stdout(out), redirect_stderr(err):
-            main()
-        code = 0
-    except SystemExit as exit:
-        code = exit.code or 0
-    finally:
-        sys.argv = argv
-    return code, out.getvalue(), err.getvalue()
+    result = dsgd_in_process(*args)
+    return result.returncode, result.stdout, result.stderr
 
 
 def read_only(path: Path) -> None:

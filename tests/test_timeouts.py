@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-import pytest
+
 import torch
 
 from distributed import run_workers

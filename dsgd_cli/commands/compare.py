@@ -1,48 +1,105 @@
-"""`dsgd compare`: one row per run with its final metrics."""
+"""`dsgd compare`: one row per run (or per group of runs) with its final metrics, filtered,
+grouped, set against a baseline, timed to a target and sorted."""
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
+from dsgd_cli.analysis import (BASELINE_COLUMNS, TARGET_COLUMNS, add_baseline, baseline_values,
+                               group_rows, parse_target, reach_times, run_rows, sort_rows)
 from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption
-from dsgd_cli.output import check_format, render
+from dsgd_cli.output import cell, check_format, render
+from dsgd_cli.query import check_keys, parse_where, select_runs
 from dsgd_cli.store import Run, Store
 
 DEFAULT_METRICS = ["test_accuracy", "test_loss", "train_loss", "wall_seconds",
                    "samples_per_second", "total_bytes_sent"]
+RUN_COLUMNS = ["id", "experiment", "aggregator", "optimizer", "task", "workers", "status"]
 
-
-def run_row(run: Run, metrics: list[str]) -> dict:
-    aggregator = run.aggregator if run.compressor == "none" else f"{run.aggregator}+{run.compressor}"
-    row = {"id": run.id, "experiment": run.experiment, "aggregator": aggregator,
-           "optimizer": run.optimizer, "task": run.task, "workers": run.workers,
-           "status": run.status}
-    finals = {s.name: s.final for s in run.summaries}
-    row.update({name: finals.get(name) for name in metrics})
-    return row
+WhereOption = Annotated[Optional[list[str]], typer.Option(
+    "--where", "-w", help="Only runs where KEY OP VALUE holds: a column (status, aggregator, "
+    "workers, tag, ...) or a configuration key (optimizer.lr); OP is = != < <= > >= (repeatable)")]
 
 
 def compare_rows(runs: list[Run], extra_metrics: list[str] | None = None) -> list[dict]:
-    metrics = DEFAULT_METRICS + [m for m in extra_metrics or [] if m not in DEFAULT_METRICS]
-    return [run_row(run, metrics) for run in runs]
+    """The plain table: one row per run with the default metrics and `extra_metrics`."""
+    return run_rows(runs, _metrics(extra_metrics), None)
 
 
 def compare(
     db: DbOption = None,
     experiment: ExperimentOption = None,
+    where: WhereOption = None,
+    by: Annotated[Optional[str], typer.Option(
+        "--by", help="Group runs by these keys (KEY[,KEY]): one row per group, mean ± std")] = None,
+    baseline: Annotated[Optional[str], typer.Option(
+        "--baseline", help="An EXPERIMENT or RUN_ID: adds speedup, wall_ratio, bytes_ratio, "
+        "accuracy_diff against it")] = None,
+    target: Annotated[Optional[str], typer.Option(
+        "--target", help="METRIC=VALUE: adds time, steps and bytes to first reach it")] = None,
+    sort: Annotated[Optional[str], typer.Option(
+        "--sort", help="Sort by this column (a leading - sorts descending)")] = None,
     last: Annotated[Optional[int], typer.Option("--last", min=1, help="Only the newest N runs")] = None,
     metric: Annotated[Optional[list[str]], typer.Option(
         "--metric", "-m", help="Another metric column (repeatable)")] = None,
     fmt: FormatOption = "simple",
 ) -> None:
-    """Tabulate past runs: configuration and final metrics, one row per run."""
+    """Tabulate past runs: configuration and final metrics, one row per run or per group."""
     check_format(fmt)
-    runs = Store(db, readonly=True).runs(experiments=experiment, last=last)
-    typer.echo(render(compare_rows(runs, metric), fmt, _columns(metric)))
+    conditions = [parse_where(text) for text in where or []]
+    goal = parse_target(target) if target else None
+    keys = [key.strip() for key in by.split(",") if key.strip()] if by else []
+    store = Store(db, readonly=True)
+    recorded = store.runs(experiments=experiment)
+    runs = select_runs(recorded, conditions)
+    if last:
+        runs = runs[-last:]
+    check_keys(keys, recorded, "--by")
+
+    metrics = _metrics(metric)
+    reached = reach_times(store, [run.id for run in runs], goal) if goal else None
+    rows = run_rows(runs, metrics, reached)
+    if keys:
+        values = metrics + (list(TARGET_COLUMNS) if goal else [])
+        rows = group_rows(runs, rows, keys, values)
+    if baseline:
+        add_baseline(rows, baseline_values(store.runs(), baseline))
+    if sort:
+        rows = sort_rows(rows, sort)
+
+    columns = (keys + ["runs"] if keys else list(RUN_COLUMNS)) + metrics
+    if goal:
+        columns += list(TARGET_COLUMNS) + (["reached"] if keys else [])
+    if baseline:
+        columns += [column for column, _, _ in BASELINE_COLUMNS]
+    if keys and fmt not in ("csv", "json"):
+        rows = [_with_spread(row, metrics + (list(TARGET_COLUMNS) if goal else [])) for row in rows]
+    elif keys:
+        columns = _with_std_columns(columns, metrics + (list(TARGET_COLUMNS) if goal else []))
+    typer.echo(render(rows, fmt, columns))
 
 
-def _columns(extra: list[str] | None) -> list[str]:
-    base = ["id", "experiment", "aggregator", "optimizer", "task", "workers", "status"]
-    return base + DEFAULT_METRICS + [m for m in extra or [] if m not in DEFAULT_METRICS]
+def _metrics(extra: list[str] | None) -> list[str]:
+    return DEFAULT_METRICS + [m for m in extra or [] if m not in DEFAULT_METRICS]
+
+
+def _with_spread(row: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """For a table: each group mean shown as `mean ± std` (std over the group's runs)."""
+    shown = dict(row)
+    for name in names:
+        mean, std = row.get(name), row.get(f"{name}_std")
+        if mean is not None and std is not None:
+            shown[name] = f"{cell(mean)} ± {cell(std)}"
+    return shown
+
+
+def _with_std_columns(columns: list[str], names: list[str]) -> list[str]:
+    """For csv and json: each mean column followed by its `_std` column."""
+    result = []
+    for column in columns:
+        result.append(column)
+        if column in names:
+            result.append(f"{column}_std")
+    return result

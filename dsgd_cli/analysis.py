@@ -1,0 +1,215 @@
+"""Answers from recorded runs: when a run reached a target (from its metric history), groups
+of runs summarised as mean ± std, and ratios against a baseline."""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from dsgd_cli.errors import DsgdError
+from dsgd_cli.query import run_value
+from dsgd_cli.store import Metric, Run, Store, higher_is_better
+
+TARGET_COLUMNS = ("time_to_target", "steps_to_target", "bytes_to_target")
+# Baseline columns: (name, metric, how the run's value is set against the baseline's)
+BASELINE_COLUMNS = (
+    ("speedup", "samples_per_second", lambda run, base: run / base),
+    ("wall_ratio", "wall_seconds", lambda run, base: run / base),
+    ("bytes_ratio", "total_bytes_sent", lambda run, base: run / base),
+    ("accuracy_diff", "test_accuracy", lambda run, base: run - base),
+)
+
+
+# -- targets ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Target:
+    metric: str
+    value: float
+
+    def reached_by(self, value: float) -> bool:
+        return value >= self.value if higher_is_better(self.metric) else value <= self.value
+
+
+def parse_target(text: str) -> Target:
+    match = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*(\S+)\s*", text)
+    try:
+        value = float(match.group(2)) if match else math.nan
+    except ValueError:
+        value = math.nan
+    if not match or not math.isfinite(value):
+        raise DsgdError(f"--target {text!r}: expected METRIC=NUMBER, e.g. test_accuracy=0.9")
+    return Target(match.group(1), value)
+
+
+@dataclass(frozen=True)
+class Reached:
+    """When a run first reached a target: seconds since its workers started training, the
+    step, and the bytes all workers had sent in their first `step` steps."""
+
+    seconds: float
+    step: int | None
+    bytes: float | None
+
+
+def reach_times(store: Store, run_ids: list[int], target: Target) -> dict[int, Reached]:
+    """For each run that reached `target` in its recorded history, when it did.
+
+    A per-rank metric (train_loss) reaches it at the first step where the mean over the ranks
+    that recorded that step does, at the time the last of them recorded it. A per-run metric
+    (test_accuracy) at its first record that does."""
+    history = _history(store, run_ids, [target.metric, "bytes_sent"])
+    reached = {}
+    for run_id in run_ids:
+        points = _points(history.get((run_id, target.metric), []))
+        first = next(((step, seconds) for step, seconds, value in points
+                      if target.reached_by(value)), None)
+        if first is None:
+            continue
+        step, seconds = first
+        sent = history.get((run_id, "bytes_sent"))
+        reached[run_id] = Reached(seconds, step,
+                                  _bytes_by_step(sent, step) if sent and step is not None else None)
+    return reached
+
+
+def _history(store: Store, run_ids: list[int], names: list[str]) -> dict[tuple[int, str], list]:
+    by_run: dict[tuple[int, str], list] = defaultdict(list)
+    if not run_ids:
+        return by_run
+    query = (select(Metric.run_id, Metric.name, Metric.step, Metric.rank, Metric.seconds,
+                    Metric.value)
+             .where(Metric.run_id.in_(run_ids), Metric.name.in_(names)).order_by(Metric.id))
+    with Session(store.engine) as session:
+        for run_id, name, step, rank, seconds, value in session.execute(query):
+            by_run[(run_id, name)].append((step, rank, seconds, value))
+    return by_run
+
+
+def _points(records: list[tuple]) -> list[tuple[int | None, float, float]]:
+    """(step, seconds, value) in order: per-rank records averaged over the ranks per step."""
+    if all(rank is None for _, rank, _, _ in records):
+        return [(step, seconds or 0.0, value) for step, _, seconds, value in records]
+    by_step: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for step, _, seconds, value in records:
+        by_step[step].append((seconds or 0.0, value))
+    return [(step, max(s for s, _ in values), statistics.fmean(v for _, v in values))
+            for step, values in sorted(by_step.items(), key=lambda item: item[0] or 0)]
+
+
+def _bytes_by_step(records: list[tuple], last_step: int) -> float:
+    """`bytes_sent` is each rank's mean per step over a log interval, recorded at the
+    interval's last step: the interval's bytes are that mean times its length in steps."""
+    total = 0.0
+    previous: dict[int | None, int] = {}
+    for step, rank, _, per_step in sorted(records, key=lambda r: (r[1] or 0, r[0] or 0)):
+        if step is None or step > last_step:
+            continue
+        total += per_step * (step - previous.get(rank, 0))
+        previous[rank] = step
+    return total
+
+
+# -- rows: one per run or one per group -----------------------------------------------------------
+
+def run_rows(runs: list[Run], metrics: list[str],
+             reached: dict[int, Reached] | None) -> list[dict[str, Any]]:
+    rows = []
+    for run in runs:
+        aggregator = run.aggregator if run.compressor == "none" else f"{run.aggregator}+{run.compressor}"
+        row = {"id": run.id, "experiment": run.experiment, "aggregator": aggregator,
+               "optimizer": run.optimizer, "task": run.task, "workers": run.workers,
+               "status": run.status}
+        finals = {s.name: s.final for s in run.summaries}
+        row.update({name: finals.get(name) for name in metrics})
+        if reached is not None:
+            when = reached.get(run.id)
+            row.update(time_to_target=when and when.seconds, steps_to_target=when and when.step,
+                       bytes_to_target=when and when.bytes)
+        rows.append(row)
+    return rows
+
+
+def group_rows(runs: list[Run], rows: list[dict[str, Any]], keys: list[str],
+               values: list[str]) -> list[dict[str, Any]]:
+    """One row per distinct combination of `keys`, in order of first appearance: the keys, the
+    number of runs, and for each of `values` the mean (`name`) and the sample standard
+    deviation (`name_std`, none for a single value) over the runs that have it."""
+    groups: dict[tuple, list[dict]] = {}
+    for run, row in zip(runs, rows):
+        label = tuple(_label(run_value(run, key)) for key in keys)
+        groups.setdefault(label, []).append(row)
+    result = []
+    for label, members in groups.items():
+        group = dict(zip(keys, label))
+        group["runs"] = len(members)
+        for name in values:
+            present = [row[name] for row in members if row.get(name) is not None]
+            group[name] = statistics.fmean(present) if present else None
+            group[f"{name}_std"] = statistics.stdev(present) if len(present) > 1 else None
+        if "time_to_target" in values:
+            reached = sum(row.get("time_to_target") is not None for row in members)
+            group["reached"] = f"{reached}/{len(members)}"
+        result.append(group)
+    return result
+
+
+def _label(value: Any) -> Any:
+    if isinstance(value, set):
+        return ",".join(sorted(value))
+    return value
+
+
+# -- baselines -------------------------------------------------------------------------------
+
+def baseline_values(runs: Iterable[Run], spec: str) -> dict[str, float]:
+    """The mean final value of each baseline metric over the baseline: a run id, or an
+    experiment (all its runs, or all points of a grid of that base name)."""
+    chosen = [run for run in runs if _is_baseline(run, spec)]
+    if not chosen:
+        raise DsgdError(f"--baseline {spec!r}: no recorded run has this id or experiment name")
+    means = {}
+    for _, metric, _ in BASELINE_COLUMNS:
+        values = [s.final for run in chosen for s in run.summaries if s.name == metric]
+        if values:
+            means[metric] = statistics.fmean(values)
+    return means
+
+
+def _is_baseline(run: Run, spec: str) -> bool:
+    if spec.isdigit():
+        return run.id == int(spec)
+    return run.experiment == spec or run.experiment.startswith(f"{spec}[")
+
+
+def add_baseline(rows: list[dict[str, Any]], base: dict[str, float]) -> None:
+    """Each row's speed-up, wall-time and byte ratios and accuracy difference against `base`
+    (blank where either side lacks the metric or a ratio would divide by zero)."""
+    for row in rows:
+        for column, metric, compare in BASELINE_COLUMNS:
+            mine, theirs = row.get(metric), base.get(metric)
+            usable = mine is not None and theirs is not None and (
+                column == "accuracy_diff" or theirs != 0)
+            row[column] = compare(mine, theirs) if usable else None
+
+
+def sort_rows(rows: list[dict[str, Any]], column: str) -> list[dict[str, Any]]:
+    """By `column` (a leading `-`: descending); rows without a value last either way."""
+    descending = column.startswith("-")
+    column = column.lstrip("-")
+    if rows and all(column not in row for row in rows):
+        raise DsgdError(f"--sort: no column {column!r} (columns: {', '.join(rows[0])})")
+    present = [row for row in rows if row.get(column) is not None]
+    missing = [row for row in rows if row.get(column) is None]
+    try:
+        present.sort(key=lambda row: row[column], reverse=descending)
+    except TypeError:  # numbers and words in one column: order by text
+        present.sort(key=lambda row: str(row[column]), reverse=descending)
+    return present + missing

@@ -1,0 +1,125 @@
+"""Selecting runs: `--where KEY OP VALUE` conditions on a run's columns, tags and any key of its
+configuration, shared by `compare`, `plot` and `export`."""
+
+from __future__ import annotations
+
+import json
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from dsgd_cli.errors import DsgdError
+from dsgd_cli.store import Run, flatten_config
+
+# Keys that name a column of the run rather than a configuration key.
+RUN_COLUMNS = ("id", "experiment", "status", "task", "aggregator", "compressor", "optimizer",
+               "workers", "host", "tag")
+OPERATORS: dict[str, Callable[[Any, Any], bool]] = {
+    ">=": operator.ge, "<=": operator.le, "!=": operator.ne,
+    "=": operator.eq, ">": operator.gt, "<": operator.lt,
+}
+_CONDITION = re.compile(r"^\s*([A-Za-z_][\w.\-]*)\s*(>=|<=|!=|==|=|>|<)\s*(.*?)\s*$")
+
+
+@dataclass(frozen=True)
+class Condition:
+    key: str
+    op: str
+    value: Any
+
+    def __str__(self) -> str:
+        return f"{self.key}{self.op}{self.value}"
+
+    def matches(self, run: Run) -> bool:
+        if self.key == "tag":
+            tags = run_value(run, "tag")
+            return (self.value in tags) == (self.op == "=")
+        actual = run_value(run, self.key)
+        if actual is None:
+            return self.op == "!="
+        if self.op in ("=", "!="):
+            return OPERATORS[self.op](_comparable(actual), _comparable(self.value))
+        if not (_is_number(actual) and _is_number(self.value)):
+            return False  # an order on words or on a missing number selects nothing
+        return OPERATORS[self.op](actual, self.value)
+
+
+def parse_where(expression: str) -> Condition:
+    """`optimizer.lr<0.1`, `aggregator=sgp`, `tag!=bad` → a Condition (exit 2 if malformed)."""
+    match = _CONDITION.match(expression)
+    if not match or match.group(3) == "":
+        raise DsgdError(f"--where {expression!r}: expected KEY OP VALUE with OP one of "
+                        f"{', '.join(OPERATORS)} (e.g. workers>=4)")
+    key, op, text = match.groups()
+    op = "=" if op == "==" else op
+    if key == "tag" and op not in ("=", "!="):
+        raise DsgdError(f"--where {expression!r}: a tag can only be compared with = or !=")
+    return Condition(key, op, parse_value(text))
+
+
+def parse_value(text: str) -> Any:
+    """`4` → 4, `0.1` → 0.1, `1e-3` → 0.001, `true` → True, anything else the text itself."""
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def run_value(run: Run, key: str) -> Any:
+    """A run's value for `key`: a column, `tag` (its set of tags), or a dotted configuration
+    key (`optimizer.lr`, `aggregator.compressor.ratio`); None when the run has none."""
+    if key == "tag":
+        return {tag.tag for tag in getattr(run, "tags", [])}
+    if key in RUN_COLUMNS:
+        return getattr(run, key)
+    return flat_config(run).get(key)
+
+
+def flat_config(run: Run) -> dict[str, Any]:
+    return flatten_config(run.config)
+
+
+def known_keys(runs: list[Run]) -> set[str]:
+    keys = set(RUN_COLUMNS)
+    for run in runs:
+        keys.update(flat_config(run))
+    return keys
+
+
+def check_keys(keys: list[str], runs: list[Run], option: str) -> None:
+    """A key no run has is a typo: say so rather than select nothing."""
+    if not runs:
+        return
+    known = known_keys(runs)
+    for key in keys:
+        if key not in known:
+            close = sorted(k for k in known if k.split(".")[-1] == key.split(".")[-1])
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise DsgdError(f"{option}: unknown key {key!r}: no recorded run has it{hint}")
+
+
+def select_runs(runs: list[Run], conditions: list[Condition]) -> list[Run]:
+    check_keys([c.key for c in conditions], runs, "--where")
+    return [run for run in runs if all(c.matches(run) for c in conditions)]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _comparable(value: Any) -> Any:
+    """Numbers compare as numbers (4 == 4.0); anything else by its text (`sgp`, `true`)."""
+    if _is_number(value):
+        return float(value)
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, sort_keys=True)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

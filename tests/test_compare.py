@@ -1,0 +1,172 @@
+"""`dsgd compare` answering questions: filters, groups over seeds, baselines and targets, on a
+database filled with known metric histories, checked against numbers worked out by hand."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from conftest import dsgd_in_process as dsgd
+from dsgd_cli.store import MetricRow, Store
+
+
+def config(aggregator: str, compressor: str, seed: int, lr: float) -> dict:
+    return {"task": {"name": "logreg"}, "optimizer": {"name": "sgd", "lr": lr},
+            "aggregator": {"name": aggregator, "compressor": {"name": compressor}},
+            "compressor": {"name": compressor}, "workers": 2, "seed": seed}
+
+
+# name, aggregator, compressor, seed, lr, status,
+# (samples_per_second, wall_seconds, total_bytes_sent),
+# test accuracy history [(step, seconds, value)], bytes_sent per step and rank
+RUNS = [
+    ("base", "allreduce", "none", 0, 0.05, "completed", (100.0, 10.0, 1000.0),
+     [(10, 1.0, 0.5), (20, 2.0, 0.85), (30, 3.0, 0.8)], 5.0),
+    ("base", "allreduce", "none", 1, 0.05, "completed", (120.0, 8.0, 1000.0),
+     [(10, 1.5, 0.9), (20, 2.5, 0.84)], 5.0),
+    ("q", "allreduce", "qsgd", 0, 0.05, "completed", (150.0, 6.0, 250.0),
+     [(10, 0.8, 0.7), (20, 1.6, 0.78)], 1.25),
+    ("q", "allreduce", "qsgd", 1, 0.2, "failed", (140.0, 7.0, 250.0),
+     [(10, 0.9, 0.6)], 1.25),
+    ("gossip", "sgp", "none", 0, 0.05, "completed", (200.0, 5.0, 500.0),
+     [(10, 0.5, 0.86), (20, 1.0, 0.7)], 2.5),
+]
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory):
+    path = tmp_path_factory.mktemp("compare") / "r.db"
+    store = Store(str(path))
+    for name, aggregator, compressor, seed, lr, status, finals, accuracy, per_step in RUNS:
+        run_id = store.create_run(name, config(aggregator, compressor, seed, lr), None, [])
+        sps, wall, total = finals
+        rows = [MetricRow("samples_per_second", sps), MetricRow("wall_seconds", wall),
+                MetricRow("total_bytes_sent", total)]
+        rows += [MetricRow("test_accuracy", value, step=step, epoch=0, seconds=seconds)
+                 for step, seconds, value in accuracy]
+        # bytes_sent: the mean per step over each 10-step log interval, per rank
+        rows += [MetricRow("bytes_sent", per_step, step=step, epoch=0, rank=rank, seconds=1.0)
+                 for step in (10, 20, 30) for rank in (0, 1)]
+        store.add_metrics(run_id, rows)
+        store.finish_run(run_id, status)
+    return path
+
+
+def compare(db, *args: str) -> list[dict]:
+    result = dsgd("compare", "--db", str(db), "--format", "json", *args)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_where_filters_on_columns_configuration_and_status(db):
+    assert [r["id"] for r in compare(db, "--where", "aggregator=allreduce")] == [1, 2, 3, 4]
+    assert [r["id"] for r in compare(db, "--where", "optimizer.lr<0.1",
+                                     "--where", "aggregator=allreduce")] == [1, 2, 3]
+    assert [r["id"] for r in compare(db, "--where", "status!=completed")] == [4]
+    assert [r["id"] for r in compare(db, "--where", "seed>=1", "--where", "workers=2")] == [2, 4]
+    assert [r["id"] for r in compare(db, "-w", "compressor.name=qsgd", "--last", "1")] == [4]
+    assert compare(db, "--where", "optimizer.lr=1e-3") == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--where", "optimizer.lrr<0.1"],
+     "--where: unknown key 'optimizer.lrr': no recorded run has it"),
+    (["--where", "lr<0.1"], "--where: unknown key 'lr': no recorded run has it (did you mean optimizer.lr?)"),
+    (["--where", "workers"], "--where 'workers': expected KEY OP VALUE"),
+    (["--where", "tag>x"], "a tag can only be compared with = or !="),
+    (["--by", "optimizer.momentum"], "--by: unknown key 'optimizer.momentum'"),
+    (["--target", "test_accuracy"], "--target 'test_accuracy': expected METRIC=NUMBER"),
+    (["--target", "test_accuracy=nan"], "expected METRIC=NUMBER"),
+    (["--baseline", "nosuch"], "--baseline 'nosuch': no recorded run has this id or experiment name"),
+    (["--sort", "nosuch"], "--sort: no column 'nosuch'"),
+])
+def test_malformed_questions_exit_2_in_one_line(db, args, message):
+    result = dsgd("compare", "--db", str(db), *args)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_groups_give_mean_and_sample_std_over_their_runs(db):
+    rows = compare(db, "--by", "aggregator,compressor")
+    assert [(r["aggregator"], r["compressor"], r["runs"]) for r in rows] == [
+        ("allreduce", "none", 2), ("allreduce", "qsgd", 2), ("sgp", "none", 1)]
+    plain, quantized, gossip = rows
+    assert plain["test_accuracy"] == pytest.approx(0.82)  # finals 0.80 and 0.84
+    assert plain["test_accuracy_std"] == pytest.approx(statistics.stdev([0.8, 0.84]))
+    assert plain["samples_per_second"] == pytest.approx(110.0)
+    assert plain["samples_per_second_std"] == pytest.approx(14.142135623730951)
+    assert quantized["wall_seconds"] == pytest.approx(6.5)
+    assert gossip["test_accuracy_std"] is None  # a single run has no spread
+
+
+def test_a_table_shows_group_means_with_their_spread(db):
+    result = dsgd("compare", "--db", str(db), "--by", "compressor", "--where", "status=completed")
+    assert result.returncode == 0, result.stderr
+    none_row = next(line for line in result.stdout.splitlines() if line.startswith("none"))
+    # runs 1, 2 and 5: final test accuracy 0.80, 0.84 and 0.70, samples/s 100, 120 and 200
+    assert none_row.split()[:5] == ["none", "3", "0.7800", "±", "0.0721"], none_row
+    assert "140 ± 52.9150" in none_row
+
+
+def test_baseline_ratios_per_run_and_per_group(db):
+    rows = {r["id"]: r for r in compare(db, "--baseline", "base")}
+    # base: mean samples/s 110, wall 9 s, bytes 1000, accuracy 0.82
+    assert rows[3]["speedup"] == pytest.approx(150 / 110)
+    assert rows[3]["wall_ratio"] == pytest.approx(6 / 9)
+    assert rows[3]["bytes_ratio"] == pytest.approx(0.25)
+    assert rows[3]["accuracy_diff"] == pytest.approx(0.78 - 0.82)
+    assert rows[1]["speedup"] == pytest.approx(100 / 110)
+    one = {r["id"]: r for r in compare(db, "--baseline", "2")}  # a run id
+    assert one[5]["speedup"] == pytest.approx(200 / 120)
+    grouped = compare(db, "--by", "aggregator", "--baseline", "base")
+    assert grouped[1]["aggregator"] == "sgp"
+    assert grouped[1]["bytes_ratio"] == pytest.approx(0.5)
+    assert grouped[0]["speedup"] == pytest.approx(statistics.fmean([100, 120, 150, 140]) / 110)
+
+
+def test_targets_from_the_recorded_history(db):
+    rows = {r["id"]: r for r in compare(db, "--target", "test_accuracy=0.85")}
+    # Run 1 first reaches 0.85 at step 20 (2.0 s): both ranks sent 5 bytes a step for 20 steps.
+    assert (rows[1]["time_to_target"], rows[1]["steps_to_target"], rows[1]["bytes_to_target"]) == (
+        2.0, 20, 200.0)
+    assert (rows[2]["time_to_target"], rows[2]["steps_to_target"], rows[2]["bytes_to_target"]) == (
+        1.5, 10, 100.0)
+    assert (rows[5]["time_to_target"], rows[5]["steps_to_target"], rows[5]["bytes_to_target"]) == (
+        0.5, 10, 50.0)
+    for never in (3, 4):
+        assert [rows[never][c] for c in ("time_to_target", "steps_to_target", "bytes_to_target")] == [
+            None, None, None]
+    grouped = compare(db, "--by", "compressor", "--target", "test_accuracy=0.85")
+    assert grouped[0]["reached"] == "3/3" and grouped[1]["reached"] == "0/2"
+    assert grouped[0]["time_to_target"] == pytest.approx((2.0 + 1.5 + 0.5) / 3)
+
+
+def test_a_lower_is_better_target_is_reached_from_above(db, tmp_path):
+    path = tmp_path / "loss.db"
+    store = Store(str(path))
+    run_id = store.create_run("x", config("allreduce", "none", 0, 0.1), None, [])
+    # train_loss per rank: the mean over the ranks reaches 0.5 at step 20 (0.6 and 0.4)
+    store.add_metrics(run_id, [
+        MetricRow("train_loss", 0.9, step=10, rank=0, seconds=1.0),
+        MetricRow("train_loss", 0.3, step=10, rank=1, seconds=1.2),
+        MetricRow("train_loss", 0.6, step=20, rank=0, seconds=2.0),
+        MetricRow("train_loss", 0.4, step=20, rank=1, seconds=2.2),
+    ])
+    store.finish_run(run_id, "completed")
+    (row,) = compare(path, "--target", "train_loss=0.5")
+    assert (row["time_to_target"], row["steps_to_target"]) == (2.2, 20)
+
+
+def test_sort_ascending_and_descending_with_blanks_last(db):
+    assert [r["id"] for r in compare(db, "--sort", "-samples_per_second")] == [5, 3, 4, 2, 1]
+    assert [r["id"] for r in compare(db, "--sort", "wall_seconds")] == [5, 3, 4, 2, 1]
+    ordered = compare(db, "--target", "test_accuracy=0.85", "--sort", "time_to_target")
+    assert [r["id"] for r in ordered] == [5, 2, 1, 3, 4]
+
+
+def test_csv_keeps_the_spread_in_its_own_columns(db):
+    result = dsgd("compare", "--db", str(db), "--by", "seed", "--format", "csv")
+    header = result.stdout.splitlines()[0].split(",")
+    assert header[:4] == ["seed", "runs", "test_accuracy", "test_accuracy_std"]
