@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-
 import torch
 
 from distributed import run_workers
