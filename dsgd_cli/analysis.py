@@ -3,6 +3,7 @@ of runs summarised as mean ± std, and ratios against a baseline."""
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 import statistics
@@ -14,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.query import run_value
+from dsgd_cli.query import names, run_value
 from dsgd_cli.store import Metric, Run, Store, higher_is_better
 
 TARGET_COLUMNS = ("time_to_target", "steps_to_target", "bytes_to_target")
@@ -60,61 +61,86 @@ class Reached:
 
 
 def reach_times(store: Store, run_ids: list[int], target: Target) -> dict[int, Reached]:
-    """For each run that reached `target` in its recorded history, when it did.
-
-    A per-rank metric (train_loss) reaches it at the first step where the mean over the ranks
-    that recorded that step does, at the time the last of them recorded it. A per-run metric
-    (test_accuracy) at its first record that does."""
-    history = _history(store, run_ids, [target.metric, "bytes_sent"])
+    """For each run that reached `target` in its recorded history, when it did (see
+    `curve` for how per-rank metrics count)."""
+    history = load_history(store, run_ids, [target.metric, "bytes_sent"])
     reached = {}
     for run_id in run_ids:
-        points = _points(history.get((run_id, target.metric), []))
-        first = next(((step, seconds) for step, seconds, value in points
-                      if target.reached_by(value)), None)
+        points = curve(history.get((run_id, target.metric), []))
+        first = next((point for point in points if target.reached_by(point.value)), None)
         if first is None:
             continue
-        step, seconds = first
         sent = history.get((run_id, "bytes_sent"))
-        reached[run_id] = Reached(seconds, step,
-                                  _bytes_by_step(sent, step) if sent and step is not None else None)
+        bytes_sent = (BytesSent(sent).by_step(first.step)
+                      if sent and first.step is not None else None)
+        reached[run_id] = Reached(first.seconds, first.step, bytes_sent)
     return reached
 
 
-def _history(store: Store, run_ids: list[int], names: list[str]) -> dict[tuple[int, str], list]:
-    by_run: dict[tuple[int, str], list] = defaultdict(list)
+@dataclass(frozen=True)
+class Record:
+    """One recorded metric value (a row of the metrics table)."""
+
+    step: int | None
+    epoch: int | None
+    rank: int | None
+    seconds: float | None
+    value: float
+
+
+def load_history(store: Store, run_ids: list[int],
+                 names: list[str]) -> dict[tuple[int, str], list[Record]]:
+    """The records of metrics `names` of the runs, by (run id, name), in recording order."""
+    by_run: dict[tuple[int, str], list[Record]] = defaultdict(list)
     if not run_ids:
         return by_run
-    query = (select(Metric.run_id, Metric.name, Metric.step, Metric.rank, Metric.seconds,
-                    Metric.value)
+    query = (select(Metric.run_id, Metric.name, Metric.step, Metric.epoch, Metric.rank,
+                    Metric.seconds, Metric.value)
              .where(Metric.run_id.in_(run_ids), Metric.name.in_(names)).order_by(Metric.id))
     with Session(store.engine) as session:
-        for run_id, name, step, rank, seconds, value in session.execute(query):
-            by_run[(run_id, name)].append((step, rank, seconds, value))
+        for run_id, name, *fields in session.execute(query):
+            by_run[(run_id, name)].append(Record(*fields))
     return by_run
 
 
-def _points(records: list[tuple]) -> list[tuple[int | None, float, float]]:
-    """(step, seconds, value) in order: per-rank records averaged over the ranks per step."""
-    if all(rank is None for _, rank, _, _ in records):
-        return [(step, seconds or 0.0, value) for step, _, seconds, value in records]
-    by_step: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    for step, _, seconds, value in records:
-        by_step[step].append((seconds or 0.0, value))
-    return [(step, max(s for s, _ in values), statistics.fmean(v for _, v in values))
-            for step, values in sorted(by_step.items(), key=lambda item: item[0] or 0)]
+def curve(records: list[Record]) -> list[Record]:
+    """A metric's course over the run. A per-run metric (test_accuracy) as recorded. A
+    per-rank metric (train_loss): one point per step, the mean over the ranks that recorded
+    that step, at the time the last of them did."""
+    if all(record.rank is None for record in records):
+        return [Record(r.step, r.epoch, None, r.seconds or 0.0, r.value) for r in records]
+    by_step: dict[int | None, list[Record]] = defaultdict(list)
+    for record in records:
+        by_step[record.step].append(record)
+    return [Record(step, same[0].epoch, None, max(r.seconds or 0.0 for r in same),
+                   statistics.fmean(r.value for r in same))
+            for step, same in sorted(by_step.items(), key=lambda item: item[0] or 0)]
 
 
-def _bytes_by_step(records: list[tuple], last_step: int) -> float:
-    """`bytes_sent` is each rank's mean per step over a log interval, recorded at the
-    interval's last step: the interval's bytes are that mean times its length in steps."""
-    total = 0.0
-    previous: dict[int | None, int] = {}
-    for step, rank, _, per_step in sorted(records, key=lambda r: (r[1] or 0, r[0] or 0)):
-        if step is None or step > last_step:
-            continue
-        total += per_step * (step - previous.get(rank, 0))
-        previous[rank] = step
-    return total
+class BytesSent:
+    """Cumulative bytes sent by all workers, from the `bytes_sent` records: each is a rank's
+    mean per step over a log interval, recorded at the interval's last step, so the
+    interval's bytes are that mean times its length in steps."""
+
+    def __init__(self, records: list[Record]):
+        self._by_rank: dict[int | None, tuple[list[int], list[float]]] = {}
+        for rank in {r.rank for r in records}:
+            steps, totals, total, previous = [], [], 0.0, 0
+            for record in sorted((r for r in records if r.rank == rank and r.step is not None),
+                                 key=lambda r: r.step):
+                total += record.value * (record.step - previous)
+                previous = record.step
+                steps.append(record.step)
+                totals.append(total)
+            self._by_rank[rank] = steps, totals
+
+    def by_step(self, step: int) -> float:
+        """What all workers had sent in their first `step` steps (as far as recorded)."""
+        total = 0.0
+        for steps, totals in self._by_rank.values():
+            index = bisect.bisect_right(steps, step)
+            total += totals[index - 1] if index else 0.0
+        return total
 
 
 # -- rows: one per run or one per group -----------------------------------------------------------
@@ -172,7 +198,7 @@ def _label(value: Any) -> Any:
 def baseline_values(runs: Iterable[Run], spec: str) -> dict[str, float]:
     """The mean final value of each baseline metric over the baseline: a run id, or an
     experiment (all its runs, or all points of a grid of that base name)."""
-    chosen = [run for run in runs if _is_baseline(run, spec)]
+    chosen = [run for run in runs if names(run, spec)]
     if not chosen:
         raise DsgdError(f"--baseline {spec!r}: no recorded run has this id or experiment name")
     means = {}
@@ -181,12 +207,6 @@ def baseline_values(runs: Iterable[Run], spec: str) -> dict[str, float]:
         if values:
             means[metric] = statistics.fmean(values)
     return means
-
-
-def _is_baseline(run: Run, spec: str) -> bool:
-    if spec.isdigit():
-        return run.id == int(spec)
-    return run.experiment == spec or run.experiment.startswith(f"{spec}[")
 
 
 def add_baseline(rows: list[dict[str, Any]], base: dict[str, float]) -> None:

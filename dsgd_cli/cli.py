@@ -8,6 +8,8 @@ import sys
 import typer
 
 from dsgd_cli.commands.compare import compare
+from dsgd_cli.commands.export import export
+from dsgd_cli.commands.plot import plot
 from dsgd_cli.commands.plugins import plugins
 from dsgd_cli.commands.run import run
 from dsgd_cli.commands.runs import runs, show
@@ -17,6 +19,8 @@ app = typer.Typer(help="Run, record and compare distributed data-parallel SGD al
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 app.command()(run)
 app.command()(compare)
+app.command()(plot)
+app.command()(export)
 app.command()(runs)
 app.command()(show)
 app.command()(plugins)

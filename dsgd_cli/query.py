@@ -110,6 +110,27 @@ def select_runs(runs: list[Run], conditions: list[Condition]) -> list[Run]:
     return [run for run in runs if all(c.matches(run) for c in conditions)]
 
 
+def pick(runs: list[Run], selectors: list[str]) -> list[Run]:
+    """The runs named by `selectors`: run ids, experiment names, or a grid's base name (all
+    its points); all runs when there are none. A selector naming nothing is an error."""
+    if not selectors:
+        return runs
+    chosen: set[int] = set()
+    for selector in selectors:
+        found = {run.id for run in runs if names(run, selector)}
+        if not found:
+            raise DsgdError(f"{selector!r}: no recorded run has this id or experiment name")
+        chosen |= found
+    return [run for run in runs if run.id in chosen]
+
+
+def names(run: Run, selector: str) -> bool:
+    """Whether `selector` (a run id, an experiment name or a grid's base name) names `run`."""
+    if selector.isdigit():
+        return run.id == int(selector)
+    return run.experiment == selector or run.experiment.startswith(f"{selector}[")
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

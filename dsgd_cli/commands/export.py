@@ -1,0 +1,116 @@
+"""`dsgd export`: the metric history of runs in long form, one row per recorded value, for
+pandas, polars or a spreadsheet."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Iterator, Optional
+
+import typer
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from dsgd_cli.commands.common import DbOption
+from dsgd_cli.commands.compare import WhereOption
+from dsgd_cli.errors import DsgdError
+from dsgd_cli.query import check_keys, parse_where, pick, run_value, select_runs
+from dsgd_cli.store import Metric, Run, Store
+
+FORMATS = ("csv", "json", "parquet")
+HISTORY_COLUMNS = ["metric", "step", "epoch", "rank", "seconds", "value"]
+
+
+def export(
+    runs: Annotated[Optional[list[str]], typer.Argument(
+        help="Run ids or experiment names (a grid's base name selects all its points); "
+             "default: all runs")] = None,
+    db: DbOption = None,
+    where: WhereOption = None,
+    metric: Annotated[Optional[list[str]], typer.Option(
+        "--metric", "-m", help="Only this metric (repeatable); default: all")] = None,
+    config: Annotated[Optional[list[str]], typer.Option(
+        "--config", "-c", help="Add a column with this configuration key or run column "
+                               "(optimizer.lr, aggregator, seed; repeatable)")] = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="csv, json or parquet")] = "csv",
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", "-o", help="The file to write (csv and json: stdout without it)")] = None,
+) -> None:
+    """Export the recorded metric history: run id, experiment, the configuration columns asked
+    for, metric, step, epoch, rank, seconds, value."""
+    if fmt not in FORMATS:
+        raise DsgdError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt == "parquet" and output is None:
+        raise DsgdError("--format parquet: give the file to write with -o")
+    conditions = [parse_where(text) for text in where or []]
+    keys = config or []
+    store = Store(db, readonly=True)
+    recorded = store.runs()
+    chosen = select_runs(pick(recorded, runs or []), conditions)
+    check_keys(keys, recorded, "--config")
+    columns = ["run_id", "experiment", *keys, *HISTORY_COLUMNS]
+    rows = _rows(store, chosen, keys, metric)
+    try:
+        if fmt == "parquet":
+            _write_parquet(rows, columns, output)
+        elif output is None:
+            _write_text(rows, columns, fmt, sys.stdout)
+        else:
+            with open(output, "w", newline="") as file:
+                _write_text(rows, columns, fmt, file)
+    except BrokenPipeError:
+        raise  # stdout's reader left (`| head`): click ends quietly
+    except OSError as error:
+        raise DsgdError(f"--output {output}: {error.strerror}") from None
+    if output is not None:
+        typer.echo(f"wrote {output}")
+
+
+def _rows(store: Store, runs: list[Run], keys: list[str],
+          metrics: list[str] | None) -> Iterator[list]:
+    by_id = {run.id: run for run in runs}
+    fixed = {run.id: [run.id, run.experiment, *[_plain(run_value(run, k)) for k in keys]]
+             for run in runs}
+    query = (select(Metric.run_id, Metric.name, Metric.step, Metric.epoch, Metric.rank,
+                    Metric.seconds, Metric.value)
+             .where(Metric.run_id.in_(list(by_id))).order_by(Metric.run_id, Metric.id))
+    if metrics:
+        query = query.where(Metric.name.in_(metrics))
+    with Session(store.engine) as session:
+        for run_id, *history in session.execute(query).yield_per(10_000):
+            yield fixed[run_id] + history
+
+
+def _plain(value):
+    """A value a csv cell or a parquet column can hold: lists and tag sets as text."""
+    if isinstance(value, set):
+        return ",".join(sorted(value))
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return value
+
+
+def _write_text(rows: Iterator[list], columns: list[str], fmt: str, file) -> None:
+    if fmt == "csv":
+        writer = csv.writer(file, lineterminator="\n")
+        writer.writerow(columns)
+        writer.writerows(rows)
+        return
+    # A JSON array of records, written as it is read: pandas.read_json(path) loads it.
+    file.write("[")
+    for index, row in enumerate(rows):
+        file.write(("," if index else "") + "\n" + json.dumps(dict(zip(columns, row))))
+    file.write("\n]\n")
+
+
+def _write_parquet(rows: Iterator[list], columns: list[str], output: Path) -> None:
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ModuleNotFoundError:
+        raise DsgdError("--format parquet needs pyarrow: pip install 'dsgd[parquet]'") from None
+    table = list(zip(*rows)) or [[] for _ in columns]
+    arrays = {name: pyarrow.array(list(values)) for name, values in zip(columns, table)}
+    pyarrow.parquet.write_table(pyarrow.table(arrays), output)

@@ -1,0 +1,129 @@
+"""`dsgd plot` and `dsgd export` on the database of known histories that tests/test_compare.py
+fills: the lines, legends and axes of the figure, and the exported rows."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import numpy as np
+import pytest
+
+from conftest import dsgd_in_process as dsgd
+from dsgd_cli.plotting import figure, group_lines, legend_labels, run_lines
+from dsgd_cli.store import Store
+from test_compare import db  # noqa: F401  (the fixture)
+
+
+def test_one_line_per_run_labelled_by_what_differs(db):
+    store = Store(str(db), readonly=True)
+    runs = [run for run in store.runs() if run.id in (1, 3, 5)]
+    labels = legend_labels(runs)
+    # All three have seed 0 and lr 0.05; they differ in the aggregator and the compressor.
+    assert labels == {1: "aggregator=allreduce, aggregator.compressor=none, compressor=none",
+                      3: "aggregator=allreduce, aggregator.compressor=qsgd, compressor=qsgd",
+                      5: "aggregator=sgp, aggregator.compressor=none, compressor=none"}
+    fig = figure(run_lines(store, runs, "test_accuracy", "step"), "test_accuracy", "step")
+    (ax,) = fig.axes
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == [labels[1], labels[3], labels[5]]
+    assert [list(line.get_xdata()) for line in ax.get_lines()] == [[10, 20, 30], [10, 20], [10, 20]]
+    assert list(ax.get_lines()[0].get_ydata()) == [0.5, 0.85, 0.8]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("step", "test_accuracy")
+
+
+def test_runs_that_differ_in_nothing_are_told_apart_by_id(db):
+    runs = [run for run in Store(str(db), readonly=True).runs() if run.id in (1, 2)]
+    assert legend_labels(runs) == {1: "seed=0", 2: "seed=1"}
+    same = [runs[0], runs[0]]
+    assert set(legend_labels(same).values()) == {"run 1"}
+
+
+def test_bytes_on_the_x_axis_are_cumulative_over_all_workers(db):
+    store = Store(str(db), readonly=True)
+    (line,) = run_lines(store, [store.get_run(1)], "test_accuracy", "bytes")
+    # two ranks sending 5 bytes a step: 100 bytes by step 10, 200 by 20, 300 by 30
+    assert list(line.x) == [100.0, 200.0, 300.0]
+
+
+def test_groups_plot_the_mean_with_a_band_of_one_std(db):
+    store = Store(str(db), readonly=True)
+    lines = group_lines(store, store.runs(), ["compressor"], "test_accuracy", "step")
+    assert [line.label for line in lines] == ["compressor=none (3 runs)", "compressor=qsgd (2 runs)"]
+    plain = lines[0]
+    assert list(plain.x) == [10, 20, 30]
+    # runs 1, 2 and 5 at step 10: 0.5, 0.9, 0.86; at 20: 0.85, 0.84, 0.7; at 30 only run 1
+    assert plain.y == pytest.approx([np.mean([0.5, 0.9, 0.86]), np.mean([0.85, 0.84, 0.7]), 0.8])
+    assert plain.std[:2] == pytest.approx([np.std([0.5, 0.9, 0.86], ddof=1),
+                                           np.std([0.85, 0.84, 0.7], ddof=1)])
+    assert np.isnan(plain.std[2])  # one run: no spread
+    fig = figure(lines, "test_accuracy", "step")
+    (ax,) = fig.axes
+    assert len(ax.get_lines()) == 2 and len(ax.collections) == 2  # a shaded band per group
+
+
+def test_plot_writes_a_png_and_draws_in_the_terminal(db, tmp_path):
+    out = tmp_path / "curves.png"
+    result = dsgd("plot", "--db", str(db), "base", "q", "--x", "seconds", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"wrote {out}\n"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = dsgd("plot", "--db", str(db), "--by", "aggregator", "--metric", "test_accuracy")
+    assert result.returncode == 0, result.stderr
+    assert "aggregator=allreduce (4 runs)" in result.stdout and "aggregator=sgp (1 runs)" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--x", "time"], "--x: expected one of step, epoch, seconds, bytes, got 'time'"),
+    (["--metric", "nosuch"], "--metric: none of the 5 selected runs recorded 'nosuch' with a step"),
+    (["nosuch"], "'nosuch': no recorded run has this id or experiment name"),
+    (["--where", "seed>5"], "no recorded run matches: nothing to plot"),
+    (["-o", "/nonexistent/dir/x.png"], "--output /nonexistent/dir/x.png"),
+])
+def test_plot_errors_are_one_line(db, args, message):
+    result = dsgd("plot", "--db", str(db), *args)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_export_csv_is_the_long_history_with_the_columns_asked_for(db):
+    result = dsgd("export", "--db", str(db), "--where", "compressor.name=qsgd",
+                  "-c", "optimizer.lr", "-c", "status", "-m", "test_accuracy")
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert list(rows[0]) == ["run_id", "experiment", "optimizer.lr", "status", "metric", "step",
+                             "epoch", "rank", "seconds", "value"]
+    assert [(r["run_id"], r["optimizer.lr"], r["status"], r["step"], r["value"]) for r in rows] == [
+        ("3", "0.05", "completed", "10", "0.7"), ("3", "0.05", "completed", "20", "0.78"),
+        ("4", "0.2", "failed", "10", "0.6")]
+
+
+def test_export_json_and_parquet_hold_every_record(db, tmp_path):
+    store = Store(str(db), readonly=True)
+    total = sum(store.count_metrics(run.id) for run in store.runs())
+    result = dsgd("export", "--db", str(db), "--format", "json")
+    records = json.loads(result.stdout)
+    assert len(records) == total
+    assert records[0] == {"run_id": 1, "experiment": "base", "metric": "samples_per_second",
+                          "step": None, "epoch": None, "rank": None, "seconds": None,
+                          "value": 100.0}
+    pyarrow_parquet = pytest.importorskip("pyarrow.parquet")
+    out = tmp_path / "history.parquet"
+    result = dsgd("export", "--db", str(db), "base", "-c", "seed", "-f", "parquet", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    table = pyarrow_parquet.read_table(out).to_pylist()
+    assert len(table) == store.count_metrics(1) + store.count_metrics(2)
+    assert {row["seed"] for row in table} == {0, 1}
+
+
+def test_plot_spec_takes_the_newest_run_of_each_experiment(db, tmp_path):
+    from dsgd_cli.commands.plot import newest_of
+
+    runs = Store(str(db), readonly=True).runs()
+    assert [run.id for run in newest_of(runs, ["base", "gossip", "absent"])] == [2, 5]
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("experiments:\n  - {name: q, task: logreg}\n  - {name: base, task: logreg}\n")
+    out = tmp_path / "latest.png"
+    result = dsgd("plot", "--db", str(db), "--spec", str(spec), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert out.exists()
