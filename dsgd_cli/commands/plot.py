@@ -12,9 +12,7 @@ import typer
 from dsgd_cli.commands.common import DbOption
 from dsgd_cli.commands.compare import WhereOption
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.plotting import X_AXES, figure, group_lines, run_lines, terminal_chart
 from dsgd_cli.query import check_keys, parse_where, pick, select_runs
-from dsgd_cli.spec import load_spec
 from dsgd_cli.store import Run, Store
 
 
@@ -27,7 +25,7 @@ def plot(
     by: Annotated[Optional[str], typer.Option(
         "--by", help="One line per group of runs with equal KEY[,KEY]: mean and ±std band")] = None,
     metric: Annotated[str, typer.Option("--metric", "-m", help="The metric to plot")] = "test_accuracy",
-    x: Annotated[str, typer.Option("--x", help=f"The x axis: {', '.join(X_AXES)}")] = "step",
+    x: Annotated[str, typer.Option("--x", help="The x axis: step, epoch, seconds or bytes")] = "step",
     last: Annotated[Optional[int], typer.Option("--last", min=1, help="Only the newest N runs")] = None,
     spec: Annotated[Optional[Path], typer.Option(
         "--spec", help="Only the newest run of each experiment of this spec")] = None,
@@ -36,6 +34,10 @@ def plot(
                                "without it, draw it in the terminal")] = None,
 ) -> None:
     """Plot a metric of past runs: one line per run, or per group with --by."""
+    # numpy and matplotlib (and torch, for --spec) load here, not when the CLI starts.
+    from dsgd_cli.plotting import X_AXES, figure, group_lines, run_lines, terminal_chart
+    from dsgd_cli.spec import load_spec
+
     if x not in X_AXES:
         raise DsgdError(f"--x: expected one of {', '.join(X_AXES)}, got {x!r}")
     conditions = [parse_where(text) for text in where or []]

@@ -7,12 +7,13 @@ from typing import Annotated
 
 import typer
 
-from dsgd_cli import registry
 from dsgd_cli.output import render
 
 
 def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False) -> None:
     """List registered aggregators, compressors, optimizers and tasks, and whether each loads."""
+    from dsgd_cli import registry  # imports torch: only when asked
+
     rows = []
     for kind, (group, _) in registry.KINDS.items():
         for name, entry in registry.discover(kind).items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -15,11 +15,11 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from dsgd_cli.commands.common import DbOption, ExperimentOption
 from dsgd_cli.commands.compare import compare_rows
 from dsgd_cli.errors import RunFailed
-from dsgd_cli.launcher import (Progress as RunProgress, RunResult, choose_device, launch,
-                               torchrun_command)
 from dsgd_cli.output import render
-from dsgd_cli.spec import load_spec
 from dsgd_cli.store import Store
+
+if TYPE_CHECKING:
+    from dsgd_cli.launcher import Progress as RunProgress, RunResult
 
 
 def run(
@@ -32,6 +32,10 @@ def run(
         "--dry-run", help="Print the resolved experiments and torchrun commands; run nothing")] = False,
 ) -> None:
     """Run every experiment in SPEC (default ./experiments.yaml) and record it in the database."""
+    # torch and the plugins load here, not when the CLI starts: the other commands need neither.
+    from dsgd_cli.launcher import choose_device, launch
+    from dsgd_cli.spec import load_spec
+
     # Validate everything before anything is launched or written.
     experiments = load_spec(spec, only=experiment, workers=workers)
     console = Console()
@@ -87,6 +91,8 @@ def _stats(p: RunProgress) -> str:
 
 
 def _print_plan(experiments) -> None:
+    from dsgd_cli.launcher import torchrun_command
+
     for exp in experiments:
         c = exp.config
         typer.echo(f"{exp.name}: {c['workers']} workers, task {c['task']['name']}, "
