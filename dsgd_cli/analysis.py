@@ -9,10 +9,9 @@ import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy import func, select
 
 from dsgd_cli.errors import DsgdError
 from dsgd_cli.query import names, run_value
@@ -61,24 +60,51 @@ class Reached:
 
 
 def reach_times(store: Store, run_ids: list[int], target: Target) -> dict[int, Reached]:
-    """For each run that reached `target` in its recorded history, when it did (see
-    `curve` for how per-rank metrics count)."""
-    history = load_history(store, run_ids, [target.metric, "bytes_sent"])
-    reached = {}
-    for run_id in run_ids:
-        points = curve(history.get((run_id, target.metric), []))
-        first = next((point for point in points if target.reached_by(point.value)), None)
-        if first is None:
-            continue
-        sent = history.get((run_id, "bytes_sent"))
-        bytes_sent = (BytesSent(sent).by_step(first.step)
-                      if sent and first.step is not None else None)
-        reached[run_id] = Reached(first.seconds, first.step, bytes_sent)
-    return reached
+    """For each run that reached `target` in its recorded history, when it did: the first
+    point of its `curves` that reaches it."""
+    firsts: dict[int, Point] = {}
+    for run_id, points in curves(store, run_ids, target.metric, reaching=target).items():
+        firsts[run_id] = points[0]
+    sent = load_history(store, list(firsts), ["bytes_sent"])
+    return {run_id: Reached(first.seconds, first.step,
+                            BytesSent(sent[(run_id, "bytes_sent")]).by_step(first.step)
+                            if (run_id, "bytes_sent") in sent else None)
+            for run_id, first in firsts.items()}
 
 
-@dataclass(frozen=True)
-class Record:
+class Point(NamedTuple):
+    """A metric at one step of a run: `seconds` since its workers started training."""
+
+    step: int
+    epoch: int | None
+    seconds: float
+    value: float
+
+
+def curves(store: Store, run_ids: list[int], metric: str,
+           reaching: Target | None = None) -> dict[int, list[Point]]:
+    """A metric's course over each run, one point per step in step order, worked out by the
+    database: a per-run metric (test_accuracy) as recorded; a per-rank metric (train_loss)
+    as the mean over the ranks that recorded the step, at the time the last of them did.
+    `reaching`: only the points that reach that target."""
+    by_run: dict[int, list[Point]] = defaultdict(list)
+    if not run_ids:
+        return by_run
+    value = func.avg(Metric.value)
+    query = (select(Metric.run_id, Metric.step, func.min(Metric.epoch),
+                    func.coalesce(func.max(Metric.seconds), 0.0), value)
+             .where(Metric.run_id.in_(run_ids), Metric.name == metric, Metric.step.is_not(None))
+             .group_by(Metric.run_id, Metric.step).order_by(Metric.run_id, Metric.step))
+    if reaching is not None:
+        higher = higher_is_better(reaching.metric)
+        query = query.having(value >= reaching.value if higher else value <= reaching.value)
+    with store.engine.connect() as connection:  # plain rows: no ORM objects to build
+        for run_id, *point in connection.execute(query).all():
+            by_run[run_id].append(Point(*point))
+    return by_run
+
+
+class Record(NamedTuple):  # a tuple: hundreds of thousands may be read at once
     """One recorded metric value (a row of the metrics table)."""
 
     step: int | None
@@ -97,24 +123,10 @@ def load_history(store: Store, run_ids: list[int],
     query = (select(Metric.run_id, Metric.name, Metric.step, Metric.epoch, Metric.rank,
                     Metric.seconds, Metric.value)
              .where(Metric.run_id.in_(run_ids), Metric.name.in_(names)).order_by(Metric.id))
-    with Session(store.engine) as session:
-        for run_id, name, *fields in session.execute(query):
+    with store.engine.connect() as connection:
+        for run_id, name, *fields in connection.execute(query).all():
             by_run[(run_id, name)].append(Record(*fields))
     return by_run
-
-
-def curve(records: list[Record]) -> list[Record]:
-    """A metric's course over the run. A per-run metric (test_accuracy) as recorded. A
-    per-rank metric (train_loss): one point per step, the mean over the ranks that recorded
-    that step, at the time the last of them did."""
-    if all(record.rank is None for record in records):
-        return [Record(r.step, r.epoch, None, r.seconds or 0.0, r.value) for r in records]
-    by_step: dict[int | None, list[Record]] = defaultdict(list)
-    for record in records:
-        by_step[record.step].append(record)
-    return [Record(step, same[0].epoch, None, max(r.seconds or 0.0 for r in same),
-                   statistics.fmean(r.value for r in same))
-            for step, same in sorted(by_step.items(), key=lambda item: item[0] or 0)]
 
 
 class BytesSent:
@@ -145,16 +157,17 @@ class BytesSent:
 
 # -- rows: one per run or one per group -----------------------------------------------------------
 
-def run_rows(runs: list[Run], metrics: list[str],
+def run_rows(runs: list[Run], finals: dict[int, dict[str, float]], metrics: list[str],
              reached: dict[int, Reached] | None) -> list[dict[str, Any]]:
+    """One row per run: its columns, the final value of each of `metrics` (from
+    `Store.finals`) and, with `reached`, when it reached a target."""
     rows = []
     for run in runs:
         aggregator = run.aggregator if run.compressor == "none" else f"{run.aggregator}+{run.compressor}"
         row = {"id": run.id, "experiment": run.experiment, "aggregator": aggregator,
                "optimizer": run.optimizer, "task": run.task, "workers": run.workers,
                "status": run.status}
-        finals = {s.name: s.final for s in run.summaries}
-        row.update({name: finals.get(name) for name in metrics})
+        row.update({name: finals.get(run.id, {}).get(name) for name in metrics})
         if reached is not None:
             when = reached.get(run.id)
             row.update(time_to_target=when and when.seconds, steps_to_target=when and when.step,
@@ -195,15 +208,16 @@ def _label(value: Any) -> Any:
 
 # -- baselines -------------------------------------------------------------------------------
 
-def baseline_values(runs: Iterable[Run], spec: str) -> dict[str, float]:
+def baseline_values(store: Store, runs: Iterable[Run], spec: str) -> dict[str, float]:
     """The mean final value of each baseline metric over the baseline: a run id, or an
     experiment (all its runs, or all points of a grid of that base name)."""
-    chosen = [run for run in runs if names(run, spec)]
+    chosen = [run.id for run in runs if names(run, spec)]
     if not chosen:
         raise DsgdError(f"--baseline {spec!r}: no recorded run has this id or experiment name")
+    finals = store.finals(chosen)
     means = {}
     for _, metric, _ in BASELINE_COLUMNS:
-        values = [s.final for run in chosen for s in run.summaries if s.name == metric]
+        values = [finals[run_id][metric] for run_id in chosen if metric in finals[run_id]]
         if values:
             means[metric] = statistics.fmean(values)
     return means

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsgd_cli.analysis import BytesSent, curve, load_history
+from dsgd_cli.analysis import BytesSent, curves, load_history
 from dsgd_cli.errors import DsgdError
 from dsgd_cli.query import flat_config, run_value
 from dsgd_cli.store import Run, Store
@@ -106,24 +106,23 @@ def _series(store: Store, runs: list[Run], metric: str,
             x_axis: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     if x_axis not in X_AXES:
         raise DsgdError(f"--x: expected one of {', '.join(X_AXES)}, got {x_axis!r}")
-    names = [metric] + (["bytes_sent"] if x_axis == "bytes" else [])
-    history = load_history(store, [run.id for run in runs], names)
+    ids = [run.id for run in runs]
+    points_by_run = curves(store, ids, metric)
+    sent = load_history(store, ids, ["bytes_sent"]) if x_axis == "bytes" else {}
     series = {}
     for run in runs:
-        points = curve(history.get((run.id, metric), []))
-        sent = BytesSent(history.get((run.id, "bytes_sent"), []))
-        pairs = []
-        for point in points:
-            if x_axis == "bytes":
-                x = sent.by_step(point.step) if point.step is not None else None
-            else:
-                x = getattr(point, x_axis)
-            if x is not None:
-                pairs.append((x, point.value))
+        points = points_by_run.get(run.id)
+        if not points:
+            continue
+        if x_axis == "bytes":
+            bytes_sent = BytesSent(sent.get((run.id, "bytes_sent"), []))
+            xs = [bytes_sent.by_step(point.step) for point in points]
+        else:
+            xs = [getattr(point, x_axis) for point in points]
+        pairs = sorted((x, point.value) for x, point in zip(xs, points) if x is not None)
         if pairs:
-            pairs.sort(key=lambda pair: pair[0])
-            series[run.id] = (np.array([p[0] for p in pairs], dtype=float),
-                              np.array([p[1] for p in pairs], dtype=float))
+            series[run.id] = (np.array([x for x, _ in pairs], dtype=float),
+                              np.array([y for _, y in pairs], dtype=float))
     if not series:
         raise DsgdError(f"--metric: none of the {len(runs)} selected runs recorded "
                         f"{metric!r} with a {x_axis}")

@@ -23,9 +23,10 @@ WhereOption = Annotated[Optional[list[str]], typer.Option(
     "workers, tag, ...) or a configuration key (optimizer.lr); OP is = != < <= > >= (repeatable)")]
 
 
-def compare_rows(runs: list[Run], extra_metrics: list[str] | None = None) -> list[dict]:
+def compare_rows(store: Store, runs: list[Run],
+                 extra_metrics: list[str] | None = None) -> list[dict]:
     """The plain table: one row per run with the default metrics and `extra_metrics`."""
-    return run_rows(runs, _metrics(extra_metrics), None)
+    return run_rows(runs, store.finals([run.id for run in runs]), _metrics(extra_metrics), None)
 
 
 def compare(
@@ -52,7 +53,7 @@ def compare(
     goal = parse_target(target) if target else None
     keys = [key.strip() for key in by.split(",") if key.strip()] if by else []
     store = Store(db, readonly=True)
-    recorded = store.runs(experiments=experiment)
+    recorded = store.runs(experiments=experiment, details=False)
     runs = select_runs(recorded, conditions)
     if last:
         runs = runs[-last:]
@@ -60,12 +61,12 @@ def compare(
 
     metrics = _metrics(metric)
     reached = reach_times(store, [run.id for run in runs], goal) if goal else None
-    rows = run_rows(runs, metrics, reached)
+    rows = run_rows(runs, store.finals([run.id for run in runs]), metrics, reached)
     if keys:
         values = metrics + (list(TARGET_COLUMNS) if goal else [])
         rows = group_rows(runs, rows, keys, values)
     if baseline:
-        add_baseline(rows, baseline_values(store.runs(), baseline))
+        add_baseline(rows, baseline_values(store, store.runs(details=False), baseline))
     if sort:
         rows = sort_rows(rows, sort)
 

@@ -47,7 +47,7 @@ def export(
     conditions = [parse_where(text) for text in where or []]
     keys = config or []
     store = Store(db, readonly=True)
-    recorded = store.runs()
+    recorded = store.runs(details=False)
     chosen = select_runs(pick(recorded, runs or []), conditions)
     check_keys(keys, recorded, "--config")
     columns = ["run_id", "experiment", *keys, *HISTORY_COLUMNS]

@@ -34,18 +34,19 @@ def plot(
                                "without it, draw it in the terminal")] = None,
 ) -> None:
     """Plot a metric of past runs: one line per run, or per group with --by."""
-    # numpy and matplotlib (and torch, for --spec) load here, not when the CLI starts.
+    # numpy and matplotlib load here, not when the CLI starts.
     from dsgd_cli.plotting import X_AXES, figure, group_lines, run_lines, terminal_chart
-    from dsgd_cli.spec import load_spec
 
     if x not in X_AXES:
         raise DsgdError(f"--x: expected one of {', '.join(X_AXES)}, got {x!r}")
     conditions = [parse_where(text) for text in where or []]
     keys = [key.strip() for key in by.split(",") if key.strip()] if by else []
     store = Store(db, readonly=True)
-    recorded = store.runs()
+    recorded = store.runs(details=False)
     chosen = select_runs(pick(recorded, runs or []), conditions)
     if spec is not None:
+        from dsgd_cli.spec import load_spec  # imports torch and the plugins
+
         chosen = newest_of(chosen, [experiment.name for experiment in load_spec(spec)])
     if last:
         chosen = chosen[-last:]

@@ -63,7 +63,7 @@ def run(
             bars.update(bar, stats=f"{bars.tasks[bar].fields['stats']}  {status_markup(result)}".strip())
             results.append(result)
 
-    typer.echo(render(compare_rows(store.runs(ids=[r.run_id for r in results]))))
+    typer.echo(render(compare_rows(store, store.runs(ids=[r.run_id for r in results]))))
     failed = [r for r in results if r.status != "completed"]
     if failed:
         raise RunFailed(f"{len(failed)} of {len(results)} runs failed: " + "; ".join(
