@@ -139,8 +139,12 @@ class Comm:
     """Communication for one worker. Built by the runtime; plugins get it as `ctx.comm`."""
 
     def __init__(self, rank: int, world_size: int, network: NetworkModel | None = None,
-                 device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S):
+                 device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 namespace: str = ""):
         self.rank = rank
+        # Experiments that share a launch keep their counters apart (see `counter`).
+        self.namespace = namespace
+        self._groups: list[Any] = []  # process groups made by new_group, for close()
         self.world_size = world_size
         self.network = network or NetworkModel()
         # Process groups give up on an operation after this long (gloo enforces it).
@@ -320,7 +324,7 @@ class Comm:
     def counter(self, name: str) -> SharedCounter:
         """A counter shared by all workers, starting at 0; the same `name` on every worker
         means the same counter."""
-        return SharedCounter(name)
+        return SharedCounter(f"{self.namespace}/{name}" if self.namespace else name)
 
     def new_group(self, ranks: Sequence[int], backend: str | None = None) -> Group:
         """A sub-group. Like torch.distributed, every rank must call this, in the same order.
@@ -328,7 +332,16 @@ class Comm:
         ranks = tuple(sorted(ranks))
         process_group = dist.new_group(list(ranks), backend=backend,
                                        timeout=timedelta(seconds=self.timeout_s))
+        self._groups.append(process_group)
         return Group(ranks, process_group, backend or self.world.backend)
+
+    def close(self) -> None:
+        """Release the process groups made by `new_group` (their sockets and threads), once
+        nothing uses them: the next experiment of a shared launch makes its own."""
+        for process_group in self._groups:
+            if process_group not in (None, dist.GroupMember.NON_GROUP_MEMBER):
+                dist.destroy_process_group(process_group)
+        self._groups.clear()
 
     # -- point to point ---------------------------------------------------------------------
 

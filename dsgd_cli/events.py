@@ -18,6 +18,11 @@ from pathlib import Path
 from typing import Any
 
 
+def experiment_dir(launch_dir: str | Path, index: int) -> Path:
+    """Where the workers of a launch write the events of its `index`-th experiment."""
+    return Path(launch_dir) / str(index)
+
+
 def events_path(directory: str | Path, rank: int) -> Path:
     return Path(directory) / f"rank{rank}.jsonl"
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from dsgd_cli import registry
-from dsgd_cli.events import EventReader, events_path
+from dsgd_cli.events import EventReader, events_path, experiment_dir
 from dsgd_cli.spec import Experiment
 from dsgd_cli.store import MetricRow, Store, finite_number
 
@@ -55,10 +55,11 @@ class Progress:
     test_accuracy: float | None = None
 
 
-def torchrun_command(experiment: Experiment, config_path: str | Path, events_dir: str | Path) -> list[str]:
+def torchrun_command(experiment: Experiment, plan_path: str | Path, events_dir: str | Path) -> list[str]:
+    """The torchrun command of a launch whose experiments have `experiment`'s worker count."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={experiment.workers}", "--max-restarts=0",
-            "-m", "dsgd_cli.runtime", str(config_path), str(events_dir)]
+            "-m", "dsgd_cli.runtime", str(plan_path), str(events_dir)]
 
 
 def plugin_versions(config: dict) -> list[tuple[str, str, str, str]]:
@@ -92,101 +93,215 @@ def choose_device(workers: int) -> DevicePlan:
                              "on this machine: running on the CPU with gloo")
 
 
+# -- launches: consecutive experiments that share one torchrun --------------------------------
+
+@dataclass
+class Launch:
+    """Experiments run one after another by the same torchrun workers: they share the worker
+    count, the device and the timeout, so they can share the process group."""
+
+    experiments: list[Experiment]
+    device: DevicePlan
+
+    def fits(self, experiment: Experiment, device: DevicePlan) -> bool:
+        first = self.experiments[0]
+        return (experiment.workers, experiment.config.get("timeout"), device.kind) == (
+            first.workers, first.config.get("timeout"), self.device.kind)
+
+
+def plan_launches(experiments: list[Experiment], shared: bool = True) -> list[Launch]:
+    """One launch per run of consecutive experiments that fit together; one per experiment
+    without `shared`."""
+    launches: list[Launch] = []
+    for experiment in experiments:
+        device = choose_device(experiment.workers)
+        if shared and launches and launches[-1].fits(experiment, device):
+            launches[-1].experiments.append(experiment)
+        else:
+            launches.append(Launch([experiment], device))
+    return launches
+
+
+@dataclass
+class Callbacks:
+    """What the caller hears while experiments run: each start (with its device plan), its
+    progress, and how it ended."""
+
+    started: Callable[[Experiment, DevicePlan], None] = lambda experiment, device: None
+    progress: Callable[[Experiment, Progress], None] = lambda experiment, progress: None
+    ended: Callable[[RunResult], None] = lambda result: None
+
+
+def run_all(experiments: list[Experiment], store: Store, spec_file: str | None,
+            callbacks: Callbacks = Callbacks(), shared: bool = True) -> list[RunResult]:
+    """Run and record every experiment, in order. A launch that ends early (an experiment
+    failed, diverged or was killed: its process group is not to be trusted) records that
+    experiment and the rest go on in a fresh launch."""
+    results = []
+    for planned in plan_launches(experiments, shared):
+        pending = planned.experiments
+        while pending:
+            done = _launch(pending, planned.device, store, spec_file, callbacks)
+            results += done
+            pending = pending[len(done):]
+    return results
+
+
 def launch(experiment: Experiment, store: Store, spec_file: str | None,
            on_progress: Callable[[Progress], None] = lambda p: None,
            device: DevicePlan | None = None) -> RunResult:
-    """Run one experiment and record it. The run is never left `running`: whatever ends it is
-    recorded before `launch` returns or raises. A SIGINT or SIGTERM meanwhile stops the run's
-    processes and marks it interrupted; then the signal takes its usual course (the CLI's
-    handler raises `Interrupted`). `device`: by default `choose_device`'s."""
-    config = experiment.config
+    """Run and record one experiment in a launch of its own. `device`: by default
+    `choose_device`'s."""
+    callbacks = Callbacks(progress=lambda experiment, progress: on_progress(progress))
     device = device or choose_device(experiment.workers)
-    with _Interrupts() as interrupts:
-        run_id = store.create_run(experiment.name, config, spec_file, plugin_versions(config))
+    return _launch([experiment], device, store, spec_file, callbacks)[0]
+
+
+class _Running:
+    """The experiment of a launch that is running now: its run id, its workers' events as
+    read so far, and its progress."""
+
+    def __init__(self, index: int, experiment: Experiment, run_id: int, events_dir: Path):
+        self.index, self.experiment, self.run_id = index, experiment, run_id
+        self.readers = [EventReader(events_path(events_dir, rank))
+                        for rank in range(experiment.workers)]
+        self.progress = Progress()
+        self.problems: list[dict] = []  # `error` and `diverged` events
+        self.done_ranks: set[int] = set()
+        self.first_problem_at: float | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done_ranks) == self.experiment.workers
+
+    def ingest(self, store: Store, callbacks: Callbacks) -> None:
+        rows = []
+        for reader in self.readers:
+            for event in reader.read():
+                kind, rank = event["type"], event["rank"]
+                if kind == "metric":
+                    if not finite_number(event["value"]):
+                        continue  # no number to store or show (NaN parses from JSON)
+                    rows.append(MetricRow(event["name"], event["value"], event["step"],
+                                          event["epoch"], rank if event["per_rank"] else None,
+                                          event["seconds"]))
+                    if rank == 0:
+                        _update_progress(self.progress, event)
+                elif kind == "start" and rank == 0:
+                    self.progress.total_steps = event["total_steps"]
+                elif kind in ("error", "diverged"):
+                    self.problems.append(event)
+                    self.first_problem_at = self.first_problem_at or time.monotonic()
+                elif kind == "done":
+                    self.done_ranks.add(rank)
+        store.add_metrics(self.run_id, rows)
+        if rows:
+            callbacks.progress(self.experiment, self.progress)
+
+
+def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
+            spec_file: str | None, callbacks: Callbacks) -> list[RunResult]:
+    """One torchrun for `experiments`; returns the results of those it got to (all of them,
+    unless one ended the launch early). Every run it started is recorded before it returns
+    or raises, never left `running`. A SIGINT or SIGTERM meanwhile stops the launch's
+    processes and marks the running experiment interrupted; then the signal takes its usual
+    course (the CLI's handler raises `Interrupted`)."""
+    results: list[RunResult] = []
+    running: _Running | None = None
+
+    def finish(result: RunResult) -> None:
+        nonlocal running
+        store.finish_run(result.run_id, result.status, result.reason, result.failed_rank)
+        results.append(result)
+        callbacks.ended(result)
+        running = None
+
+    def begin(index: int) -> None:
+        nonlocal running
+        experiment = experiments[index]
+        callbacks.started(experiment, device)
+        run_id = store.create_run(experiment.name, experiment.config, spec_file,
+                                  plugin_versions(experiment.config))
+        running = _Running(index, experiment, run_id, experiment_dir(tmp, index))
+
+    def advance() -> None:
+        """Read the running experiment's events; record each experiment that completed and
+        begin the next (the workers have begun it already)."""
+        while running is not None:
+            running.ingest(store, callbacks)
+            if not running.complete:
+                return
+            index = running.index
+            finish(run_result(running.run_id, running.experiment, running.problems,
+                              running.done_ranks, 0, ""))
+            if index + 1 < len(experiments):
+                begin(index + 1)
+
+    with _Interrupts() as interrupts, tempfile.TemporaryDirectory(prefix="dsgd-launch-") as tmp:
         try:
-            result = _run(run_id, experiment, store, on_progress, interrupts, device)
+            begin(0)
+            plan_path = Path(tmp) / "experiments.json"
+            plan_path.write_text(json.dumps({"experiments": [e.config for e in experiments]}))
+            log_path = Path(tmp) / "torchrun.log"
+            try:
+                with open(log_path, "w") as log:
+                    process = subprocess.Popen(
+                        torchrun_command(experiments[0], plan_path, tmp), stdout=log,
+                        stderr=subprocess.STDOUT, env=_environment(tmp, device),
+                        start_new_session=True)
+            except OSError as error:
+                finish(RunResult(running.run_id, running.experiment.name, "failed",
+                                 f"cannot start torchrun: {error}"))
+                return results
+            stopped, interrupted_by = False, None
+            try:
+                while process.poll() is None:
+                    time.sleep(POLL_SECONDS)
+                    advance()
+                    interrupted_by = interrupts.caught[0] if interrupts.caught else None
+                    if (running is not None and _must_stop(running)) or interrupted_by:
+                        stopped = True
+                        break
+            finally:  # whatever happened, no process of the launch outlives it
+                _stop(process, tmp, interrupts)
+            advance()
+            if running is not None:  # the experiment that ended the launch
+                if interrupted_by:
+                    finish(RunResult(running.run_id, running.experiment.name, "interrupted",
+                                     f"interrupted by {interrupted_by.name}"))
+                else:
+                    log_text = log_path.read_text(errors="replace")
+                    # Workers that dsgd itself stopped died of its signals: torchrun's
+                    # record of them says nothing about the cause.
+                    failures = [] if stopped else torchrun_failures(log_text)
+                    finish(run_result(running.run_id, running.experiment, running.problems,
+                                      running.done_ranks, process.returncode,
+                                      _last_line(log_text), failures))
         except BaseException as error:
-            store.finish_run(run_id, "failed", f"dsgd failed: {error!r}")
+            if running is not None:
+                store.finish_run(running.run_id, "failed", f"dsgd failed: {error!r}")
             raise
-        store.finish_run(run_id, result.status, result.reason, result.failed_rank)
-    return result
+    return results
 
 
-def _run(run_id: int, experiment: Experiment, store: Store,
-         on_progress: Callable[[Progress], None], interrupts: _Interrupts,
-         device: DevicePlan) -> RunResult:
-    progress = Progress()
-    problems: list[dict] = []  # `error` and `diverged` events
-    with tempfile.TemporaryDirectory(prefix=f"dsgd-run{run_id}-") as tmp:
-        config_path = Path(tmp) / "config.json"
-        config_path.write_text(json.dumps(experiment.config))
-        readers = [EventReader(events_path(tmp, rank)) for rank in range(experiment.workers)]
-        done_ranks: set[int] = set()
+def _must_stop(running: _Running) -> bool:
+    """A worker that diverged has left, and its peers may wait for it forever; after any other
+    error torchrun normally stops the workers itself, but not always within the grace time."""
+    if any(event["type"] == "diverged" for event in running.problems):
+        return True
+    return (running.first_problem_at is not None
+            and time.monotonic() - running.first_problem_at > GRACE_AFTER_ERROR_S)
 
-        def ingest() -> None:
-            rows = []
-            for reader in readers:
-                for event in reader.read():
-                    kind, rank = event["type"], event["rank"]
-                    if kind == "metric":
-                        if not finite_number(event["value"]):
-                            continue  # no number to store or show (NaN parses from JSON)
-                        rows.append(MetricRow(event["name"], event["value"], event["step"],
-                                              event["epoch"], rank if event["per_rank"] else None,
-                                              event["seconds"]))
-                        if rank == 0:
-                            _update_progress(progress, event)
-                    elif kind == "start" and rank == 0:
-                        progress.total_steps = event["total_steps"]
-                    elif kind in ("error", "diverged"):
-                        problems.append(event)
-                    elif kind == "done":
-                        done_ranks.add(rank)
-            store.add_metrics(run_id, rows)
-            if rows:
-                on_progress(progress)
 
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")  # workers share the machine's cores
-        env.setdefault("NUMBA_NUM_THREADS", env["OMP_NUM_THREADS"])
-        env["PYTHONUNBUFFERED"] = "1"
-        env["LOGLEVEL"] = "WARNING"  # torchrun's warnings name the workers it stopped itself
-        env[RUN_MARKER] = tmp  # inherited by the workers: how _stop finds them
-        env[DEVICE_VARIABLE] = device.kind
-        log_path = Path(tmp) / "torchrun.log"
-        try:
-            with open(log_path, "w") as log:
-                process = subprocess.Popen(torchrun_command(experiment, config_path, tmp),
-                                           stdout=log, stderr=subprocess.STDOUT, env=env,
-                                           start_new_session=True)
-        except OSError as error:
-            return RunResult(run_id, experiment.name, "failed", f"cannot start torchrun: {error}")
-        first_error_at, diverged, late, interrupted_by = None, False, False, None
-        try:
-            while process.poll() is None:
-                time.sleep(POLL_SECONDS)
-                ingest()
-                if problems and first_error_at is None:
-                    first_error_at = time.monotonic()
-                # A worker that diverged has left, and its peers may wait for it forever.
-                diverged = any(e["type"] == "diverged" for e in problems)
-                late = first_error_at is not None and (
-                    time.monotonic() - first_error_at > GRACE_AFTER_ERROR_S)
-                interrupted_by = interrupts.caught[0] if interrupts.caught else None
-                if diverged or late or interrupted_by:
-                    break
-        finally:  # whatever happened, no process of the run outlives it
-            _stop(process, tmp, interrupts)
-        ingest()
-        if interrupted_by:
-            return RunResult(run_id, experiment.name, "interrupted",
-                             f"interrupted by {interrupted_by.name}")
-        # Workers that dsgd itself stopped died of its signals: torchrun's record of them
-        # says nothing about the cause.
-        log_text = log_path.read_text(errors="replace")
-        failures = [] if diverged or late else torchrun_failures(log_text)
-        return run_result(run_id, experiment, problems, done_ranks, process.returncode,
-                          _last_line(log_text), failures)
+def _environment(run_dir: str, device: DevicePlan) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # workers share the machine's cores
+    env.setdefault("NUMBA_NUM_THREADS", env["OMP_NUM_THREADS"])
+    env["PYTHONUNBUFFERED"] = "1"
+    env["LOGLEVEL"] = "WARNING"  # torchrun's warnings name the workers it stopped itself
+    env[RUN_MARKER] = run_dir  # inherited by the workers: how _stop finds them
+    env[DEVICE_VARIABLE] = device.kind
+    return env
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from dsgd_cli.api import TaskData, WorkerContext, flatten, unflatten_into
 from dsgd_cli.comm import DEFAULT_TIMEOUT_S, Comm
 from dsgd_cli.evaluation import BackgroundEvaluation, evaluate, model_tensors
-from dsgd_cli.events import EventWriter, events_path
+from dsgd_cli.events import EventWriter, events_path, experiment_dir
 from dsgd_cli.schedule import StopRule, Straggling, evaluation_points, run_length
 from dsgd_cli.spec import build_plugin, network_model
 
@@ -57,6 +57,19 @@ class IntervalMetrics:
         self.custom.setdefault(name, []).append(float(value))
 
 
+_loaded: dict[str, TaskData] = {}  # the last data set loaded in this process
+
+
+def load_data(task, options: dict, seed: int) -> TaskData:
+    """The task's data; consecutive experiments of a launch with the same task options and
+    seed reuse the tensors (they are never modified: workers index and copy them)."""
+    key = json.dumps([options, seed], sort_keys=True)
+    if key not in _loaded:
+        _loaded.clear()
+        _loaded[key] = task.load_data(seed)
+    return _loaded[key]
+
+
 @dataclass
 class Shard:
     """This rank's share of the training set: a seeded permutation per epoch, split evenly
@@ -82,12 +95,12 @@ class Shard:
 
 class Worker:
     def __init__(self, config: dict, events: EventWriter, rank: int, world_size: int,
-                 device: torch.device):
+                 device: torch.device, namespace: str = ""):
         self.config, self.events = config, events
         self.rank, self.world_size, self.device = rank, world_size, device
         seed = config["seed"]
         self.task = build_plugin("task", config["task"])
-        data: TaskData = self.task.load_data(seed)
+        data = load_data(self.task, config["task"], seed)
         self.train_x, self.train_y = data.train_x.to(device), data.train_y.to(device)
         self.test_x, self.test_y = data.test_x.to(device), data.test_y.to(device)
         torch.manual_seed(seed)  # the same initial model on every worker
@@ -95,7 +108,7 @@ class Worker:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_plugin("optimizer", config["optimizer"]).build(params)
         self.comm = Comm(rank, world_size, network_model(config), device,
-                         timeout_s=config.get("timeout", DEFAULT_TIMEOUT_S))
+                         timeout_s=config.get("timeout", DEFAULT_TIMEOUT_S), namespace=namespace)
         self.interval = IntervalMetrics()
         self.shard = Shard(len(self.train_y), rank, world_size, seed)
         self.aggregator = build_plugin("aggregator", config["aggregator"])
@@ -333,39 +346,56 @@ def device_and_backend(local_rank: int) -> tuple[torch.device, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config_path, events_dir = (argv or sys.argv[1:])[:2]
+    """A worker of one launch: runs the launch's experiments (a JSON list) one after another
+    in one process group, each from a fresh start. The first that fails ends the process: the
+    launcher records it and launches the rest anew."""
+    plan_path, events_dir = (argv or sys.argv[1:])[:2]
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    events = EventWriter(events_path(events_dir, rank), rank)
-    try:
-        with open(config_path) as file:
-            config = json.load(file)
-        device, backend = device_and_backend(local_rank)
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=config.get("timeout", DEFAULT_TIMEOUT_S)))
-        worker = Worker(config, events, rank, world_size, device)
-        worker.train()
-        with worker.comm.untracked():  # nobody tears down its links while a peer needs them
-            worker.comm.barrier()
-        events.write("done")
-        exit_code = 0
-    except Diverged as diverged:
-        events.write("diverged", step=diverged.step, name="train_loss",
-                     value=str(diverged.value), at=time.time())
-        exit_code = 1
-    except Exception as error:
-        events.write("error", reason=f"{type(error).__name__}: {error}",
-                     traceback=traceback.format_exc(), at=time.time())
-        exit_code = 1
-    events.close()
+    with open(plan_path) as file:
+        configs = json.load(file)["experiments"]
+    exit_code = 0
+    for index, config in enumerate(configs):
+        directory = experiment_dir(events_dir, index)
+        directory.mkdir(parents=True, exist_ok=True)
+        events = EventWriter(events_path(directory, rank), rank)
+        exit_code = run_experiment(config, events, rank, world_size, local_rank, namespace=str(index))
+        events.close()
+        if exit_code:
+            break
     sys.stdout.flush()
     sys.stderr.flush()
     # Leave without tearing down the process group: after a failure the peers may be gone and
     # a clean shutdown could block on them, and gloo's teardown can abort the process
     # ("terminate called without an active exception") after a run that succeeded.
     os._exit(exit_code)
+
+
+def run_experiment(config: dict, events: EventWriter, rank: int, world_size: int,
+                   local_rank: int, namespace: str = "") -> int:
+    """Train one experiment, reporting to `events`; returns the process exit code."""
+    try:
+        device, backend = device_and_backend(local_rank)
+        if not dist.is_initialized():
+            torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(
+                seconds=config.get("timeout", DEFAULT_TIMEOUT_S)))
+        worker = Worker(config, events, rank, world_size, device, namespace)
+        worker.train()
+        with worker.comm.untracked():  # nobody tears down its links while a peer needs them
+            worker.comm.barrier()
+        worker.comm.close()
+        events.write("done")
+        return 0
+    except Diverged as diverged:
+        events.write("diverged", step=diverged.step, name="train_loss",
+                     value=str(diverged.value), at=time.time())
+    except Exception as error:
+        events.write("error", reason=f"{type(error).__name__}: {error}",
+                     traceback=traceback.format_exc(), at=time.time())
+    return 1
+
 
 if __name__ == "__main__":
     main()

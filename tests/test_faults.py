@@ -225,31 +225,34 @@ def test_event_writer_is_thread_safe(tmp_path):
 # NaN as a metric the way an old worker did (bare NaN in the JSON), then a `diverged` event,
 # and rank 0 stays blocked in a collective that will never finish.
 FAKE_TORCHRUN = """
-import json, sys, time
-config = json.load(open(sys.argv[1]))
-events = sys.argv[2]
-diverges = config["name"].startswith("bad")
+import json, os, sys, time
+experiments = json.load(open(sys.argv[1]))["experiments"]
 
-def write(rank, **event):
-    with open(f"{events}/rank{rank}.jsonl", "a") as file:
-        file.write(json.dumps({"rank": rank, **event}) + "\\n")
+for index, config in enumerate(experiments):
+    events = os.path.join(sys.argv[2], str(index))
+    os.makedirs(events, exist_ok=True)
+    diverges = config["name"].startswith("bad")
 
-def metric(rank, step, value):
-    write(rank, type="metric", name="train_loss", value=value, step=step, epoch=0,
-          seconds=0.1 * step, per_rank=True)
+    def write(rank, **event):
+        with open(f"{events}/rank{rank}.jsonl", "a") as file:
+            file.write(json.dumps({"rank": rank, **event}) + "\\n")
 
-for rank in range(config["workers"]):
-    write(rank, type="start", total_steps=3)
-for step in (1, 2, 3):
+    def metric(rank, step, value):
+        write(rank, type="metric", name="train_loss", value=value, step=step, epoch=0,
+              seconds=0.1 * step, per_rank=True)
+
     for rank in range(config["workers"]):
-        value = float("nan") if diverges and rank == 1 and step == 3 else 1.0 / step
-        metric(rank, step, value)
-if diverges:
-    write(1, type="diverged", step=3, name="train_loss", value="nan", at=time.time())
-    time.sleep(120)
-    sys.exit(1)
-for rank in range(config["workers"]):
-    write(rank, type="done")
+        write(rank, type="start", total_steps=3)
+    for step in (1, 2, 3):
+        for rank in range(config["workers"]):
+            value = float("nan") if diverges and rank == 1 and step == 3 else 1.0 / step
+            metric(rank, step, value)
+    if diverges:
+        write(1, type="diverged", step=3, name="train_loss", value="nan", at=time.time())
+        time.sleep(120)
+        sys.exit(1)
+    for rank in range(config["workers"]):
+        write(rank, type="done")
 """
 
 
@@ -542,7 +545,8 @@ signal.signal(signal.SIGTERM, carry_on)
 if sys.argv[3:] != ["worker"]:
     subprocess.Popen([sys.executable, __file__, config, events, "worker"], start_new_session=True)
 else:
-    with open(os.path.join(events, "rank0.jsonl"), "a") as file:
+    os.makedirs(os.path.join(events, "0"), exist_ok=True)
+    with open(os.path.join(events, "0", "rank0.jsonl"), "a") as file:
         file.write('{"type": "metric", "rank": 0, "name": "train_loss", "value": 0.5, "step": 1, '
                    '"epoch": 0, "seconds": 0.1, "per_rank": true}\\n')
 while True:

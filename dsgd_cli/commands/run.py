@@ -28,40 +28,46 @@ def run(
     db: DbOption = None,
     workers: Annotated[Optional[int], typer.Option(
         "--workers", "-w", help="Override every experiment's worker count")] = None,
+    isolate: Annotated[bool, typer.Option(
+        "--isolate", help="One torchrun per experiment, instead of one per run of consecutive "
+                          "experiments with the same workers, device and timeout")] = False,
     dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="Print the resolved experiments and torchrun commands; run nothing")] = False,
+        "--dry-run", help="Print the resolved experiments and the launch plan; run nothing")] = False,
 ) -> None:
     """Run every experiment in SPEC (default ./experiments.yaml) and record it in the database."""
     # torch and the plugins load here, not when the CLI starts: the other commands need neither.
-    from dsgd_cli.launcher import choose_device, launch
+    from dsgd_cli.launcher import Callbacks, plan_launches, run_all
     from dsgd_cli.spec import load_spec
 
     # Validate everything before anything is launched or written.
     experiments = load_spec(spec, only=experiment, workers=workers)
     console = Console()
     if dry_run:
-        _print_plan(experiments)
+        _print_plan(plan_launches(experiments, shared=not isolate))
         return
     store = Store(db)
-    results = []
     # Experiment names and failure reasons are plain text, never rich markup: a gloo error
     # holds "[/127.0.0.1]:port", and a grid point's name "[key=value]".
     columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[stats]}"), TimeElapsedColumn())
     with Progress(*columns, console=console, refresh_per_second=4) as bars:
-        for exp in experiments:
-            bar = bars.add_task(exp.name, total=None, stats="starting")
+        bar_of: dict[str, int] = {}
 
-
-            def show(p: RunProgress, bar=bar) -> None:
-                bars.update(bar, total=p.total_steps, completed=p.step, stats=_stats(p))
-
-            device = choose_device(exp.workers)
+        def started(exp, device) -> None:
             if device.notice:
                 bars.console.print(f"{exp.name}: {device.notice}", markup=False, highlight=False)
-            result = launch(exp, store, str(spec), show, device)
-            bars.update(bar, stats=f"{bars.tasks[bar].fields['stats']}  {status_markup(result)}".strip())
-            results.append(result)
+            bar_of[exp.name] = bars.add_task(exp.name, total=None, stats="starting")
+
+        def progress(exp, p: RunProgress) -> None:
+            bars.update(bar_of[exp.name], total=p.total_steps, completed=p.step, stats=_stats(p))
+
+        def ended(result: RunResult) -> None:
+            bar = bar_of[result.experiment]
+            shown = f"{bars.tasks[bar].fields['stats']}  {status_markup(result)}"
+            bars.update(bar, stats=shown.strip())
+
+        results = run_all(experiments, store, str(spec), Callbacks(started, progress, ended),
+                          shared=not isolate)
 
     typer.echo(render(compare_rows(store, store.runs(ids=[r.run_id for r in results]))))
     failed = [r for r in results if r.status != "completed"]
@@ -90,16 +96,21 @@ def _stats(p: RunProgress) -> str:
     return "  ".join(parts)
 
 
-def _print_plan(experiments) -> None:
+def _print_plan(launches) -> None:
     from dsgd_cli.launcher import torchrun_command
 
-    for exp in experiments:
-        c = exp.config
-        typer.echo(f"{exp.name}: {c['workers']} workers, task {c['task']['name']}, "
-                   f"aggregator {c['aggregator']['name']}, compressor {c['compressor']['name']}, "
-                   f"optimizer {c['optimizer']['name']}, {c['epochs']} epochs of batch {c['batch_size']}")
-        for key in ("task", "optimizer", "aggregator", "compressor"):
-            options = {k: v for k, v in c[key].items() if k != "name"}
-            if options:
-                typer.echo(f"  {key} options: " + ", ".join(f"{k}={v}" for k, v in options.items()))
-        typer.echo("  " + shlex.join(torchrun_command(exp, "<config.json>", "<events-dir>")))
+    for number, planned in enumerate(launches, 1):
+        count = len(planned.experiments)
+        typer.echo(f"launch {number}: {count} experiment{'s' if count > 1 else ''} on "
+                   f"{planned.experiments[0].workers} workers ({planned.device.kind})")
+        typer.echo("  " + shlex.join(torchrun_command(planned.experiments[0], "<experiments.json>",
+                                                     "<events-dir>")))
+        for exp in planned.experiments:
+            c = exp.config
+            typer.echo(f"  {exp.name}: {c['workers']} workers, task {c['task']['name']}, "
+                       f"aggregator {c['aggregator']['name']}, compressor {c['compressor']['name']}, "
+                       f"optimizer {c['optimizer']['name']}, {c['epochs']} epochs of batch {c['batch_size']}")
+            for key in ("task", "optimizer", "aggregator", "compressor"):
+                options = {k: v for k, v in c[key].items() if k != "name"}
+                if options:
+                    typer.echo(f"    {key} options: " + ", ".join(f"{k}={v}" for k, v in options.items()))

@@ -1,0 +1,114 @@
+"""Several experiments in one torchrun launch: the same results as one launch each, and a
+failure in the middle ends only its own experiment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import dsgd, write_spec
+from dsgd_cli.launcher import plan_launches
+from dsgd_cli.spec import load_spec
+from dsgd_cli.store import Store
+
+SWEEP = """
+defaults:
+  task: {{name: logreg, samples: 512}}
+  workers: 2
+  steps_per_epoch: 6
+  log_interval: 2
+  save_dir: {models}
+experiments:
+  - name: lr
+    grid: {{optimizer.lr: [0.5]}}
+  - name: gossip
+    aggregator: {{name: sgp}}
+    optimizer: {{name: sgd, lr: 0.1, momentum: 0.9}}
+"""
+# Values that depend on the arithmetic only, not on timing.
+EXACT_METRICS = ("train_loss", "test_loss", "test_accuracy", "bytes_sent", "bytes_received",
+                 "total_bytes_sent", "consensus_distance", "lr")
+
+
+def test_plan_shares_a_launch_between_experiments_that_fit(tmp_path):
+    spec = write_spec(tmp_path, """
+    defaults: {task: logreg}
+    experiments:
+      - {name: a}
+      - {name: b, aggregator: {name: sgp}}
+      - {name: c, workers: 3}
+      - {name: d, workers: 3}
+      - {name: e}
+    """)
+    experiments = load_spec(spec)
+    names = [[e.name for e in launch.experiments] for launch in plan_launches(experiments)]
+    assert names == [["a", "b"], ["c", "d"], ["e"]]
+    alone = [[e.name for e in launch.experiments] for launch in plan_launches(experiments, shared=False)]
+    assert alone == [["a"], ["b"], ["c"], ["d"], ["e"]]
+
+
+def _record(db) -> dict[str, tuple]:
+    """Per experiment: status, and the exact history of every arithmetic metric."""
+    store = Store(str(db))
+    return {run.experiment: (run.status, {name: [(m.rank, m.step, m.value)
+                                                 for m in store.metric_history(run.id, name)]
+                                          for name in EXACT_METRICS})
+            for run in store.runs()}
+
+
+def test_a_shared_launch_gives_what_separate_launches_give(tmp_path):
+    records, models = {}, {}
+    for mode, flags in (("shared", []), ("isolated", ["--isolate"])):
+        directory = tmp_path / mode
+        directory.mkdir()
+        spec = write_spec(directory, SWEEP.format(models=directory / "models"))
+        plan = dsgd("run", str(spec), "--dry-run", *flags)
+        launches = 1 if mode == "shared" else 2
+        assert plan.stdout.count("launch ") == launches, plan.stdout
+        result = dsgd("run", str(spec), "--db", str(directory / "r.db"), *flags, timeout=240)
+        assert result.returncode == 0, result.stderr
+        records[mode] = _record(directory / "r.db")
+        models[mode] = {path.relative_to(directory): torch.load(path)
+                        for path in sorted((directory / "models").rglob("*.pt"))}
+    assert list(records["shared"]) == ["lr[optimizer.lr=0.5]", "gossip"]
+    assert records["shared"] == records["isolated"]
+    assert all(history for _, metrics in records["shared"].values()
+               for name, history in metrics.items() if name in ("train_loss", "test_accuracy"))
+    assert len(models["shared"]) == 4
+    for path, state in models["shared"].items():
+        twin = models["isolated"][path]
+        assert all(torch.equal(state[key], twin[key]) for key in state), path
+
+
+def test_a_failure_in_a_shared_launch_ends_only_its_experiment(tmp_path, plugin_env):
+    spec = write_spec(tmp_path, """
+        defaults: {task: {name: logreg, samples: 512}, steps_per_epoch: 4, log_interval: 2}
+        experiments:
+          - name: before
+          - name: crashes
+            aggregator: {name: crash, rank: 1, step: 2}
+          - name: after
+          - name: last
+    """)
+    db = tmp_path / "r.db"
+    plan = dsgd("run", str(spec), "--dry-run", env=plugin_env)
+    assert "launch 1: 4 experiments on 2 workers" in plan.stdout
+    result = dsgd("run", str(spec), "--db", str(db), env=plugin_env, timeout=240)
+    assert result.returncode == 1, result.stderr
+    runs = Store(str(db)).runs()
+    assert [(r.experiment, r.status, r.failed_rank) for r in runs] == [
+        ("before", "completed", None), ("crashes", "failed", 1), ("after", "completed", None),
+        ("last", "completed", None)]
+    assert runs[1].reason == "rank 1: RuntimeError: injected failure at step 2"
+    assert result.stderr.strip().endswith(
+        "1 of 4 runs failed: crashes (run 2): rank 1: RuntimeError: injected failure at step 2")
+
+
+@pytest.mark.parametrize("flags", [[], ["--isolate"]], ids=["shared", "isolated"])
+def test_dry_run_shows_the_launch_plan(tmp_path, flags):
+    spec = write_spec(tmp_path, "experiments: [{name: a, task: logreg}, {name: b, task: logreg}]\n")
+    result = dsgd("run", str(spec), "--dry-run", *flags)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("launch")]
+    assert lines == (["launch 1: 2 experiments on 2 workers (cpu)"] if not flags else
+                     ["launch 1: 1 experiment on 2 workers (cpu)",
+                      "launch 2: 1 experiment on 2 workers (cpu)"])
