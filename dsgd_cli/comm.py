@@ -160,6 +160,11 @@ class Comm:
 
     # -- accounting -------------------------------------------------------------------------
 
+    def blocked_seconds(self) -> float:
+        """The seconds counted as blocked in communication since `take_traffic` last ran."""
+        with self._lock:
+            return self._traffic.seconds
+
     def take_traffic(self) -> Traffic:
         """Return the counters accumulated so far and start new ones."""
         with self._lock:

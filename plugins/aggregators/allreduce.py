@@ -18,6 +18,8 @@ momentum re-applies the delayed residuals for many steps and training stalls.
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +138,9 @@ class AllReduce(Aggregator):
     # -- compressed: all gradients in one call ------------------------------------------------
 
     def _average_compressed(self, step: int) -> None:
+        # compress_seconds: this step's time in compression arithmetic (error feedback,
+        # compress, decompress, combine), that is, all of it but the communication.
+        started, blocked_before = time.perf_counter(), self.ctx.comm.blocked_seconds()
         memory, keys = self.memory, self.keys
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.options.momentum_before_compression > 0:
@@ -148,6 +153,8 @@ class AllReduce(Aggregator):
             if memory is not None:
                 memory.update(key, grad, local)
             p.grad = average.view_as(p)
+        blocked = self.ctx.comm.blocked_seconds() - blocked_before
+        self.ctx.metrics.log("compress_seconds", time.perf_counter() - started - blocked)
 
     def _momentum(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """m <- beta * m + g, as torch's SGD keeps it (the first m is g)."""
