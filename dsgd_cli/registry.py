@@ -55,12 +55,18 @@ class PluginEntry:
 
 
 @cache
+def _entry_points() -> metadata.EntryPoints:
+    """All installed entry points, read once: each scan reads every distribution's metadata."""
+    return metadata.entry_points()
+
+
+@cache
 def discover(kind: str) -> dict[str, PluginEntry]:
     """Every plugin registered for `kind`, by name, without importing any of them."""
     group, _ = KINDS[kind]
     found: dict[str, PluginEntry] = {}
     shadowed: list[PluginEntry] = []
-    for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
+    for ep in sorted(_entry_points().select(group=group), key=lambda e: e.name):
         dist = ep.dist
         entry = PluginEntry(kind, ep.name, ep.value, dist.name if dist else "?",
                             dist.version if dist else "?", ep)
