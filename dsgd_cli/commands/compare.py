@@ -3,16 +3,15 @@ grouped, set against a baseline, timed to a target and sorted."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from dsgd_cli.analysis import (BASELINE_COLUMNS, TARGET_COLUMNS, add_baseline, baseline_values,
-                               group_rows, parse_target, reach_times, run_rows, sort_rows)
 from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption
 from dsgd_cli.output import cell, check_format, render
-from dsgd_cli.query import check_keys, parse_where, select_runs
-from dsgd_cli.store import Run, Store
+
+if TYPE_CHECKING:
+    from dsgd_cli.store import Run, Store
 
 DEFAULT_METRICS = ["test_accuracy", "test_loss", "train_loss", "wall_seconds",
                    "samples_per_second", "total_bytes_sent"]
@@ -26,6 +25,8 @@ WhereOption = Annotated[Optional[list[str]], typer.Option(
 def compare_rows(store: Store, runs: list[Run],
                  extra_metrics: list[str] | None = None) -> list[dict]:
     """The plain table: one row per run with the default metrics and `extra_metrics`."""
+    from dsgd_cli.analysis import run_rows
+
     return run_rows(runs, store.finals([run.id for run in runs]), _metrics(extra_metrics), None)
 
 
@@ -48,6 +49,13 @@ def compare(
     fmt: FormatOption = "simple",
 ) -> None:
     """Tabulate past runs: configuration and final metrics, one row per run or per group."""
+    # SQLAlchemy loads here, not when the CLI starts (`dsgd --help` needs none of it).
+    from dsgd_cli.analysis import (BASELINE_COLUMNS, TARGET_COLUMNS, add_baseline,
+                                   baseline_values, group_rows, parse_target, reach_times,
+                                   run_rows, sort_rows)
+    from dsgd_cli.query import check_keys, parse_where, select_runs
+    from dsgd_cli.store import Store
+
     check_format(fmt)
     conditions = [parse_where(text) for text in where or []]
     goal = parse_target(target) if target else None

@@ -7,17 +7,16 @@ import csv
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Iterator, Optional
+from typing import TYPE_CHECKING, Annotated, Iterator, Optional
 
 import typer
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 
 from dsgd_cli.commands.common import DbOption
 from dsgd_cli.commands.compare import WhereOption
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.query import check_keys, parse_where, pick, run_value, select_runs
-from dsgd_cli.store import Metric, Run, Store
+
+if TYPE_CHECKING:
+    from dsgd_cli.store import Run, Store
 
 FORMATS = ("csv", "json", "parquet")
 HISTORY_COLUMNS = ["metric", "step", "epoch", "rank", "seconds", "value"]
@@ -40,6 +39,9 @@ def export(
 ) -> None:
     """Export the recorded metric history: run id, experiment, the configuration columns asked
     for, metric, step, epoch, rank, seconds, value."""
+    from dsgd_cli.query import check_keys, parse_where, pick, select_runs
+    from dsgd_cli.store import Store
+
     if fmt not in FORMATS:
         raise DsgdError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt == "parquet" and output is None:
@@ -70,6 +72,12 @@ def export(
 
 def _rows(store: Store, runs: list[Run], keys: list[str],
           metrics: list[str] | None) -> Iterator[list]:
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    from dsgd_cli.query import run_value
+    from dsgd_cli.store import Metric
+
     by_id = {run.id: run for run in runs}
     fixed = {run.id: [run.id, run.experiment, *[_plain(run_value(run, k)) for k in keys]]
              for run in runs}

@@ -5,15 +5,16 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from dsgd_cli.commands.common import DbOption
 from dsgd_cli.commands.compare import WhereOption
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.query import check_keys, parse_where, pick, select_runs
-from dsgd_cli.store import Run, Store
+
+if TYPE_CHECKING:
+    from dsgd_cli.store import Run
 
 
 def plot(
@@ -34,8 +35,10 @@ def plot(
                                "without it, draw it in the terminal")] = None,
 ) -> None:
     """Plot a metric of past runs: one line per run, or per group with --by."""
-    # numpy and matplotlib load here, not when the CLI starts.
+    # numpy, matplotlib and SQLAlchemy load here, not when the CLI starts.
     from dsgd_cli.plotting import X_AXES, figure, group_lines, run_lines, terminal_chart
+    from dsgd_cli.query import check_keys, parse_where, pick, select_runs
+    from dsgd_cli.store import Store
 
     if x not in X_AXES:
         raise DsgdError(f"--x: expected one of {', '.join(X_AXES)}, got {x!r}")

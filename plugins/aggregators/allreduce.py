@@ -88,7 +88,9 @@ class AllReduce(Aggregator):
                         enumerate(_bucket_params(ordered, self.options.bucket_mb * 2**20))]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.next_to_launch = 0
-        if self.options.overlap:
+        # With one bucket there is nothing to overlap: it can only go once backward is done.
+        # Skipping the per-parameter Python hooks then saves their cost on every step.
+        if self.options.overlap and len(self.buckets) > 1:
             for p in ordered:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
