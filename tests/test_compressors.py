@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from types import SimpleNamespace
 
 import pytest
@@ -72,8 +73,8 @@ def _powersgd_full_rank(rank, world_size):
     return m, average, local
 
 
-def test_powersgd_full_rank_reconstructs_the_average():
-    (m0, avg0, local0), (m1, avg1, _) = run_workers(_powersgd_full_rank, 2)
+def test_powersgd_full_rank_reconstructs_the_average(collectives):
+    (m0, avg0, local0), (m1, avg1, _) = collectives("powersgd_full_rank")
     torch.testing.assert_close(avg0, (m0 + m1) / 2, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(avg0, avg1)
     torch.testing.assert_close(local0, m0, rtol=1e-4, atol=1e-4)  # full rank: nothing left over
@@ -114,10 +115,13 @@ def _average_awkward_sizes(rank, world_size, names):
     return results
 
 
-def test_empty_and_awkward_sizes_never_hang():
-    names = ["none", "fp16", "qsgd", "dqsgd", "terngrad", "sign", "ef_sign", "topk", "randomk",
-             "powersgd"]
-    first, second = run_workers(_average_awkward_sizes, 2, names)
+AWKWARD = ["none", "fp16", "qsgd", "dqsgd", "terngrad", "sign", "ef_sign", "topk", "randomk",
+           "powersgd"]
+
+
+def test_empty_and_awkward_sizes_never_hang(collectives):
+    names = AWKWARD
+    first, second = collectives("awkward_sizes")
     for name in names:
         for size in (0, 1, 7, 13):
             assert first[(name, size)].shape == (size,)
@@ -147,10 +151,10 @@ def _average_many_against_one_by_one(rank, world_size, names):
     return results
 
 
-def test_average_many_equals_one_tensor_at_a_time_in_one_or_two_collectives():
+def test_average_many_equals_one_tensor_at_a_time_in_one_or_two_collectives(collectives):
     """Batching the payloads of many tensors changes the number of messages, not the result."""
     names = ["none"] + COMPRESSORS
-    for results in run_workers(_average_many_against_one_by_one, 2, names):
+    for results in collectives("average_many"):
         for name in names:
             batched, one_by_one, calls = results[name]
             for (average, local), (expected, expected_local), shape in zip(batched, one_by_one,
@@ -176,12 +180,44 @@ def _dqsgd_with_different_levels(rank, world_size):
     return average, local, levels
 
 
-def test_dqsgd_payloads_of_different_lengths_average_exactly():
-    (average0, local0, levels0), (average1, local1, levels1) = run_workers(
-        _dqsgd_with_different_levels, 2)
+def test_dqsgd_payloads_of_different_lengths_average_exactly(collectives):
+    (average0, local0, levels0), (average1, local1, levels1) = collectives("dqsgd_levels")
     assert levels0 == [1] and levels1[0] > 4  # 2-bit codes on one worker, wider on the other
     torch.testing.assert_close(average0, (local0 + local1) / 2, rtol=0, atol=1e-7)
     torch.testing.assert_close(average0, average1, rtol=0, atol=0)
+
+
+def _collective_checks(rank, world_size):
+    """The checks above that need a real group, one after another in the same two workers.
+    A check that raises records its traceback and the next one still runs."""
+    checks = {
+        "powersgd_full_rank": lambda: _powersgd_full_rank(rank, world_size),
+        "awkward_sizes": lambda: _average_awkward_sizes(rank, world_size, AWKWARD),
+        "average_many": lambda: _average_many_against_one_by_one(
+            rank, world_size, ["none"] + COMPRESSORS),
+        "dqsgd_levels": lambda: _dqsgd_with_different_levels(rank, world_size),
+    }
+    results = {}
+    for name, check in checks.items():
+        try:
+            results[name] = ("ok", check())
+        except Exception:
+            results[name] = ("error", traceback.format_exc())
+    return results
+
+
+@pytest.fixture(scope="module")
+def collectives():
+    """`collectives(check)`: each worker's result of that check of `_collective_checks`."""
+    ranks = run_workers(_collective_checks, 2, preloaded=True)
+
+    def results(check: str) -> list:
+        errors = [f"rank {rank}:\n{r[check][1]}" for rank, r in enumerate(ranks)
+                  if r[check][0] == "error"]
+        assert not errors, "\n".join(errors)
+        return [r[check][1] for r in ranks]
+
+    return results
 
 
 def test_every_compressor_registered():

@@ -2,10 +2,12 @@
 
 Two kinds of test:
 
-* the plugins driven by a hand-written training loop in spawned processes on a real gloo
+* the plugins driven by a hand-written training loop in worker processes on a real gloo
   group, with zero learning rate and a different model on every worker, so the mixing alone
-  can be compared with the matrices of `dsgd_cli.topology` (one spawn runs every scenario);
-* real `dsgd run` launches under torchrun, with 2 and 4 workers, and with a straggler.
+  can be compared with the matrices of `dsgd_cli.topology` (one start of the workers runs
+  every scenario);
+* real `dsgd run` launches under torchrun, with 2 and 4 workers, and with a straggler (one
+  `dsgd run` runs them all).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from conftest import compare_json, dsgd, write_spec
+from conftest import compare_json, dsgd, dsgd_in_process, write_spec
+from distributed import preloaded_context
 from dsgd_cli.api import Comm, WorkerContext, flatten
 from dsgd_cli.errors import SpecError
 from dsgd_cli.spec import load_spec
@@ -163,7 +165,7 @@ def _worker(rank: int, world_size: int, directory: str) -> None:
 def spawned(tmp_path_factory) -> list[dict]:
     """Every scenario on WORKERS processes; one result dict per rank."""
     directory = tmp_path_factory.mktemp("spawned")
-    context = mp.get_context("spawn")
+    context = preloaded_context()
     processes = [context.Process(target=_worker, args=(rank, WORKERS, str(directory)))
                  for rank in range(WORKERS)]
     for process in processes:
@@ -322,7 +324,7 @@ def test_spec_error_exits_2_before_launching(tmp_path):
             workers: 6
             aggregator: {name: osgp, topology: hypercube}
     """)
-    result = dsgd("run", str(spec), "--db", str(tmp_path / "r.db"))
+    result = dsgd_in_process("run", str(spec), "--db", str(tmp_path / "r.db"))
     assert result.returncode == 2
     assert "hypercube topology needs world_size to be a power of 2, got 6" in result.stderr
     assert not (tmp_path / "r.db").exists()
@@ -348,9 +350,14 @@ def test_messages_through_counts_rounds_of_a_period():
 # -- real runs under torchrun -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def logreg_gossip(tmp_path_factory):
-    """Each gossip plugin on logreg, models saved: dpsgd and sgp with 2 and 4 workers, osgp and
-    adpsgd with 2 (their 4-worker runs are the straggler runs below)."""
+def gossip_runs(tmp_path_factory):
+    """One `dsgd run` of every real run below, models saved. Consecutive experiments with the
+    same worker count share a torchrun, so the 2-worker runs come first, then the 4-worker
+    ones: two launches.
+
+    * each gossip plugin on logreg with 2 workers, dpsgd and sgp also with 4;
+    * osgp and adpsgd on 4 workers, rank 0 computing 60 times slower, 2 epochs of 64 steps.
+    """
     tmp = tmp_path_factory.mktemp("gossip")
     spec = write_spec(tmp, f"""
         defaults:
@@ -361,18 +368,38 @@ def logreg_gossip(tmp_path_factory):
           optimizer: {{name: sgd, lr: 0.5}}
           save_dir: {tmp / "models"}
         experiments:
-          - name: dpsgd
+          - name: dpsgd[workers=2]
+            workers: 2
             aggregator: {{name: dpsgd}}
-            grid: {{workers: [2, 4]}}
-          - name: sgp
+          - name: sgp[workers=2]
+            workers: 2
             aggregator: {{name: sgp}}
-            grid: {{workers: [2, 4]}}
-          - name: osgp
+          - name: osgp[workers=2]
+            workers: 2
             aggregator: {{name: osgp, tau: 2}}
-            grid: {{workers: [2]}}
-          - name: adpsgd
+          - name: adpsgd[workers=2]
+            workers: 2
             aggregator: {{name: adpsgd}}
-            grid: {{workers: [2]}}
+          - name: dpsgd[workers=4]
+            workers: 4
+            aggregator: {{name: dpsgd}}
+          - name: sgp[workers=4]
+            workers: 4
+            aggregator: {{name: sgp}}
+          - name: straggler-osgp
+            workers: 4
+            task: {{name: logreg, samples: 16384}}
+            epochs: 2
+            steps_per_epoch: 64
+            stragglers: {{ranks: [0], slowdown: 60}}
+            aggregator: {{name: osgp}}
+          - name: straggler-adpsgd
+            workers: 4
+            task: {{name: logreg, samples: 16384}}
+            epochs: 2
+            steps_per_epoch: 64
+            stragglers: {{ranks: [0], slowdown: 60}}
+            aggregator: {{name: adpsgd}}
     """)
     db = tmp / "results.db"
     result = dsgd("run", str(spec), "--db", str(db), timeout=600)
@@ -383,8 +410,8 @@ def logreg_gossip(tmp_path_factory):
 
 @pytest.mark.parametrize("plugin, workers", [("dpsgd", 2), ("dpsgd", 4), ("sgp", 2), ("sgp", 4),
                                              ("osgp", 2), ("adpsgd", 2)])
-def test_torchrun_runs_converge(logreg_gossip, plugin, workers):
-    db, models, rows = logreg_gossip
+def test_torchrun_runs_converge(gossip_runs, plugin, workers):
+    db, models, rows = gossip_runs
     name = f"{plugin}[workers={workers}]"
     row = rows[name]
     assert row["status"] == "completed"
@@ -404,8 +431,8 @@ def test_torchrun_runs_converge(logreg_gossip, plugin, workers):
     assert all(0 <= d < 0.3 * float(optimum.norm()) for d in distances)
 
 
-def test_torchrun_bytes_match_the_graph(logreg_gossip):
-    _, _, rows = logreg_gossip
+def test_torchrun_bytes_match_the_graph(gossip_runs):
+    _, _, rows = gossip_runs
     model_bytes = 10 * 4
     steps = 6 * (2048 // 4 // 32)
     # dpsgd on a ring of 4: each worker sends its model to its 2 neighbours every step.
@@ -414,38 +441,12 @@ def test_torchrun_bytes_match_the_graph(logreg_gossip):
     assert rows["sgp[workers=4]"]["total_bytes_sent"] == 4 * steps * (model_bytes + 5 * 4)
 
 
-@pytest.fixture(scope="module")
-def straggler_runs(tmp_path_factory):
-    """osgp and adpsgd on 4 workers, rank 0 computing 60 times slower, 2 epochs of 64 steps."""
-    tmp = tmp_path_factory.mktemp("stragglers")
-    spec = write_spec(tmp, f"""
-        defaults:
-          task: {{name: logreg, samples: 16384}}
-          workers: 4
-          epochs: 2
-          steps_per_epoch: 64
-          batch_size: 32
-          log_interval: 4
-          optimizer: {{name: sgd, lr: 0.5}}
-          stragglers: {{ranks: [0], slowdown: 60}}
-          save_dir: {tmp / "models"}
-        experiments:
-          - name: osgp
-            aggregator: {{name: osgp}}
-          - name: adpsgd
-            aggregator: {{name: adpsgd}}
-    """)
-    db = tmp / "results.db"
-    result = dsgd("run", str(spec), "--db", str(db), timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return db, tmp / "models"
-
-
 @pytest.mark.parametrize("plugin", ["osgp", "adpsgd"])
-def test_fast_workers_do_not_wait_for_a_straggler(straggler_runs, plugin):
-    db, models = straggler_runs
+def test_fast_workers_do_not_wait_for_a_straggler(gossip_runs, plugin):
+    db, models, rows = gossip_runs
+    name = f"straggler-{plugin}"
     store = Store(str(db))
-    run = [r for r in store.runs() if r.experiment == plugin][0]
+    run = [r for r in store.runs() if r.experiment == name][0]
     steps = 2 * 64
     lag = store.metric_history(run.id, "peer_step_lag")
     # Every message or average the slow rank 0 takes part in carries its peer's step count:
@@ -466,11 +467,11 @@ def test_fast_workers_do_not_wait_for_a_straggler(straggler_runs, plugin):
     assert sorted(m.epoch for m in own if m.rank == 0) == [0, 1, 1]
     assert len(store.metric_history(run.id, "test_accuracy")) == 1
     # Training still converges, every worker's model and their average.
-    row = {r["experiment"]: r for r in compare_json(db)}[plugin]
+    row = rows[name]
     assert row["status"] == "completed" and row["test_accuracy"] > 0.8
     assert row["total_bytes_sent"] > 0
     optimum = LogisticRegression(LogisticRegression.Options(samples=16384)).optimum().float()
     for rank in range(4):  # from about optimum.norm() away at the start
-        final = torch.load(models / plugin / f"rank{rank}.pt")["weight"][0]
+        final = torch.load(models / name / f"rank{rank}.pt")["weight"][0]
         assert (final - optimum).norm() < 0.35 * optimum.norm()
     assert {"consensus_distance", "test_accuracy_workers"} <= {s.name for s in run.summaries}

@@ -1,12 +1,13 @@
 """CUDA kernels of numba_kernels under numba's CUDA simulator.
 
-numba reads NUMBA_ENABLE_CUDASIM when it is imported, so the checks run in one
-subprocess with the variable set (the script is below); each pytest test then
-reports one named check.  Under the simulator there are no CUDA torch tensors,
-so the script calls the launch helpers of ``numba_kernels._cuda`` on NumPy
-arrays and compares with NumPy references and with the CPU kernels -- the
-random decisions must be bit-identical.  Sizes stay small: the simulator runs
-every GPU thread as a Python thread.
+numba reads NUMBA_ENABLE_CUDASIM when it is imported, so the checks run in
+subprocesses with the variable set (the script is below; it runs the checks
+named on its command line): two at once, each keeping one core busy.  Each
+pytest test then reports one named check.  Under the simulator there are no
+CUDA torch tensors, so the script calls the launch helpers of
+``numba_kernels._cuda`` on NumPy arrays and compares with NumPy references and
+with the CPU kernels -- the random decisions must be bit-identical.  Sizes
+stay small: the simulator runs every GPU thread as a Python thread.
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ from numba_kernels import _cpu, _random, _cuda as C
 
 assert C.SIM, "not running under the CUDA simulator"
 results = {}
+selected = set(sys.argv[1:])
 
 
 def check(fn):
+    if fn.__name__ not in selected:
+        return fn
     try:
         fn()
         results[fn.__name__] = "ok"
@@ -276,6 +280,14 @@ CHECKS = [
     "topk_sampled_threshold_and_retry",
     "randomk_matches_cpu",
 ]
+# The checks split in two groups of about equal running time, one subprocess each.
+GROUPS = [
+    ["qsgd_matches_cpu", "topk_exact", "sign_pack_unpack_vote", "pack_codes_matches_cpu",
+     "terngrad_matches_cpu", "scatter_gather"],
+    ["randomk_matches_cpu", "topk_sampled_threshold_and_retry", "rng_bit_identical",
+     "weighted_sum"],
+]
+assert sorted(sum(GROUPS, [])) == sorted(CHECKS)
 
 
 @pytest.fixture(scope="module")
@@ -285,12 +297,26 @@ def sim_results():
     env = dict(os.environ)
     env["NUMBA_ENABLE_CUDASIM"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"simulator run failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(lines[-1][len("RESULTS ") :])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SCRIPT, *group], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env, cwd=ROOT,
+        )
+        for group in GROUPS
+    ]
+    results = {}
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=600)
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULTS ")]
+            assert proc.returncode == 0 and lines, f"simulator run failed:\n{stdout}\n{stderr}"
+            results.update(json.loads(lines[-1][len("RESULTS ") :]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
 
 
 @pytest.mark.parametrize("name", CHECKS)

@@ -3,9 +3,9 @@ budgets, each checked against its definition.
 
 Two kinds of test, as in test_gossip.py:
 
-* the plugins driven by a hand-written training loop in 4 spawned processes on a real gloo
-  group (one spawn runs every scenario), where losses, gradients and delays are under the
-  test's control;
+* the plugins driven by a hand-written training loop in 4 worker processes on a real gloo
+  group (one start of the workers runs every scenario), where losses, gradients and delays
+  are under the test's control;
 * real `dsgd run` launches under torchrun (one launch runs every experiment).
 
 Assertions are on values, step counts and the order of events; the one bound on seconds
@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import dsgd, write_spec
+from conftest import dsgd, dsgd_in_process, write_spec
 from distributed import run_workers
 from dsgd_cli.api import Comm, RunLength, WorkerContext, flatten
 from dsgd_cli.errors import SpecError
@@ -170,7 +170,7 @@ def _all_scenarios(rank, n):
 
 @pytest.fixture(scope="module")
 def spawned() -> list[dict]:
-    return run_workers(_all_scenarios, WORKERS, timeout=240)
+    return run_workers(_all_scenarios, WORKERS, timeout=240, preloaded=True)
 
 
 # -- backup ---------------------------------------------------------------------------------
@@ -352,7 +352,7 @@ def test_a_bad_straggler_spec_is_one_line_and_exit_2(tmp_path):
         experiments:
           - {name: a, task: logreg, stragglers: {random: {probability: 2, slowdown: 3}}}
     """)
-    result = dsgd("run", str(spec), "--db", str(tmp_path / "r.db"))
+    result = dsgd_in_process("run", str(spec), "--db", str(tmp_path / "r.db"))
     assert result.returncode == 2
     assert result.stderr.strip() == (f"dsgd: error: {spec}: experiments[0].stragglers.random."
                                      "probability: expected a number >= 0 and <= 1, got 2")

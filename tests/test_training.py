@@ -10,10 +10,18 @@ from dsgd_cli.store import Store
 from plugins.tasks.logreg import LogisticRegression
 
 
+LOGREG = ["allreduce", "allreduce-no-overlap", "local-1", "local-4", "third-party", "momentum",
+          "momentum-before-compression", "slow-network"]
+BUILTIN = ["mlp-allreduce", "mlp-local", "digits-adam"]
+
+
 @pytest.fixture(scope="module")
-def logreg_runs(tmp_path_factory, plugin_env):
-    """One `dsgd run` of several aggregators on the convex problem, models saved."""
-    tmp = tmp_path_factory.mktemp("logreg")
+def all_runs(tmp_path_factory, plugin_env):
+    """One `dsgd run` of every experiment of these tests: several aggregators on the convex
+    problem (models saved), the other built-in tasks, then a run whose worker crashes and one
+    after it. Consecutive experiments share a torchrun launch: the crash ends the first launch,
+    and `after` runs in a second."""
+    tmp = tmp_path_factory.mktemp("runs")
     spec = write_spec(tmp, f"""
         defaults:
           task: {{name: logreg}}
@@ -44,15 +52,65 @@ def logreg_runs(tmp_path_factory, plugin_env):
             steps_per_epoch: 5
             network: {{bandwidth: 1Mbit, latency: 1ms}}
             aggregator: {{name: allreduce, overlap: false}}
+          - name: mlp-allreduce
+            task: {{name: mnist1d_mlp}}
+            epochs: 2
+            steps_per_epoch: 40
+            optimizer: {{name: sgd, lr: 0.05, momentum: 0.9}}
+            save_dir: null
+            target_accuracy: null
+            aggregator: {{name: allreduce}}
+          - name: mlp-local
+            task: {{name: mnist1d_mlp}}
+            epochs: 2
+            steps_per_epoch: 40
+            optimizer: {{name: sgd, lr: 0.05, momentum: 0.9}}
+            save_dir: null
+            target_accuracy: null
+            aggregator: {{name: local_sgd, period: 2}}
+          - name: digits-adam
+            task: {{name: digits_cnn}}
+            epochs: 2
+            steps_per_epoch: 40
+            optimizer: {{name: adam, lr: 0.003}}
+            save_dir: null
+            target_accuracy: null
+            aggregator: {{name: allreduce}}
+          - name: crashes
+            epochs: 1
+            log_interval: 2
+            optimizer: {{name: sgd, lr: 0.05}}
+            save_dir: null
+            target_accuracy: null
+            aggregator: {{name: crash, rank: 1, step: 5}}
+          - name: after
+            epochs: 1
+            steps_per_epoch: 3
+            optimizer: {{name: sgd, lr: 0.05}}
+            save_dir: null
+            target_accuracy: null
     """)
     db = tmp / "results.db"
     result = dsgd("run", str(spec), "--db", str(db), env=plugin_env)
-    assert result.returncode == 0, result.stdout + result.stderr
+    # Only `crashes` fails (see test_worker_crash_fails_run_and_keeps_metrics).
+    assert "1 of 13 runs failed: crashes" in result.stderr, result.stdout + result.stderr
 
     def weights(name: str, rank: int) -> torch.Tensor:
         return torch.load(tmp / "models" / name / f"rank{rank}.pt")["weight"][0]
 
-    return db, weights, plugin_env
+    # `dsgd compare` of every run, with the metrics some tests ask for besides the usual ones.
+    rows = {r["experiment"]: r for r in compare_json(
+        db, "--metric", "time_to_accuracy", "--metric", "comm_seconds", "--metric",
+        "step_seconds", env=plugin_env)}
+    return result, db, weights, rows
+
+
+@pytest.fixture(scope="module")
+def logreg_runs(all_runs):
+    """The runs on the convex problem: the database, their saved models, `dsgd compare`'s
+    rows."""
+    _, db, weights, rows = all_runs
+    return db, weights, rows
 
 
 def test_allreduce_keeps_models_identical(logreg_runs):
@@ -90,25 +148,21 @@ def test_local_sgd_with_longer_period_differs_but_converges(logreg_runs):
 
 
 def test_bytes_counted_as_ring_allreduce_traffic(logreg_runs):
-    db, _, env = logreg_runs
-    rows = {r["experiment"]: r for r in compare_json(db, env=env)}
+    _, _, rows = logreg_runs
     steps = 3 * (2048 // 2 // 32)
     model_bytes = 10 * 4
     # Ring all-reduce over n=2 sends 2(n-1)/n = 1 model's worth per worker per step.
     assert rows["allreduce"]["total_bytes_sent"] == steps * model_bytes * 2
     assert rows["local-1"]["total_bytes_sent"] == steps * model_bytes * 2
     assert rows["local-4"]["total_bytes_sent"] == steps // 4 * model_bytes * 2
-    for row in rows.values():
+    for row in (rows[name] for name in LOGREG):
         assert row["status"] == "completed"
         assert row["test_accuracy"] > 0.75
         assert row["samples_per_second"] > 0 and row["wall_seconds"] > 0
 
 
 def test_time_to_accuracy_and_emulated_network(logreg_runs):
-    db, _, env = logreg_runs
-    rows = {r["experiment"]: r for r in compare_json(
-        db, "--metric", "time_to_accuracy", "--metric", "comm_seconds", "--metric", "step_seconds",
-        env=env)}
+    _, _, rows = logreg_runs
     reached = rows["allreduce"]["time_to_accuracy"]
     assert 0 < reached <= rows["allreduce"]["wall_seconds"]
     # Each all-reduce of 40 bytes over n = 2 is 2 messages of 1 ms plus 40 bytes at 1 Mbit/s:
@@ -143,52 +197,23 @@ def test_metric_history_per_rank_and_epoch(logreg_runs):
     assert {s.name: s.final for s in third.summaries}["averages"] == 1.0
 
 
-def test_each_builtin_aggregator_and_task_trains(tmp_path):
-    spec = write_spec(tmp_path, """
-        defaults:
-          task: {name: mnist1d_mlp}
-          workers: 2
-          epochs: 2
-          steps_per_epoch: 40
-          optimizer: {name: sgd, lr: 0.05, momentum: 0.9}
-        experiments:
-          - name: mlp-allreduce
-            aggregator: {name: allreduce}
-          - name: mlp-local
-            aggregator: {name: local_sgd, period: 2}
-          - name: digits-adam
-            task: {name: digits_cnn}
-            optimizer: {name: adam, lr: 0.003}
-            aggregator: {name: allreduce}
-    """)
-    db = tmp_path / "r.db"
-    result = dsgd("run", str(spec), "--db", str(db))
-    assert result.returncode == 0, result.stdout + result.stderr
-    rows = compare_json(db)
-    assert [r["status"] for r in rows] == ["completed"] * 3
-    for row in rows:
+def test_each_builtin_aggregator_and_task_trains(all_runs):
+    _, _, _, rows = all_runs
+    assert [rows[name]["status"] for name in BUILTIN] == ["completed"] * 3
+    for row in (rows[name] for name in BUILTIN):
         assert row["test_accuracy"] > 0.2  # chance is 0.1
         assert row["train_loss"] < 2.2    # log(10) = 2.30 at the start
 
 
-def test_worker_crash_fails_run_and_keeps_metrics(tmp_path, plugin_env):
-    spec = write_spec(tmp_path, """
-        experiments:
-          - name: crashes
-            task: {name: logreg}
-            log_interval: 2
-            aggregator: {name: crash, rank: 1, step: 5}
-          - name: after
-            task: {name: logreg}
-            steps_per_epoch: 3
-    """)
-    db = tmp_path / "r.db"
-    result = dsgd("run", str(spec), "--db", str(db), env=plugin_env, timeout=120)
+def test_worker_crash_fails_run_and_keeps_metrics(all_runs):
+    result, db, _, _ = all_runs
     assert result.returncode == 1
-    assert "1 of 2 runs failed: crashes (run 1): rank 1: RuntimeError: injected failure at step 5" in result.stderr
-    assert "Traceback" not in result.stderr
     store = Store(str(db))
-    crashed, after = store.runs()
+    runs = {run.experiment: run for run in store.runs()}
+    crashed, after = runs["crashes"], runs["after"]
+    assert (f"1 of {len(runs)} runs failed: crashes (run {crashed.id}): rank 1: RuntimeError: "
+            "injected failure at step 5") in result.stderr
+    assert "Traceback" not in result.stderr
     assert (crashed.status, crashed.failed_rank) == ("failed", 1)
     assert crashed.reason == "rank 1: RuntimeError: injected failure at step 5"
     steps = {(m.rank, m.step) for m in store.metric_history(crashed.id, "train_loss")}
