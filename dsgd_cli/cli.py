@@ -12,7 +12,7 @@ from dsgd_cli.commands.export import export
 from dsgd_cli.commands.plot import plot
 from dsgd_cli.commands.plugins import plugins
 from dsgd_cli.commands.run import run
-from dsgd_cli.commands.runs import runs, show
+from dsgd_cli.commands.runs import runs_app, show
 from dsgd_cli.errors import DsgdError, Interrupted
 
 app = typer.Typer(help="Run, record and compare distributed data-parallel SGD algorithms.",
@@ -21,7 +21,7 @@ app.command()(run)
 app.command()(compare)
 app.command()(plot)
 app.command()(export)
-app.command()(runs)
+app.add_typer(runs_app, name="runs")  # the listing, and `runs delete`, `runs tag`
 app.command()(show)
 app.command()(plugins)
 

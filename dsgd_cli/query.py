@@ -53,8 +53,10 @@ def parse_where(expression: str) -> Condition:
                         f"{', '.join(OPERATORS)} (e.g. workers>=4)")
     key, op, text = match.groups()
     op = "=" if op == "==" else op
-    if key == "tag" and op not in ("=", "!="):
-        raise DsgdError(f"--where {expression!r}: a tag can only be compared with = or !=")
+    if key == "tag":  # a tag is text, whatever it looks like (`tag=4`, `tag=true`)
+        if op not in ("=", "!="):
+            raise DsgdError(f"--where {expression!r}: a tag can only be compared with = or !=")
+        return Condition(key, op, text)
     return Condition(key, op, parse_value(text))
 
 

@@ -1,9 +1,13 @@
 """The results database (SQLAlchemy 2.x): runs, their configuration, plugin versions, metric
 history, and a summary table holding each metric's final and best value for fast reads.
 
-`--db` takes a path or an SQLAlchemy URL; `DSGD_DB` sets the default; else `./dsgd.db`.
-The schema is created on first use and its version stored in `meta`, so a later release can
-migrate it.
+`--db` takes a path or an SQLAlchemy URL (SQLite, or PostgreSQL with the `postgres` extra:
+`postgresql+psycopg://user@host/db`); `DSGD_DB` sets the default; else `./dsgd.db`.
+The schema is created on first use and its version stored in `meta`. A writing open of a
+database of an older schema upgrades it in place, one step per version (`MIGRATIONS`), in one
+transaction under a lock, so concurrent dsgd processes neither race nor see half a migration.
+A reading open changes nothing: what an older schema lacks reads as empty (a schema-1 database
+has no tags).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 import math
 import os
 import socket
+import sqlite3
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -20,18 +25,42 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from sqlalchemy import (JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, or_,
-                        create_engine, delete, event, func, insert, inspect, select, update)
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError, OperationalError
+                        create_engine, delete, event, func, insert, inspect, select, text, update)
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
 from sqlalchemy.orm import (DeclarativeBase, Mapped, Session, mapped_column, relationship,
                             selectinload)
+from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.types import TypeDecorator
 
 from dsgd_cli import __version__
 from dsgd_cli.errors import StoreError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DEFAULT_DB = "dsgd.db"
-MIGRATE_ATTEMPTS = 5
+MAX_ID = 2**63 - 1  # the largest id a database integer holds
+MAX_TAG_LENGTH = 128
+SQLITE_BUSY_TIMEOUT = 30  # seconds a writer waits for another's lock
+# Key of the PostgreSQL advisory lock that serializes schema creation and migrations.
+MIGRATION_LOCK = 0x64736764  # "dsgd"
+
+
+class UTCDateTime(TypeDecorator):
+    """A timezone-aware UTC datetime on every database: SQLite stores no offset (values are
+    written in UTC and read back as UTC), PostgreSQL returns its session's time zone."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is not None and value.tzinfo is not None:
+            value = value.astimezone(timezone.utc)
+        return value
+
+    def process_result_value(self, value, dialect):
+        if value is None:
+            return None
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
 
 
 class Base(DeclarativeBase):
@@ -45,6 +74,11 @@ class Meta(Base):
 
 
 class Run(Base):
+    """One run of an experiment. `Store.runs` and `Store.get_run` load it with its `tags`
+    (`Tag` rows; `tag_names` is their sorted names), also from a schema-1 database read
+    without upgrading it (then none); with `details` also its `params`, `plugins` and
+    `summaries`."""
+
     __tablename__ = "runs"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     experiment: Mapped[str] = mapped_column(String(256), index=True)
@@ -60,12 +94,21 @@ class Run(Base):
     config: Mapped[dict] = mapped_column(JSON)
     dsgd_version: Mapped[str] = mapped_column(String(32))
     host: Mapped[str] = mapped_column(String(256))
-    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
-    params: Mapped[list["Param"]] = relationship(cascade="all, delete-orphan")
-    plugins: Mapped[list["PluginVersion"]] = relationship(cascade="all, delete-orphan")
-    summaries: Mapped[list["Summary"]] = relationship(cascade="all, delete-orphan")
+    # Ordered, so that every database lists them alike.
+    params: Mapped[list["Param"]] = relationship(cascade="all, delete-orphan", order_by="Param.key")
+    plugins: Mapped[list["PluginVersion"]] = relationship(cascade="all, delete-orphan",
+                                                          order_by="PluginVersion.kind")
+    summaries: Mapped[list["Summary"]] = relationship(cascade="all, delete-orphan",
+                                                      order_by="Summary.name")
+    tags: Mapped[list["Tag"]] = relationship(cascade="all, delete-orphan", passive_deletes=True,
+                                             order_by="Tag.tag")
+
+    @property
+    def tag_names(self) -> list[str]:
+        return [tag.tag for tag in self.tags]
 
 
 class Param(Base):
@@ -84,6 +127,14 @@ class PluginVersion(Base):
     name: Mapped[str] = mapped_column(String(128))
     distribution: Mapped[str] = mapped_column(String(256))
     version: Mapped[str] = mapped_column(String(64))
+
+
+class Tag(Base):
+    """A label a user gave a run (`dsgd runs tag`); schema version 2."""
+
+    __tablename__ = "tags"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    tag: Mapped[str] = mapped_column(String(MAX_TAG_LENGTH), primary_key=True)
 
 
 class Metric(Base):
@@ -141,81 +192,101 @@ class MetricRow:
     seconds: float | None = None
 
 
+def _migrate_1_to_2(connection: Connection) -> None:
+    """Schema 2 adds `tags`: labels users give runs, deleted with their run."""
+    connection.execute(text(
+        "CREATE TABLE tags (run_id INTEGER NOT NULL, tag VARCHAR(128) NOT NULL, "
+        "PRIMARY KEY (run_id, tag), FOREIGN KEY (run_id) REFERENCES runs (id) ON DELETE CASCADE)"))
+
+
+# The step that brings a database to each version from the one before. Written out as each
+# version's SQL rather than taken from the models, which describe only the newest version.
+MIGRATIONS = {2: _migrate_1_to_2}
+
+
 class Store:
     """The results database. `readonly`: for the commands that only read (runs, compare,
-    show): the database must exist already, is opened read-only and is never changed.
-    Otherwise the schema is created on first use, and a database dsgd cannot write to is
-    refused at once, before anything is launched."""
+    show): the database must exist already, is opened read-only and is never changed, not
+    even upgraded (what an older schema lacks reads as empty). Otherwise the schema is created
+    on first use or upgraded to this version, and a database dsgd cannot write to is refused at
+    once, before anything is launched."""
 
     def __init__(self, db: str | None = None, *, readonly: bool = False):
         self.url = resolve_url(db)
+        self.shown_url = _without_password(self.url)  # for messages
         self.readonly = readonly
         try:
             self.engine = _engine(self.url, readonly)
             if readonly:
-                self._check_schema(missing_ok=False)
+                tables = self._check_schema(missing_ok=False)
+                self.has_tags = "tags" in tables
             else:
                 self._check_schema(missing_ok=True)
                 self._migrate()
-                self._check_writable()
+                self.has_tags = True
         except (ArgumentError, DatabaseError, OperationalError) as error:
             reason = getattr(error, "orig", None) or error
             verb = "write to" if not readonly and _read_only_error(error) else "open"
-            raise StoreError(f"cannot {verb} results database {self.url}: {reason}") from None
+            raise StoreError(f"cannot {verb} results database {self.shown_url}: {_one_line(reason)}") from None
         except ModuleNotFoundError as error:
-            raise StoreError(f"cannot open results database {self.url}: driver not installed ({error.name})") from None
+            hint = "; pip install 'dsgd[postgres]'" if self.url.startswith("postgres") else ""
+            raise StoreError(f"cannot open results database {self.shown_url}: driver not "
+                             f"installed ({error.name}{hint})") from None
 
-    def _check_schema(self, missing_ok: bool) -> None:
+    def _check_schema(self, missing_ok: bool) -> set[str]:
         """Every dsgd table already there has dsgd's columns: another program's `runs` table
-        must not be read, or written to, as if it were ours."""
-        tables = set(inspect(self.engine).get_table_names())
+        must not be read, or written to, as if it were ours. Returns the tables there are."""
+        inspector = inspect(self.engine)
+        tables = set(inspector.get_table_names())
         if not missing_ok and "runs" not in tables:
-            raise StoreError(f"{self.url} holds no dsgd results (no table 'runs')")
+            raise StoreError(f"{self.shown_url} holds no dsgd results (no table 'runs')")
         for table in Base.metadata.sorted_tables:
             if table.name not in tables:
                 continue
-            have = {column["name"] for column in inspect(self.engine).get_columns(table.name)}
+            have = {column["name"] for column in inspector.get_columns(table.name)}
             lacking = [column.name for column in table.columns if column.name not in have]
             if lacking:
                 more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
-                raise StoreError(f"{self.url} is not a dsgd results database: its table "
+                raise StoreError(f"{self.shown_url} is not a dsgd results database: its table "
                                  f"'{table.name}' lacks the columns "
                                  f"{', '.join(map(repr, lacking[:3]))}{more}")
         if "meta" in tables:
-            with Session(self.engine) as session:
-                self._check_version(session.get(Meta, "schema_version"))
+            with self.engine.connect() as connection:
+                self._check_version(_stored_version(connection, self.shown_url))
+        return tables
 
-    def _check_version(self, row: Meta | None) -> None:
-        if row is not None and int(row.value) > SCHEMA_VERSION:
-            raise StoreError(f"results database {self.url} has schema version {row.value}, "
+    def _check_version(self, version: int | None) -> None:
+        if version is not None and version > SCHEMA_VERSION:
+            raise StoreError(f"results database {self.shown_url} has schema version {version}, "
                              f"newer than this dsgd understands ({SCHEMA_VERSION}); upgrade dsgd")
 
     def _migrate(self) -> None:
-        # Two dsgd processes may create a new database at once: the loser of a race finds a
-        # table or the version row already there, and simply tries again.
-        for attempt in range(MIGRATE_ATTEMPTS):
-            try:
-                self._create_schema()
-                return
-            except (IntegrityError, OperationalError) as error:
-                if attempt == MIGRATE_ATTEMPTS - 1 or _read_only_error(error):
-                    raise
-                time.sleep(0.05 * (attempt + 1))
+        """Create the schema of a new database, or upgrade an older one one version at a time,
+        then probe that the database can be written. One transaction, holding the database's
+        write lock (SQLite) or an advisory lock (PostgreSQL) from the start: dsgd processes
+        opening one database at once take turns, the first creates or upgrades it, the others
+        find it done, and none sees half a schema."""
+        with self.engine.connect() as connection:
+            _lock_for_migration(connection)
+            tables = set(inspect(connection).get_table_names())
+            version = _stored_version(connection, self.shown_url) if "meta" in tables else None
+            if version is None and "runs" in tables:
+                version = 1  # a schema-1 database whose creation was cut short
+            self._check_version(version)
+            if version is not None:
+                for step in range(version + 1, SCHEMA_VERSION + 1):
+                    MIGRATIONS[step](connection)
+            Base.metadata.create_all(connection)  # a new database, or what a crash left out
+            if version is None:
+                connection.execute(insert(Meta).values(key="schema_version", value=str(SCHEMA_VERSION)))
+            self._check_writable(connection)
+            connection.commit()
 
-    def _create_schema(self) -> None:
-        Base.metadata.create_all(self.engine)
-        with Session(self.engine) as session, session.begin():
-            row = session.get(Meta, "schema_version")
-            if row is None:
-                session.add(Meta(key="schema_version", value=str(SCHEMA_VERSION)))
-            self._check_version(row)
-
-    def _check_writable(self) -> None:
-        """Rewrite the version row unchanged: fails now, rather than after training, when the
-        file, its directory or the database user is read-only."""
-        with Session(self.engine) as session, session.begin():
-            session.execute(update(Meta).where(Meta.key == "schema_version")
-                            .values(value=Meta.value))
+    def _check_writable(self, connection: Connection) -> None:
+        """Write the version row: fails now, rather than after training, when the file, its
+        directory or the database user is read-only."""
+        connection.execute(update(Meta).where(Meta.key == "schema_version")
+                           .values(value=str(SCHEMA_VERSION)))
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -257,17 +328,50 @@ class Store:
             session.add_all(Summary(run_id=run_id, name=name, final=final, best=best)
                             for name, (final, best) in summarize(metrics).items())
 
+    def delete_runs(self, run_ids: Iterable[int], force: bool = False) -> list[int]:
+        """Delete runs with everything of theirs (metrics, summaries, parameters, plugin
+        versions, tags), all or, when an id is unknown or (without `force`) a run is still
+        `running`, none. Returns the ids deleted."""
+        ids = sorted(set(run_ids))
+        with Session(self.engine) as session, session.begin():
+            status = dict(session.execute(select(Run.id, Run.status).where(
+                Run.id.in_([i for i in ids if 0 < i <= MAX_ID]))).all())
+            unknown = [i for i in ids if i not in status]
+            if unknown:
+                raise StoreError(f"no {_naming(unknown, 'run with id', 'runs with ids')}; nothing deleted")
+            running = [i for i in ids if status[i] == "running"]
+            if running and not force:
+                raise StoreError(f"{_naming(running, 'run', 'runs')} still running (its `dsgd run` may still "
+                                 "be writing to it; --force deletes it anyway); nothing deleted")
+            for model in (Metric, Summary, Param, PluginVersion, Tag):
+                session.execute(delete(model).where(model.run_id.in_(ids)))
+            session.execute(delete(Run).where(Run.id.in_(ids)))
+        return ids
+
+    def tag_run(self, run_id: int, tags: Iterable[str], remove: bool = False) -> list[str]:
+        """Add `tags` to a run (those it has already are kept once), or with `remove` take
+        them away (those it lacks are ignored). Returns the run's tags afterwards, sorted."""
+        tags = sorted(set(check_tag(tag) for tag in tags))
+        with Session(self.engine) as session, session.begin():
+            if not (0 < run_id <= MAX_ID and session.get(Run, run_id)):
+                raise StoreError(f"no run with id {run_id}")
+            if remove:
+                session.execute(delete(Tag).where(Tag.run_id == run_id, Tag.tag.in_(tags)))
+            elif tags:
+                session.execute(_insert_ignoring_duplicates(self.engine.dialect.name, Tag),
+                                [{"run_id": run_id, "tag": tag} for tag in tags])
+            return list(session.scalars(select(Tag.tag).where(Tag.run_id == run_id).order_by(Tag.tag)))
+
     # -- reading ------------------------------------------------------------------------------
 
     def runs(self, experiments: list[str] | None = None, last: int | None = None,
              ids: list[int] | None = None, details: bool = True) -> list[Run]:
         """Runs, oldest first; `last` keeps the newest N; `experiments` filters by name (a
-        grid's base name matches all its points); `ids` by run id. `details`: load each run's
-        summaries, plugins and parameters with it; without them thousands of runs load ten
-        times faster (`finals` gives their metrics)."""
+        grid's base name matches all its points); `ids` by run id. Each run comes with its
+        tags. `details`: load each run's summaries, plugins and parameters with it; without
+        them thousands of runs load ten times faster (`finals` gives their metrics)."""
         query = select(Run).order_by(Run.id.desc())
-        if details:
-            query = _with_details(query)
+        query = _with_details(query, self.has_tags) if details else self._with_tags(query)
         if ids is not None:
             query = query.where(Run.id.in_(ids))
         if experiments:
@@ -277,7 +381,7 @@ class Store:
         if last:
             query = query.limit(last)
         with Session(self.engine) as session:
-            return list(reversed(session.scalars(query).all()))
+            return self._tagless(list(reversed(session.scalars(query).all())))
 
     def finals(self, run_ids: list[int]) -> dict[int, dict[str, float]]:
         """The final value of every metric of the runs, by run id and metric name."""
@@ -292,8 +396,23 @@ class Store:
         return finals
 
     def get_run(self, run_id: int) -> Run | None:
+        """The run with its details, or None (also for an id no database integer can hold)."""
+        if not 0 < run_id <= MAX_ID:
+            return None
         with Session(self.engine) as session:
-            return session.scalars(_with_details(select(Run).where(Run.id == run_id))).first()
+            run = session.scalars(_with_details(select(Run).where(Run.id == run_id),
+                                                self.has_tags)).first()
+            return self._tagless([run])[0] if run else None
+
+    def _with_tags(self, query):
+        return query.options(selectinload(Run.tags)) if self.has_tags else query
+
+    def _tagless(self, runs: list[Run]) -> list[Run]:
+        """A schema-1 database read without upgrading it has no tags table: its runs have none."""
+        if not self.has_tags:
+            for run in runs:
+                set_committed_value(run, "tags", [])
+        return runs
 
     def metric_history(self, run_id: int, name: str) -> list[Metric]:
         with Session(self.engine) as session:
@@ -305,10 +424,26 @@ class Store:
             return session.scalar(select(func.count()).where(Metric.run_id == run_id))
 
 
-def _with_details(query):
-    """Load a run's summaries, plugins and parameters with it, for use after the session."""
-    return query.options(selectinload(Run.summaries), selectinload(Run.plugins),
-                         selectinload(Run.params))
+def _with_details(query, tags: bool = True):
+    """Load a run's summaries, plugins, parameters and (where the schema has them) tags with
+    it, for use after the session."""
+    options = [selectinload(Run.summaries), selectinload(Run.plugins), selectinload(Run.params)]
+    return query.options(*options, *([selectinload(Run.tags)] if tags else []))
+
+
+def check_tag(tag: str) -> str:
+    """A tag is 1 to 128 printable characters, no comma (lists of tags are written joined by
+    commas), neither starting nor ending with a blank."""
+    if (not tag or tag != tag.strip() or len(tag) > MAX_TAG_LENGTH or not tag.isprintable()
+            or "," in tag):
+        raise StoreError(f"bad tag {tag!r}: a tag is 1 to {MAX_TAG_LENGTH} printable characters, "
+                         "no comma, neither starting nor ending with a blank")
+    return tag
+
+
+def _naming(ids: list[int], one: str, many: str) -> str:
+    """`run 3`, `runs 3, 4`."""
+    return f"{one} {ids[0]}" if len(ids) == 1 else f"{many} {', '.join(map(str, ids))}"
 
 
 def summarize(metrics: Iterable[tuple[str, int | None, float]]) -> dict[str, tuple[float, float]]:
@@ -334,6 +469,10 @@ def finite_number(value: Any) -> bool:
 
 
 def _engine(url: str, readonly: bool):
+    if make_url(url).get_backend_name() == "postgresql":
+        # A reading command's sessions are read-only transactions: it cannot change anything.
+        options = {"options": "-c default_transaction_read_only=on"} if readonly else {}
+        return create_engine(url, connect_args=options)
     if not url.startswith("sqlite"):
         return create_engine(url)
     path = make_url(url).database
@@ -347,7 +486,7 @@ def _engine(url: str, readonly: bool):
         mode = "mode=ro" if os.access(Path(path).parent, os.W_OK) else "immutable=1"
         url = f"sqlite:///file:{Path(path).resolve()}?{mode}&uri=true"
     # A writer waits up to 30 s for another's lock instead of failing at once.
-    engine = create_engine(url, connect_args={"timeout": 30})
+    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT})
     event.listen(engine, "connect", _sqlite_pragmas(journal=not readonly))
     return engine
 
@@ -357,11 +496,74 @@ def _sqlite_pragmas(journal: bool):
         cursor = connection.cursor()
         cursor.execute("PRAGMA foreign_keys=ON")
         if journal:  # changing the journal mode writes to the file
-            cursor.execute("PRAGMA journal_mode=WAL")
+            _use_wal(cursor)
         cursor.close()
     return on_connect
+
+
+def _use_wal(cursor) -> None:
+    """Switch the database to WAL, which it then keeps, unless it is in WAL already (asking
+    writes nothing). Processes creating a database at once all try to switch it; SQLite tells
+    all but one `database is locked` at once, without waiting (waiting could deadlock), and
+    those try again: by then it has switched."""
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT
+    while True:
+        try:
+            if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _read_only_error(error: Exception) -> bool:
     text = str(getattr(error, "orig", None) or error).lower()
     return any(words in text for words in ("readonly", "read-only", "read only", "permission denied"))
+
+
+def _stored_version(connection: Connection, url: str) -> int | None:
+    value = connection.scalar(select(Meta.value).where(Meta.key == "schema_version"))
+    if value is None:
+        return None
+    if not value.strip().isdigit():
+        raise StoreError(f"{url} is not a dsgd results database: its schema version is {value!r}")
+    return int(value)
+
+
+def _lock_for_migration(connection: Connection) -> None:
+    """Begin the transaction holding the lock that makes schema changes take turns."""
+    dialect = connection.dialect.name
+    if dialect == "sqlite":
+        # The write lock, now rather than at the first write (waits up to the busy timeout).
+        # The driver leaves the transaction alone: it begins none itself before DDL.
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+    elif dialect == "postgresql":
+        # Released at commit or rollback; concurrent CREATE TABLEs would otherwise collide.
+        connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+
+
+def _insert_ignoring_duplicates(dialect: str, model):
+    """INSERT that skips rows whose primary key is there already (another process may have
+    added the same tag a moment ago)."""
+    if dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    elif dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+    else:
+        return insert(model)
+    return dialect_insert(model).on_conflict_do_nothing()
+
+
+def _without_password(url: str) -> str:
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return url
+    return parsed.render_as_string(hide_password=True) if parsed.password else url
+
+
+def _one_line(reason: Exception | str) -> str:
+    """A driver's message on one line (PostgreSQL's add DETAIL and HINT lines)."""
+    return " ".join(str(reason).split())

@@ -4,6 +4,7 @@ refuses in one line before it launches anything."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import sqlite3
 import stat
@@ -60,7 +61,12 @@ def dsgd_as_user_without_write_access(*args: str) -> tuple[int, str, str]:
     pid = os.fork()
     if pid == 0:  # the child: report (code, stdout, stderr) through the pipe, then leave
         try:
-            _run_main([args[0], "--help"])  # imports what the command needs while it may
+            # Import what the command needs while it may: Python's own library may lie in a
+            # directory `nobody` cannot read (/root), and commands import lazily.
+            _run_main([args[0], "--help"])
+            for module in ("ctypes", "statistics", "dsgd_cli.analysis", "dsgd_cli.query",
+                           "dsgd_cli.launcher", "dsgd_cli.spec"):
+                importlib.import_module(module)
             os.setgid(NOBODY)
             os.setuid(NOBODY)
             code, out, err = _run_main(args)

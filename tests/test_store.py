@@ -3,10 +3,11 @@
 import csv
 import io
 import json
+import multiprocessing
 
 import pytest
 
-from conftest import dsgd
+from conftest import dsgd, dsgd_in_process
 from dsgd_cli.errors import StoreError
 from dsgd_cli.store import Meta, MetricRow, Store
 from sqlalchemy.orm import Session
@@ -117,3 +118,131 @@ def test_unreadable_database_exits_2(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("dsgd: error: cannot open results database")
     assert "file is not a database" in result.stderr and "Traceback" not in result.stderr
+
+
+def rows_of(db, table: str, run_id: int) -> int:
+    import sqlite3
+
+    with sqlite3.connect(db) as connection:
+        return connection.execute(f"SELECT count(*) FROM {table} WHERE run_id = ?", (run_id,)).fetchone()[0]
+
+
+def test_runs_lists_with_its_options_and_tags(tmp_path):
+    db = tmp_path / "r.db"
+    fill(db).tag_run(2, ["paper", "best"])
+    help_text = dsgd_in_process("runs", "--help").stdout
+    assert all(word in help_text for word in ("--experiment", "--format", "delete", "tag"))
+    rows = json.loads(dsgd_in_process("runs", "--db", str(db), "-e", "local", "--format", "json").stdout)
+    assert [(r["id"], r["experiment"], r["status"], r["workers"], r["tags"], r["reason"]) for r in rows] == [
+        (2, "local", "completed", 2, ["best", "paper"], None)]
+    assert list(rows[0]) == ["id", "experiment", "status", "workers", "started", "seconds", "tags", "reason"]
+    table = list(csv.DictReader(io.StringIO(dsgd_in_process("runs", "--db", str(db), "-f", "csv").stdout)))
+    assert [(r["id"], r["tags"]) for r in table] == [("1", ""), ("2", "best,paper"), ("3", "")]
+    assert "best,paper" in dsgd_in_process("runs", "--db", str(db)).stdout
+    assert "tags: best, paper" in dsgd_in_process("show", "2", "--db", str(db)).stdout
+
+
+def test_runs_delete_removes_everything_of_a_run(tmp_path):
+    db = tmp_path / "r.db"
+    store = fill(db)
+    store.tag_run(1, ["kept"])
+    store.tag_run(2, ["x"])
+    result = dsgd("runs", "delete", "2", "--db", str(db))
+    assert (result.returncode, result.stdout, result.stderr) == (0, "deleted run 2\n", "")
+    for table in ("metrics", "summaries", "params", "plugin_versions", "tags"):
+        assert (rows_of(db, table, 2), rows_of(db, table, 1) > 0) == (0, True), table
+    store = Store(str(db), readonly=True)
+    assert [r.id for r in store.runs()] == [1, 3] and store.get_run(2) is None
+    # --db before the subcommand means the same; several ids at once
+    assert dsgd_in_process("runs", "--db", str(db), "delete", "3", "1").stdout == "deleted runs 1, 3\n"
+    assert Store(str(db), readonly=True).runs() == []
+
+
+@pytest.mark.parametrize("ids, message", [
+    (["1", "42"], "no run with id 42; nothing deleted"),
+    (["43", "2", "42"], "no runs with ids 42, 43; nothing deleted"),
+    (["0", "-1"], "no runs with ids -1, 0; nothing deleted"),
+    (["99999999999999999999999"], "no run with id 99999999999999999999999; nothing deleted"),
+])
+def test_runs_delete_of_an_unknown_run_deletes_nothing(tmp_path, ids, message):
+    db = tmp_path / "r.db"
+    fill(db)
+    result = dsgd_in_process("runs", "delete", "--db", str(db), "--", *ids)
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", f"dsgd: error: {message}\n")
+    assert [r.id for r in Store(str(db), readonly=True).runs()] == [1, 2, 3]
+
+
+def test_runs_delete_spares_a_running_run_without_force(tmp_path):
+    db = tmp_path / "r.db"
+    store = fill(db)
+    running = store.create_run("live", config(), None, [])
+    store.add_metrics(running, [MetricRow("train_loss", 1.0)])
+    result = dsgd_in_process("runs", "delete", "1", str(running), "--db", str(db))
+    assert result.returncode == 2
+    assert result.stderr == (f"dsgd: error: run {running} still running (its `dsgd run` may still be "
+                             "writing to it; --force deletes it anyway); nothing deleted\n")
+    assert len(Store(str(db), readonly=True).runs()) == 4
+    assert dsgd_in_process("runs", "delete", "--force", str(running), "--db", str(db)).returncode == 0
+    assert rows_of(db, "metrics", running) == 0
+
+
+def test_runs_tag_adds_and_removes(tmp_path):
+    db = tmp_path / "r.db"
+    fill(db)
+
+    def tag(*args):
+        result = dsgd_in_process("runs", "tag", *args, "--db", str(db))
+        return result.returncode, (result.stdout or result.stderr).strip()
+
+    assert tag("1", "paper", "v2") == (0, "run 1: tags paper, v2")
+    assert tag("1", "paper", "fig 3") == (0, "run 1: tags fig 3, paper, v2")  # no duplicates
+    assert tag("3", "paper") == (0, "run 3: tags paper")
+    assert tag("1", "v2", "never-had", "--remove") == (0, "run 1: tags fig 3, paper")
+    assert tag("3", "paper", "--remove") == (0, "run 3: no tags")
+    assert tag("42", "x") == (2, "dsgd: error: no run with id 42")
+    for bad in ("", " padded", "a,b", "x" * 129, "tab\there"):
+        code, message = tag("1", bad)
+        assert code == 2 and message.startswith(f"dsgd: error: bad tag {bad!r}: a tag is 1 to 128 "
+                                                "printable characters"), bad
+    assert tag("1")[0] == 2  # at least one tag
+    assert Store(str(db), readonly=True).get_run(1).tag_names == ["fig 3", "paper"]
+    rows = json.loads(dsgd_in_process("compare", "--db", str(db), "-f", "json", "--where", "tag=paper").stdout)
+    assert [r["id"] for r in rows] == [1]
+
+
+def test_runs_subcommands_take_no_listing_options(tmp_path):
+    db = tmp_path / "r.db"
+    fill(db)
+    result = dsgd_in_process("runs", "-f", "json", "delete", "1", "--db", str(db))
+    assert result.returncode == 2
+    assert result.stderr == ("dsgd: error: --experiment and --format belong to the listing, not to "
+                             "`dsgd runs delete`\n")
+    unknown = dsgd_in_process("runs", "purge", "--db", str(db))
+    assert unknown.returncode == 2 and "No such command 'purge'" in unknown.stderr
+    assert len(Store(str(db), readonly=True).runs()) == 3
+
+
+def _open(url: str, barrier, results) -> None:
+    barrier.wait()
+    try:
+        Store(url)
+        results.put("ok")
+    except Exception as error:  # reported to the test, which shows it
+        results.put(f"{type(error).__name__}: {error}")
+
+
+def test_processes_creating_one_database_at_once(tmp_path):
+    """8 processes open a new database at the same moment: all succeed (SQLite answers all
+    but one of those switching it to WAL `database is locked` at once; they try again)."""
+    context = multiprocessing.get_context("fork")
+    for trial in range(20):
+        url = f"sqlite:///{tmp_path / f'{trial}.db'}"
+        barrier, results = context.Barrier(8), context.Queue()
+        processes = [context.Process(target=_open, args=(url, barrier, results)) for _ in range(8)]
+        for process in processes:
+            process.start()
+        outcomes = [results.get(timeout=120) for _ in processes]
+        for process in processes:
+            process.join()
+        assert outcomes == ["ok"] * 8, (trial, outcomes)
+        assert Store(url, readonly=True).runs() == []

@@ -1,4 +1,4 @@
-"""`dsgd runs` and `dsgd show`: list runs, or everything about one."""
+"""`dsgd runs` (list runs; `runs delete`, `runs tag` change them) and `dsgd show`."""
 
 from __future__ import annotations
 
@@ -10,29 +10,76 @@ import yaml
 from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption
 from dsgd_cli.errors import DsgdError
 from dsgd_cli.output import check_format, render
-from dsgd_cli.store import Store
 
-MAX_RUN_ID = 2**63 - 1  # the largest id a database integer holds
+LIST_COLUMNS = ["id", "experiment", "status", "workers", "started", "seconds", "tags", "reason"]
+
+runs_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
+                       add_completion=False, pretty_exceptions_enable=False)
 
 
-def runs(db: DbOption = None, experiment: ExperimentOption = None,
+@runs_app.callback(invoke_without_command=True)
+def runs(ctx: typer.Context, db: DbOption = None, experiment: ExperimentOption = None,
          fmt: FormatOption = "simple") -> None:
-    """List recorded runs."""
+    """List recorded runs; `runs delete` deletes runs, `runs tag` tags them."""
+    if ctx.invoked_subcommand is not None:
+        if experiment or fmt != "simple":
+            raise DsgdError(f"--experiment and --format belong to the listing, not to "
+                            f"`dsgd runs {ctx.invoked_subcommand}`")
+        return
+    from dsgd_cli.store import Store
+
     check_format(fmt)
     rows = []
-    for run in Store(db, readonly=True).runs(experiments=experiment):
+    for run in Store(db, readonly=True).runs(experiments=experiment, details=False):
         duration = (run.ended_at - run.started_at).total_seconds() if run.ended_at else None
+        tags = run.tag_names
         rows.append({"id": run.id, "experiment": run.experiment, "status": run.status,
                      "workers": run.workers, "started": run.started_at.strftime("%Y-%m-%d %H:%M:%S"),
-                     "seconds": duration, "reason": run.reason})
-    typer.echo(render(rows, fmt, ["id", "experiment", "status", "workers", "started", "seconds", "reason"]))
+                     "seconds": duration, "tags": tags if fmt == "json" else ",".join(tags),
+                     "reason": run.reason})
+    typer.echo(render(rows, fmt, LIST_COLUMNS))
+
+
+RunIds = Annotated[list[int], typer.Argument(help="Run ids from `dsgd runs`", show_default=False)]
+
+
+@runs_app.command("delete")
+def delete(ctx: typer.Context, run_ids: RunIds, db: DbOption = None,
+           force: Annotated[bool, typer.Option(
+               "--force", help="Also delete runs still marked running")] = False) -> None:
+    """Delete runs with their metrics, configuration and tags (an unknown id: none at all)."""
+    from dsgd_cli.store import Store
+
+    deleted = Store(_db(ctx, db)).delete_runs(run_ids, force=force)
+    typer.echo(f"deleted run{'s' if len(deleted) > 1 else ''} {', '.join(map(str, deleted))}")
+
+
+@runs_app.command("tag")
+def tag(ctx: typer.Context,
+        run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`", show_default=False)],
+        tags: Annotated[list[str], typer.Argument(help="Tags to add (or remove)", show_default=False)],
+        db: DbOption = None,
+        remove: Annotated[bool, typer.Option("--remove", help="Remove the tags instead")] = False,
+        ) -> None:
+    """Tag a run (`dsgd compare --where tag=TAG` selects by tag); --remove untags it."""
+    from dsgd_cli.store import Store
+
+    now = Store(_db(ctx, db)).tag_run(run_id, tags, remove=remove)
+    typer.echo(f"run {run_id}: " + (f"tags {', '.join(now)}" if now else "no tags"))
+
+
+def _db(ctx: typer.Context, db: str | None) -> str | None:
+    """`dsgd runs --db X delete 3` and `dsgd runs delete 3 --db X` mean the same."""
+    return db or (ctx.parent.params.get("db") if ctx.parent else None)
 
 
 def show(run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`")],
          db: DbOption = None) -> None:
     """Print one run: status, configuration, plugin versions and final metrics."""
+    from dsgd_cli.store import Store
+
     store = Store(db, readonly=True)
-    run = store.get_run(run_id) if 0 < run_id <= MAX_RUN_ID else None
+    run = store.get_run(run_id)
     if run is None:
         raise DsgdError(f"no run with id {run_id}")
     typer.echo(f"run {run.id}: {run.experiment}")
@@ -40,6 +87,8 @@ def show(run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`")
     ended = run.ended_at.strftime("%Y-%m-%d %H:%M:%S") if run.ended_at else "-"
     typer.echo(f"started: {run.started_at:%Y-%m-%d %H:%M:%S}  ended: {ended}  host: {run.host}  "
                f"dsgd {run.dsgd_version}  spec: {run.spec_file or '-'}")
+    if run.tags:
+        typer.echo(f"tags: {', '.join(run.tag_names)}")
     typer.echo("\nconfiguration:")
     typer.echo(yaml.safe_dump(run.config, sort_keys=False).rstrip())
     typer.echo("\nplugins:")
