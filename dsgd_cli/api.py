@@ -90,6 +90,12 @@ class Task(Plugin):
     def build_model(self) -> nn.Module:
         """A freshly initialised model (the runtime seeds torch first)."""
 
+    def train_examples(self) -> int | None:
+        """How many training examples `load_data` returns, computed from the options without
+        loading anything; None (the default) when unknown until loaded. The spec loader
+        refuses, before launching, more workers than this (each worker needs one example)."""
+        return None
+
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(output, target)
 

@@ -8,18 +8,35 @@ A plugin declares its options as a dataclass whose fields use `option(...)`::
 
 `parse_options(Options, raw, path)` checks a spec mapping against it: unknown keys, types
 (int, float, bool, str, Literal[...], X | None, list[X]) and bounds, and raises a
-`SpecError` naming the key path of the first problem. NaN and infinities are never accepted.
+`SpecError` naming the key path of the first problem. NaN and infinities are never accepted,
+and an integer must fit in 64 bits (what torch and NumPy take) even where no `max` is declared.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
 from typing import Any, Literal, Mapping
 
 from dsgd_cli.errors import SpecError
+
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # an integer option beyond these overflows torch
+_SHOWN = 60  # characters of a value an error message shows
+
+
+def show(value: Any) -> str:
+    """`repr(value)` for an error message: one line, and cut short when long."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond Python's 4300-digit limit for str()
+        digits = int(value.bit_length() * 0.30103) if isinstance(value, int) else "many"
+        text = f"an integer of about {digits} digits"
+    if len(text) > _SHOWN:
+        text = text[:_SHOWN - 1] + "…"
+    return text
 
 
 def option(default: Any = dataclasses.MISSING, *, min: float | None = None,
@@ -75,13 +92,16 @@ def _convert(value: Any, annotation: Any, path: str) -> Any:
         if isinstance(value, bool):
             return value
     elif annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():  # 1e4, as people write counts
-            return int(value)
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value  # parse_options checks the declared bounds, then 64 bits
     elif annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an integer beyond the largest float, 1.8e308
+                raise SpecError(f"expected a finite number, got {show(value)}", path=path) from None
     elif annotation is str:
         if isinstance(value, str):
             return value
@@ -91,13 +111,13 @@ def _convert(value: Any, annotation: Any, path: str) -> Any:
 
 
 def _type_error(value: Any, annotation: Any, path: str) -> SpecError:
-    return SpecError(f"expected {describe_type(annotation)}, got {value!r}", path=path)
+    return SpecError(f"expected {describe_type(annotation)}, got {show(value)}", path=path)
 
 
 def check_finite(value: Any, path: str) -> None:
     """Raise SpecError for the first NaN or infinity in `value` (nested lists and mappings too)."""
     if isinstance(value, float) and not math.isfinite(value):
-        raise SpecError(f"expected a finite number, got {value!r}", path=path)
+        raise SpecError(f"expected a finite number, got {show(value)}", path=path)
     if isinstance(value, dict):
         for key, item in value.items():
             check_finite(item, f"{path}.{key}" if path else str(key))
@@ -110,14 +130,20 @@ def option_fields(options_cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(options_cls) if f.init]
 
 
+@functools.cache
+def _declaration(options_cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    """The type hints and fields of `options_cls`: resolved once per class, not per section."""
+    return typing.get_type_hints(options_cls), {f.name: f for f in option_fields(options_cls)}
+
+
 def parse_options(options_cls: type, raw: Mapping[str, Any], path: str) -> Any:
     """Build `options_cls` from a spec mapping, checking every key against its declaration."""
-    hints = typing.get_type_hints(options_cls)
-    fields = {f.name: f for f in option_fields(options_cls)}
+    hints, fields = _declaration(options_cls)
     for key in raw:
         if key not in fields:
             known = ", ".join(sorted(fields)) or "none"
-            raise SpecError(f"unknown option {key!r} (known options: {known})", path=f"{path}.{key}")
+            raise SpecError(f"unknown option {show(key)} (known options: {known})",
+                            path=f"{path}.{key}")
     values = {}
     for name, field in fields.items():
         key_path = f"{path}.{name}"
@@ -130,14 +156,27 @@ def parse_options(options_cls: type, raw: Mapping[str, Any], path: str) -> Any:
         low, high = field.metadata.get("min"), field.metadata.get("max")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if low is not None and value < low:
-                raise SpecError(f"expected a value >= {low}, got {value!r}", path=key_path)
+                raise SpecError(f"expected a value >= {low}, got {show(value)}", path=key_path)
             if high is not None and value > high:
-                raise SpecError(f"expected a value <= {high}, got {value!r}", path=key_path)
+                raise SpecError(f"expected a value <= {high}, got {show(value)}", path=key_path)
+        _check_64_bits(value, key_path)
         values[name] = value
     try:
         return options_cls(**values)
     except (ValueError, TypeError) as error:
         raise SpecError(str(error), path=path) from None
+
+
+def _check_64_bits(value: Any, path: str) -> None:
+    """An integer (or one in a list) that torch or NumPy would take must fit in 64 bits."""
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_64_bits(item, f"{path}[{index}]")
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if value > INT64_MAX:
+            raise SpecError(f"expected a value <= {INT64_MAX} (64 bits), got {show(value)}", path=path)
+        if value < INT64_MIN:
+            raise SpecError(f"expected a value >= {INT64_MIN} (64 bits), got {show(value)}", path=path)
 
 
 def options_to_dict(options: Any) -> dict[str, Any]:

@@ -9,10 +9,11 @@ Numbers may use scientific notation (`1e-3`), and NaN or infinity (`.nan`, `.inf
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,20 @@ import yaml
 from dsgd_cli import registry
 from dsgd_cli.comm import NetworkModel
 from dsgd_cli.errors import PluginError, SpecError
-from dsgd_cli.options import check_finite, options_to_dict, parse_options
+from dsgd_cli.options import check_finite, options_to_dict, parse_options, show
+from dsgd_cli.topology import (CompleteTopology, ExponentialTopology, HypercubeTopology,
+                               RingTopology, TimeVaryingExponentialTopology, TorusTopology)
 
 TOP_LEVEL_KEYS = ("defaults", "experiments")
 PLUGIN_SECTIONS = ("task", "optimizer", "aggregator")
 MAX_WORKERS = 1024
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: beyond, a wait is a hang
+# Bounds that keep the worker's arithmetic in 64 bits: it seeds torch with
+# `seed * 1_000_003 + epoch` and `seed * 7919 + rank`, counts epochs × steps per epoch and
+# adds up samples in an int64 counter. Seeds span NumPy's range, what researchers expect.
+MAX_SEED = 2**32 - 1
+MAX_COUNT = 2**31 - 1   # epochs, batch_size, steps_per_epoch, log_interval
+MAX_SAMPLES = 2**62     # budget.samples
 
 # Every experiment key, with its default (None: required or optional-and-absent).
 EXPERIMENT_DEFAULTS: dict[str, Any] = {
@@ -44,6 +54,7 @@ EXPERIMENT_DEFAULTS: dict[str, Any] = {
     "stragglers": None,
     "budget": None,            # {samples: N} or {seconds: T}: train until spent, not for epochs
     "save_dir": None,          # saves each worker's final model to <save_dir>/<name>/rank<r>.pt
+    "timeout": 600,            # seconds a communication may make no progress before it fails
     "grid": None,
 }
 
@@ -80,21 +91,48 @@ def load_spec(path: str | Path, *, only: list[str] | None = None,
     """Read, expand and validate the spec at `path`; `only` selects experiments by name."""
     file = str(path)
     try:
-        text = Path(path).read_text()
-    except OSError as error:
-        raise SpecError(f"cannot read spec: {error.strerror}", file=file) from None
-    try:
-        document = yaml.load(text, Loader=SpecLoader)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise SpecError(f"invalid YAML: {where}{problem}", file=file) from None
-    try:
-        experiments = resolve_document(document, workers_override=workers)
+        text = _read_text(Path(path))
+        try:
+            document = yaml.load(text, Loader=SpecLoader)
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+            problem = getattr(error, "problem", None) or (str(error).splitlines() or ["?"])[0]
+            raise SpecError(f"invalid YAML: {where}{problem}") from None
+        except ValueError as error:  # an integer of more than 4300 digits
+            raise SpecError(f"invalid YAML: {error}") from None
+        except RecursionError:
+            raise SpecError("invalid YAML: nested too deeply") from None
+        try:
+            experiments = resolve_document(document, workers_override=workers)
+        except RecursionError:  # a YAML alias inside itself (`&a [*a]`), or absurd nesting
+            raise SpecError("nested too deeply, or a YAML alias contains itself") from None
         return select(experiments, only)
     except SpecError as error:
-        raise SpecError(error.detail, file=file, path=error.path) from None
+        # One line whatever the spec holds: a key may contain a line break.
+        raise SpecError(_one_line(error.detail), file=_one_line(file),
+                        path=_one_line(error.path) if error.path else None) from None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise SpecError(f"cannot read spec: {error.strerror or error}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise SpecError(f"not UTF-8 text: byte 0x{data[error.start]:02x} at line {line} "
+                        f"(offset {error.start}); save the spec as UTF-8") from None
+
+
+_LINE_BREAKS = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+def _one_line(text: str) -> str:
+    """`text` with its line breaks escaped (those `str.splitlines` breaks at)."""
+    return _LINE_BREAKS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def resolve_document(document: Any, workers_override: int | None = None) -> list[Experiment]:
@@ -104,7 +142,9 @@ def resolve_document(document: Any, workers_override: int | None = None) -> list
     for key in document:
         if key not in TOP_LEVEL_KEYS:
             raise SpecError(f"unknown key (expected one of {', '.join(TOP_LEVEL_KEYS)})", path=str(key))
-    defaults = document.get("defaults") or {}
+    defaults = document.get("defaults")
+    if defaults is None:
+        defaults = {}
     if not isinstance(defaults, dict):
         raise SpecError("expected a mapping", path="defaults")
     _check_keys(defaults, "defaults", allow=set(EXPERIMENT_DEFAULTS) - {"name", "grid"})
@@ -113,6 +153,7 @@ def resolve_document(document: Any, workers_override: int | None = None) -> list
         raise SpecError("expected a non-empty list of experiments", path="experiments")
 
     experiments: list[Experiment] = []
+    cache = _Cache()  # grid points share most sections: each distinct one is checked once
     for index, entry in enumerate(entries):
         path = f"experiments[{index}]"
         if not isinstance(entry, dict):
@@ -124,7 +165,7 @@ def resolve_document(document: Any, workers_override: int | None = None) -> list
         for name, point in expand_grid(merged, path):
             if workers_override is not None:  # the command line wins over spec and grid
                 point["workers"] = workers_override
-            experiments.append(Experiment(name, validate_experiment(point, path, name)))
+            experiments.append(Experiment(name, validate_experiment(point, path, name, cache)))
 
     seen: dict[str, int] = {}
     for experiment in experiments:
@@ -169,7 +210,9 @@ def expand_grid(experiment: dict, path: str) -> list[tuple[str, dict]]:
             raise SpecError("expected a non-empty list of values", path=f"{path}.grid.{key}")
     points = []
     for combination in itertools.product(*grid.values()):
-        point = copy.deepcopy(experiment)
+        # Shallow: points share what they do not set (`_set_dotted` copies what it changes)
+        # and validation only reads them.
+        point = dict(experiment)
         labels = []
         for key, value in zip(grid, combination):
             _set_dotted(point, str(key), value, f"{path}.grid.{key}")
@@ -187,11 +230,13 @@ def _set_dotted(mapping: dict, dotted: str, value: Any, path: str) -> None:
                         "section's name", path=path)
     node = mapping
     for part in parents:
-        if node.get(part) is None and leaf == "name":  # e.g. a compressor section not yet there
-            node[part] = {}
-        if not isinstance(node.get(part), dict):
+        child = node.get(part)
+        if child is None and leaf == "name":  # e.g. a compressor section not yet there
+            child = {}
+        if not isinstance(child, dict):
             raise SpecError(f"{part!r} is not a section of the experiment", path=path)
-        node = node[part]
+        node[part] = child = dict(child)  # this point's own copy: the others share the original
+        node = child
     if leaf == "name" and node.get("name") != value:
         kept = {key: section for key, section in node.items() if isinstance(section, dict)}
         node.clear()
@@ -199,60 +244,79 @@ def _set_dotted(mapping: dict, dotted: str, value: Any, path: str) -> None:
     node[leaf] = value
 
 
-def validate_experiment(raw: dict, path: str, name: str) -> dict[str, Any]:
-    """Check every key and resolve every plugin; return the complete configuration."""
+def validate_experiment(raw: dict, path: str, name: str,
+                        cache: _Cache | None = None) -> dict[str, Any]:
+    """Check every key and resolve every plugin; return the complete configuration.
+    `cache` remembers what was checked for sections seen before (grid points)."""
+    cache = cache if cache is not None else _Cache()
     config: dict[str, Any] = {"name": name}
     config["workers"] = _int(raw, "workers", path, low=1, high=MAX_WORKERS)
-    config["epochs"] = _int(raw, "epochs", path, low=1)
-    config["batch_size"] = _int(raw, "batch_size", path, low=1)
-    config["seed"] = _int(raw, "seed", path, low=0)
-    config["log_interval"] = _int(raw, "log_interval", path, low=1)
+    config["epochs"] = _int(raw, "epochs", path, low=1, high=MAX_COUNT)
+    config["batch_size"] = _int(raw, "batch_size", path, low=1, high=MAX_COUNT)
+    config["seed"] = _int(raw, "seed", path, low=0, high=MAX_SEED)
+    config["log_interval"] = _int(raw, "log_interval", path, low=1, high=MAX_COUNT)
+    config["timeout"] = _number(raw, "timeout", path, low=0, high=MAX_TIMEOUT_S, low_open=True)
     config["steps_per_epoch"] = (None if raw["steps_per_epoch"] is None
-                                 else _int(raw, "steps_per_epoch", path, low=1))
+                                 else _int(raw, "steps_per_epoch", path, low=1, high=MAX_COUNT))
     target = raw["target_accuracy"]
     if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
                                or not 0 < target <= 1):
-        raise SpecError(f"expected a number in (0, 1], got {target!r}", path=f"{path}.target_accuracy")
+        raise SpecError(f"expected a number in (0, 1], got {show(target)}",
+                        path=f"{path}.target_accuracy")
     config["target_accuracy"] = target
-    save_dir = raw["save_dir"]
-    if save_dir is not None and (not isinstance(save_dir, str) or not save_dir):
-        raise SpecError(f"expected a directory path, got {save_dir!r}", path=f"{path}.save_dir")
-    config["save_dir"] = str(Path(save_dir).resolve()) if save_dir else None
+    config["save_dir"] = _directory(raw["save_dir"], f"{path}.save_dir")
     config["network"] = parse_network(raw["network"], f"{path}.network")
     config["stragglers"] = parse_stragglers(raw["stragglers"], f"{path}.stragglers", config["workers"])
     config["budget"] = parse_budget(raw["budget"], f"{path}.budget")
 
-    config["task"] = _plugin_section("task", raw["task"], f"{path}.task")
-    config["optimizer"] = _plugin_section("optimizer", raw["optimizer"], f"{path}.optimizer")
+    config["task"], task_key = cache.section("task", raw["task"], f"{path}.task")
+    config["optimizer"], _ = cache.section("optimizer", raw["optimizer"], f"{path}.optimizer")
     aggregator = raw["aggregator"]
-    compressor_raw = {"name": "none"}
+    compressor_raw: Any = _NO_COMPRESSOR
     if isinstance(aggregator, dict) and "compressor" in aggregator:
-        aggregator = dict(aggregator)
-        compressor_raw = aggregator.pop("compressor")
-    config["aggregator"] = _plugin_section("aggregator", aggregator, f"{path}.aggregator")
-    config["compressor"] = _plugin_section("compressor", compressor_raw,
-                                           f"{path}.aggregator.compressor")
+        compressor_raw = aggregator["compressor"]
+        aggregator = {k: v for k, v in aggregator.items() if k != "compressor"}
+    config["aggregator"], aggregator_key = cache.section("aggregator", aggregator,
+                                                         f"{path}.aggregator")
+    config["compressor"], _ = cache.section("compressor", compressor_raw,
+                                            f"{path}.aggregator.compressor")
+    examples = cache.train_examples(config["task"], task_key, f"{path}.task")
+    if examples is not None and config["workers"] > examples:
+        raise SpecError(f"{config['workers']} workers but task {config['task']['name']!r} has "
+                        f"{examples} training example{'s' if examples != 1 else ''}; each worker "
+                        f"needs at least one", path=f"{path}.workers")
     aggregator_cls = registry.load("aggregator", config["aggregator"]["name"])
     if config["compressor"]["name"] != "none" and not aggregator_cls.supports_compression:
         raise SpecError(f"aggregator {aggregator_cls.plugin_name!r} does not support compression",
                         path=f"{path}.aggregator.compressor")
-    try:
-        options = build_options("aggregator", config["aggregator"])
-        aggregator_cls.check_world(options, config["workers"])
-    except ValueError as error:
-        raise SpecError(str(error), path=f"{path}.aggregator") from None
+    cache.check_world(config["aggregator"], aggregator_key, config["workers"], config["seed"],
+                      f"{path}.aggregator")
     return config
 
 
+_NO_COMPRESSOR = {"name": "none"}  # the section of an aggregator without one (never changed)
+
+
+def _directory(value: Any, path: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise SpecError(f"expected a directory path, got {show(value)}", path=path)
+    try:
+        return str(Path(value).resolve())
+    except (OSError, ValueError) as error:  # ValueError: a NUL character in the path
+        raise SpecError(f"expected a directory path, got {show(value)} ({error})", path=path) from None
+
+
 def _int(raw: dict, key: str, path: str, low: int | None = None, high: int | None = None) -> int:
-    value = raw[key]
+    written = value = raw[key]
     if isinstance(value, float) and value.is_integer():  # 2e4, as people write counts
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"expected an integer, got {value!r}", path=f"{path}.{key}")
+        raise SpecError(f"expected an integer, got {show(written)}", path=f"{path}.{key}")
     if low is not None and value < low or high is not None and value > high:
         bounds = f">= {low}" if high is None else f"between {low} and {high}"
-        raise SpecError(f"expected an integer {bounds}, got {value!r}", path=f"{path}.{key}")
+        raise SpecError(f"expected an integer {bounds}, got {show(written)}", path=f"{path}.{key}")
     return value
 
 
@@ -263,16 +327,155 @@ def _plugin_section(kind: str, raw: Any, path: str) -> dict[str, Any]:
     if isinstance(raw, str):
         raw = {"name": raw}
     if not isinstance(raw, dict):
-        raise SpecError(f"expected a mapping with a 'name' key, got {raw!r}", path=path)
+        raise SpecError(f"expected a mapping with a 'name' key, got {show(raw)}", path=path)
     name = raw.get("name")
     if not isinstance(name, str):
-        raise SpecError(f"expected the name of a {kind} plugin, got {name!r}", path=f"{path}.name")
+        raise SpecError(f"expected the name of a {kind} plugin, got {show(name)}", path=f"{path}.name")
     try:
         cls = registry.load(kind, name)
     except PluginError as error:
         raise SpecError(str(error), path=f"{path}.name") from None
     options = parse_options(cls.Options, {k: v for k, v in raw.items() if k != "name"}, path)
     return {"name": name, **options_to_dict(options)}
+
+
+# Built-in graphs that do not depend on the seed: checking one for a world size holds for
+# every seed. Anything else (random_regular, a plugin's own graph) is checked per seed.
+_SEED_FREE_GRAPHS = (RingTopology, TorusTopology, CompleteTopology, ExponentialTopology,
+                     TimeVaryingExponentialTopology, HypercubeTopology)
+
+
+def check_world(aggregator_cls: type, options: Any, workers: int, seed: int) -> bool:
+    """Run the aggregator's `check_world(options, workers)` on the graph the run's workers will
+    build: gossip plugins build theirs with `make_topology(options, n, ctx.seed)`, and
+    `check_world` calls `make_topology(options, n)`, whose seed defaults to 0, so here
+    `make_topology` is bound to the run's seed. A `check_world` that takes a `seed` itself
+    gets it. Raises ValueError as `check_world` does; returns whether the outcome may depend
+    on the seed."""
+    if "seed" in inspect.signature(aggregator_cls.check_world).parameters:
+        aggregator_cls.check_world(options, workers, seed=seed)
+        return True
+    make_topology = getattr(aggregator_cls, "make_topology", None)
+    if make_topology is None:
+        aggregator_cls.check_world(options, workers)
+        return False
+    built: list = []
+
+    def seeded(cls, options, world_size, seed_=None, **kwargs):
+        kwargs.pop("seed", None)
+        topology = make_topology(options, world_size, seed, **kwargs)
+        built.append(topology)
+        return topology
+
+    # A subclass whose only difference is the seed its graphs are drawn with.
+    checker = type(aggregator_cls.__name__, (aggregator_cls,),
+                   {"make_topology": classmethod(seeded), "__module__": aggregator_cls.__module__})
+    try:
+        checker.check_world(options, workers)
+    except ValueError as error:
+        if all(type(topology) in _SEED_FREE_GRAPHS for topology in built):
+            raise
+        raise ValueError(f"{error} (the graph drawn with the run's seed, {seed})") from None
+    return not all(type(topology) in _SEED_FREE_GRAPHS for topology in built)
+
+
+def _freeze(value: Any) -> Any:
+    """A hashable key equal for equal spec values (1, 1.0 and true differ); TypeError if
+    the value holds something else than YAML's plain types."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return kind, value
+    if kind is float:
+        return float, repr(value)  # 0.0 and -0.0 differ
+    if kind is list:
+        return list, tuple(map(_freeze, value))
+    if kind is dict:
+        # Keys as they are: a section whose keys are not its options' names is never cached.
+        return dict, tuple([(k, _freeze(v)) for k, v in value.items()])
+    raise TypeError(kind.__name__)
+
+
+_PLAIN = (type(None), bool, int, str)
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+@dataclass
+class _Cache:
+    """What validation found for each distinct section: a grid of 100,000 points over two
+    keys has a few hundred distinct sections, and each is checked once. Only successes are
+    kept (an error stops validation), and a result is only reused for an equal input: a
+    section's content is its key, and grid points that share a section object (every section
+    the grid does not set) find it by identity first."""
+
+    keys: dict = field(default_factory=dict)      # (kind, id(raw)) -> (raw, key); raw kept alive
+    sections: dict = field(default_factory=dict)  # key -> (resolved section, flat?)
+    examples: dict = field(default_factory=dict)  # task key -> train_examples()
+    worlds: set = field(default_factory=set)      # (aggregator key, workers, seed or None)
+
+    def key(self, kind: str, raw: Any) -> Any:
+        known = self.keys.get((kind, id(raw)))
+        if known is not None and known[0] is raw:
+            return known[1]
+        try:
+            key = (kind, _freeze(raw))
+        except TypeError:  # a date, a set: not cached, and the check says what is wrong
+            return None
+        if isinstance(raw, (dict, list)):
+            self.keys[(kind, id(raw))] = (raw, key)
+        return key
+
+    def section(self, kind: str, raw: Any, path: str) -> tuple[dict[str, Any], Any]:
+        """The resolved section, and the key of its content (None: not cacheable)."""
+        key = self.key(kind, raw)
+        if key is None:
+            return _plugin_section(kind, raw, path), None
+        if key not in self.sections:
+            resolved = _plugin_section(kind, raw, path)
+            flat = not any(isinstance(v, (dict, list)) for v in resolved.values())
+            self.sections[key] = resolved, flat
+        resolved, flat = self.sections[key]
+        return (dict(resolved) if flat else _copy(resolved)), key
+
+    def train_examples(self, task: dict[str, Any], key: Any, path: str) -> int | None:
+        if key is None:
+            return _train_examples(task, path)
+        if key not in self.examples:
+            self.examples[key] = _train_examples(task, path)
+        return self.examples[key]
+
+    def check_world(self, aggregator: dict[str, Any], key: Any, workers: int, seed: int,
+                    path: str) -> None:
+        if key is not None and ((key, workers, None) in self.worlds
+                                or (key, workers, seed) in self.worlds):
+            return
+        cls = registry.load("aggregator", aggregator["name"])
+        try:
+            depends = check_world(cls, build_options("aggregator", aggregator), workers, seed)
+        except ValueError as error:
+            raise SpecError(str(error), path=path) from None
+        if key is not None:
+            self.worlds.add((key, workers, seed if depends else None))
+
+
+def _train_examples(task: dict[str, Any], path: str) -> int | None:
+    """The task's `train_examples()`, from its options alone (nothing is loaded)."""
+    name = task["name"]
+    try:
+        count = build_plugin("task", task).train_examples()
+    except Exception as error:  # third-party code: say whose, in one line
+        raise SpecError(f"task {name!r}: train_examples() failed: "
+                        f"{type(error).__name__}: {error}", path=path) from None
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int)):
+        raise SpecError(f"task {name!r}: train_examples() returned {show(count)}, "
+                        f"expected an integer or None", path=path)
+    return count
 
 
 def build_options(kind: str, section: dict[str, Any]) -> Any:
@@ -303,26 +506,38 @@ def parse_network(raw: Any, path: str) -> dict[str, float] | None:
     if "bandwidth" in raw:
         value = raw["bandwidth"]
         match = _BANDWIDTH.match(str(value)) if isinstance(value, str) else None
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            result["bytes_per_second"] = float(value) / 8  # a bare number is bits per second
-        elif match and float(match.group(1)) > 0:
+        bits = _as_float(value)
+        if bits is not None and bits > 0:
+            result["bytes_per_second"] = bits / 8  # a bare number is bits per second
+        elif match and 0 < float(match.group(1)) < math.inf:
             amount = float(match.group(1)) * _SCALE[match.group(2).lower()]
             is_bytes = match.group(3) in ("B", "byte", "Byte")
             result["bytes_per_second"] = amount if is_bytes else amount / 8
         else:
-            raise SpecError(f"expected a bandwidth such as 1Gbit, 100Mbit or 10GB/s, got {value!r}",
+            raise SpecError(f"expected a bandwidth such as 1Gbit, 100Mbit or 10GB/s, got {show(value)}",
                             path=f"{path}.bandwidth")
     if "latency" in raw:
         value = raw["latency"]
         match = _DURATION.match(value) if isinstance(value, str) else None
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-            result["latency_s"] = float(value)
-        elif match:
-            result["latency_s"] = float(match.group(1)) * _SECONDS[match.group(2)]
-        else:
-            raise SpecError(f"expected a duration such as 100us, 2ms or 0.01 (seconds), got {value!r}",
+        seconds = _as_float(value)
+        if seconds is None and match:
+            seconds = float(match.group(1)) * _SECONDS[match.group(2)]
+        if seconds is None or not 0 <= seconds < math.inf:
+            raise SpecError(f"expected a duration such as 100us, 2ms or 0.01 (seconds), got {show(value)}",
                             path=f"{path}.latency")
+        result["latency_s"] = seconds
     return result
+
+
+def _as_float(value: Any) -> float | None:
+    """A number of the spec as a float; None for anything else, or for an integer beyond
+    the floats (more than 1.8e308)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
 def network_model(config: dict[str, Any]) -> NetworkModel | None:
@@ -334,14 +549,14 @@ def _number(raw: dict, key: str, path: str, *, low: float, high: float | None = 
             low_open: bool = False) -> float:
     """A finite number in [low, high] (or (low, high] with `low_open`)."""
     value = raw[key]
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if (not is_number or not math.isfinite(value) or (value <= low if low_open else value < low)
-            or (high is not None and value > high)):
+    number = _as_float(value)
+    if (number is None or not math.isfinite(number) or (number <= low if low_open else number < low)
+            or (high is not None and number > high)):
         bound = f"> {low}" if low_open else f">= {low}"
         if high is not None:
             bound += f" and <= {high}"
-        raise SpecError(f"expected a number {bound}, got {value!r}", path=f"{path}.{key}")
-    return float(value)
+        raise SpecError(f"expected a number {bound}, got {show(value)}", path=f"{path}.{key}")
+    return number
 
 
 def parse_stragglers(raw: Any, path: str, workers: int) -> dict[str, Any] | None:
@@ -356,7 +571,7 @@ def parse_stragglers(raw: Any, path: str, workers: int) -> dict[str, Any] | None
     ranks = raw.get("ranks", [])
     if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool)
                                               for r in ranks):
-        raise SpecError(f"expected a list of worker ranks, got {ranks!r}", path=f"{path}.ranks")
+        raise SpecError(f"expected a list of worker ranks, got {show(ranks)}", path=f"{path}.ranks")
     for i, rank in enumerate(ranks):
         if not 0 <= rank < workers:
             raise SpecError(f"expected a rank between 0 and {workers - 1}, got {rank}",
@@ -392,7 +607,7 @@ def parse_budget(raw: Any, path: str) -> dict[str, Any] | None:
                               "evaluations": _int({"evaluations": raw.get("evaluations", 10)},
                                                   "evaluations", path, low=1, high=10_000)}
     if "samples" in raw:
-        budget["samples"] = _int(raw, "samples", path, low=1)
+        budget["samples"] = _int(raw, "samples", path, low=1, high=MAX_SAMPLES)
     else:
         budget["seconds"] = _number(raw, "seconds", path, low=0, low_open=True)
     return budget
@@ -406,6 +621,8 @@ def select(experiments: list[Experiment], only: list[str] | None) -> list[Experi
     missing = [n for n in only if not any(e.name == n or e.name.split("[", 1)[0] == n
                                           for e in experiments)]
     if missing:
-        known = ", ".join(e.name for e in experiments)
+        known = ", ".join(e.name for e in experiments[:20])
+        if len(experiments) > 20:  # a grid of 100,000 points: not all of them on one line
+            known += f", … ({len(experiments)} in all)"
         raise SpecError(f"no experiment named {missing[0]!r} (the spec has: {known})", path="experiments")
     return chosen

@@ -38,13 +38,14 @@ def test_plan_shares_a_launch_between_experiments_that_fit(tmp_path):
       - {name: b, aggregator: {name: sgp}}
       - {name: c, workers: 3}
       - {name: d, workers: 3}
-      - {name: e}
+      - {name: e, workers: 3, timeout: 30}
+      - {name: f}
     """)
     experiments = load_spec(spec)
     names = [[e.name for e in launch.experiments] for launch in plan_launches(experiments)]
-    assert names == [["a", "b"], ["c", "d"], ["e"]]
+    assert names == [["a", "b"], ["c", "d"], ["e"], ["f"]]
     alone = [[e.name for e in launch.experiments] for launch in plan_launches(experiments, shared=False)]
-    assert alone == [["a"], ["b"], ["c"], ["d"], ["e"]]
+    assert alone == [["a"], ["b"], ["c"], ["d"], ["e"], ["f"]]
 
 
 def _record(db) -> dict[str, tuple]:

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dsgd, write_spec
+from conftest import dsgd, dsgd_in_process, write_spec
+from dsgd_cli import registry
 from dsgd_cli.spec import load_spec
 
 GOOD = """
@@ -135,5 +136,247 @@ def test_dry_run_prints_plan_and_commands(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "plain: 2 workers, task logreg, aggregator allreduce" in result.stdout
     assert "torch.distributed.run --standalone --nproc-per-node=2" in result.stdout
-    assert result.stdout.count("dsgd_cli.runtime") == 6
+    # One line per experiment, one torchrun command per launch: `plain` and `other-optimizer`
+    # share one; the grid's worker counts alternate (1, 2, 1, 2), so each point has its own.
+    assert result.stdout.count(" workers, task logreg, ") == 6
+    assert result.stdout.count("dsgd_cli.runtime") == 5
     assert not (tmp_path / "r.db").exists()
+    assert "experiments in" not in result.stderr  # small plans are not announced
+
+
+def _one_line_error(result, spec, expected):
+    """Exit 2 and one line naming the file, with `expected` in it; no traceback."""
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    message = result.stderr.strip()
+    assert "\n" not in message and "Traceback" not in message, message
+    assert message.startswith(f"dsgd: error: {spec}: "), message
+    assert expected in message, message
+    return message
+
+
+@pytest.mark.parametrize("content", [
+    "experiments:\n  - {name: café, task: logreg}\n".encode("latin-1"),
+    b"\xff\xfee\x00x\x00p\x00e\x00r\x00",  # UTF-16 with its byte-order mark
+], ids=["latin-1", "utf-16"])
+def test_spec_that_is_not_utf8(tmp_path, content):
+    spec = tmp_path / "bad.yaml"
+    spec.write_bytes(content)
+    result = dsgd("run", str(spec), "--dry-run")
+    _one_line_error(result, spec, ": not UTF-8 text: byte 0x")
+
+
+# Bad input found by review and by tests/test_fuzz.py: each once gave a traceback, or passed
+# validation and failed in every worker. Checked in-process (fast); the CLI path is the same.
+MORE_BAD = [
+    ("seed beyond numpy's range", "experiments:\n  - {name: a, task: logreg, seed: 3e13}\n",
+     "experiments[0].seed: expected an integer between 0 and 4294967295, got 30000000000000.0"),
+    ("seed 2**32", "experiments:\n  - {name: a, task: logreg, seed: 4294967296}\n",
+     "experiments[0].seed: expected an integer between 0 and 4294967295"),
+    ("epochs beyond 32 bits", "experiments:\n  - {name: a, task: logreg, epochs: 1e12}\n",
+     "experiments[0].epochs: expected an integer between 1 and 2147483647"),
+    ("steps_per_epoch beyond 32 bits",
+     "experiments:\n  - {name: a, task: logreg, steps_per_epoch: 1e12}\n",
+     "experiments[0].steps_per_epoch: expected an integer between 1 and 2147483647"),
+    ("batch_size beyond 32 bits", "experiments:\n  - {name: a, task: logreg, batch_size: 1e12}\n",
+     "experiments[0].batch_size: expected an integer between 1 and 2147483647"),
+    ("log_interval beyond 32 bits", "experiments:\n  - {name: a, task: logreg, log_interval: 1e12}\n",
+     "experiments[0].log_interval: expected an integer between 1 and 2147483647"),
+    ("budget samples beyond 62 bits",
+     "experiments:\n  - {name: a, task: logreg, budget: {samples: 1e19}}\n",
+     "experiments[0].budget.samples: expected an integer between 1 and 4611686018427387904"),
+    ("data_seed beyond numpy's range",
+     "experiments:\n  - {name: a, task: {name: mnist1d_mlp, data_seed: 4294967296}}\n",
+     "experiments[0].task.data_seed: expected a value <= 4294967295, got 4294967296"),
+    ("logreg data_seed", "experiments:\n  - {name: a, task: {name: logreg, data_seed: 1e19}}\n",
+     "experiments[0].task.data_seed: expected a value <= 4294967295"),
+    ("digits data_seed", "experiments:\n  - {name: a, task: {name: digits_cnn, data_seed: -1}}\n",
+     "experiments[0].task.data_seed: expected a value >= 0, got -1"),
+    ("integer option beyond 64 bits",
+     "experiments:\n  - {name: a, task: logreg, aggregator: {name: local_sgd, period: 1e19}}\n",
+     "experiments[0].aggregator.period: expected a value <= 9223372036854775807 (64 bits)"),
+    ("float option beyond floats",
+     f"experiments:\n  - {{name: a, task: logreg, optimizer: {{name: sgd, lr: 1{'0' * 400}}}}}\n",
+     "experiments[0].optimizer.lr: expected a finite number, got 1000"),
+    ("bandwidth beyond floats",
+     f"experiments:\n  - {{name: a, task: logreg, network: {{bandwidth: 1{'0' * 400}}}}}\n",
+     "experiments[0].network.bandwidth: expected a bandwidth"),
+    ("latency beyond floats",
+     f"experiments:\n  - {{name: a, task: logreg, network: {{latency: '1{'0' * 400}s'}}}}\n",
+     "experiments[0].network.latency: expected a duration"),
+    ("slowdown beyond floats",
+     f"experiments:\n  - {{name: a, task: logreg, stragglers: {{slowdown: 1{'0' * 400}}}}}\n",
+     "experiments[0].stragglers.slowdown: expected a number >= 1, got 1000"),
+    ("budget seconds beyond floats",
+     f"experiments:\n  - {{name: a, task: logreg, budget: {{seconds: 1{'0' * 400}}}}}\n",
+     "experiments[0].budget.seconds: expected a number > 0, got 1000"),
+    ("integer of 5000 digits", f"experiments:\n  - {{name: a, task: logreg, seed: 1{'0' * 5000}}}\n",
+     "invalid YAML: Exceeds the limit (4300 digits)"),
+    ("NUL in save_dir", 'experiments:\n  - {name: a, task: logreg, save_dir: "m\\0"}\n',
+     "experiments[0].save_dir: expected a directory path, got 'm\\x00' (embedded null byte)"),
+    ("line break in a key", 'experiments:\n  - {name: a, task: logreg, "ep\\nochs": 2}\n',
+     "experiments[0].ep\\nochs: unknown key"),
+    ("alias inside itself", "experiments: &a [*a]\n",
+     "nested too deeply, or a YAML alias contains itself"),
+    ("deep nesting", "experiments: " + "[" * 3000 + "]" * 3000 + "\n", "nested too deeply"),
+    ("defaults not a mapping", "defaults: []\nexperiments:\n  - {name: a, task: logreg}\n",
+     "defaults: expected a mapping"),
+    ("more workers than logreg samples",
+     "experiments:\n  - {name: a, task: {name: logreg, samples: 16}, workers: 17}\n",
+     "experiments[0].workers: 17 workers but task 'logreg' has 16 training examples; "
+     "each worker needs at least one"),
+    ("more workers than digits", "experiments:\n  - {name: a, workers: 1000,"
+     " task: {name: digits_cnn, test_fraction: 0.5}}\n",
+     "experiments[0].workers: 1000 workers but task 'digits_cnn' has 899 training examples"),
+    ("more workers than mnist1d", "defaults: {workers: 81}\nexperiments:\n"
+     "  - {name: ok, task: {name: mnist1d_cnn, num_samples: 200}}\n"
+     "  - {name: few, task: {name: mnist1d_cnn, num_samples: 109}}\n",
+     "experiments[1].workers: 81 workers but task 'mnist1d_cnn' has 80 training examples"),
+    ("--workers beyond the examples", "experiments:\n  - {name: a, task: {name: logreg, samples: 16}}\n",
+     "experiments[0].workers: 20 workers but task 'logreg' has 16 training examples"),
+]
+
+
+@pytest.mark.parametrize("label, text, expected", MORE_BAD, ids=[b[0] for b in MORE_BAD])
+def test_more_bad_input_is_one_line_exit_2(tmp_path, label, text, expected):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(text, encoding="utf-8")
+    extra = ["--workers", "20"] if label.startswith("--workers") else []
+    result = dsgd_in_process("run", str(spec), "--dry-run", *extra)
+    _one_line_error(result, spec, expected)
+
+
+def test_bounds_are_inclusive(tmp_path):
+    spec = write_spec(tmp_path, """
+    experiments:
+      - {name: a, task: {name: logreg, samples: 16, data_seed: 4294967295}, workers: 16,
+         seed: 4294967295, epochs: 2147483647, budget: {samples: 4611686018427387904}}
+    """)
+    (a,) = load_spec(spec)
+    assert a.config["seed"] == 2**32 - 1 and a.config["task"]["data_seed"] == 2**32 - 1
+
+
+@pytest.mark.parametrize("task, options", [
+    ("logreg", {"samples": 16}), ("logreg", {"samples": 333}),
+    ("digits_cnn", {}), ("digits_cnn", {"test_fraction": 0.5}), ("digits_cnn", {"test_fraction": 0.33}),
+])
+def test_train_examples_is_what_load_data_returns(task, options):
+    plugin = registry.load("task", task)
+    instance = plugin(plugin.Options(**options))
+    assert instance.train_examples() == len(instance.load_data(0).train_y)
+
+
+@pytest.mark.parametrize("num_samples", [100, 109, 1237])
+def test_mnist1d_train_examples_is_what_generation_returns(num_samples):
+    from plugins.tasks.mnist1d import MNIST1DCNN, make
+
+    task = MNIST1DCNN(MNIST1DCNN.Options(num_samples=num_samples))
+    assert task.train_examples() == len(make(num_samples, 0).train_y)
+
+
+def test_gossip_graph_is_checked_with_the_runs_seed(tmp_path):
+    """adpsgd on random_regular with 8 workers: seed 0's graph has an active/passive split,
+    seed 2's does not. Validation once built seed 0's graph whatever the seed, so seed 2 passed
+    and then failed in every worker."""
+    from plugins.aggregators.gossip import graph
+    from plugins.aggregators.gossip.adpsgd import ADPSGD, ADPSGDOptions
+
+    options = ADPSGDOptions(topology="random_regular")
+    graph.bipartite_split(ADPSGD.make_topology(options, 8, 0))  # what the workers of seed 0 build
+    with pytest.raises(ValueError):
+        graph.bipartite_split(ADPSGD.make_topology(options, 8, 2))  # ... and of seed 2
+
+    spec = write_spec(tmp_path, """
+    defaults: {task: logreg, workers: 8, aggregator: {name: adpsgd, topology: random_regular}}
+    experiments:
+      - {name: fine, seed: 0}
+      - {name: sweep, grid: {seed: [0, 1, 2]}}
+    """)
+    result = dsgd_in_process("run", str(spec), "--dry-run")
+    message = _one_line_error(result, spec, "experiments[1].aggregator: topology 'random_regular' "
+                                            "with 8 workers has no usable active/passive split")
+    # The error is the seed-2 point's, not a result cached for seed 0 or 1.
+    assert message.endswith("(the graph drawn with the run's seed, 2)")
+    spec.write_text(spec.read_text().replace("[0, 1, 2]", "[0, 1]"))
+    assert [e.config["seed"] for e in load_spec(spec)] == [0, 0, 1]
+
+
+def test_huge_grid_is_announced_and_dry_run_completes(tmp_path):
+    lrs = [round(1e-4 * (i + 1), 6) for i in range(1000)]
+    spec = write_spec(tmp_path, f"""
+    defaults: {{task: {{name: logreg, features: 4}}, workers: 2}}
+    experiments:
+      - name: sweep
+        aggregator: {{name: local_sgd, period: 2}}
+        grid: {{optimizer.lr: {lrs}, seed: {list(range(100))}}}
+    """)
+    result = dsgd("run", str(spec), "--dry-run", "--db", str(tmp_path / "r.db"))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines()[0] == f"dsgd: 100000 experiments in {spec}"
+    assert result.stdout.count(" workers, task logreg, aggregator local_sgd") == 100_000
+    assert "sweep[optimizer.lr=0.1,seed=99]: 2 workers" in result.stdout
+    assert not (tmp_path / "r.db").exists()
+
+
+def test_check_world_gives_the_seed_to_graphs_and_to_check_world_that_asks():
+    from dsgd_cli.api import Aggregator
+    from dsgd_cli.spec import check_world
+    from dsgd_cli.topology import make_topology
+
+    seen = []
+
+    class TakesSeed(Aggregator):
+        @classmethod
+        def check_world(cls, options, world_size, seed=0):
+            seen.append(seed)
+
+    class Gossip(Aggregator):
+        @classmethod
+        def make_topology(cls, options, world_size, seed=0):
+            seen.append(seed)
+            return make_topology(options, world_size, seed=seed)
+
+        @classmethod
+        def check_world(cls, options, world_size):
+            cls.make_topology(options, world_size)  # the seed defaults to 0 here
+
+    assert check_world(TakesSeed, None, 4, 7) is True
+    assert check_world(Gossip, "random_regular", 4, 9) is True  # the graph depends on it
+    assert check_world(Gossip, "ring", 4, 11) is False          # this one does not
+    assert check_world(Aggregator, None, 4, 5) is False
+    assert seen == [7, 9, 11]
+
+
+def test_grid_points_and_yaml_aliases_get_their_own_sections(tmp_path):
+    """Validation checks each distinct section once (grid points share them); a section
+    written once and used in two places (a YAML alias) is still checked for each place."""
+    spec = write_spec(tmp_path, """
+    defaults: {task: logreg}
+    experiments:
+      - name: g
+        optimizer: &sgd {name: sgd, momentum: 0.5}
+        aggregator: {name: local_sgd}
+        grid: {optimizer.lr: [0.1, 0.2], aggregator.period: [1, 3], aggregator.compressor.name: [none]}
+      - {name: other, optimizer: *sgd}
+    """)
+    experiments = load_spec(spec)
+    configs = [e.config for e in experiments]
+    assert [(c["optimizer"]["lr"], c["aggregator"]["period"]) for c in configs[:4]] == [
+        (0.1, 1), (0.1, 3), (0.2, 1), (0.2, 3)]
+    assert all(c["optimizer"]["momentum"] == 0.5 for c in configs)
+    configs[0]["optimizer"]["lr"] = 99.0  # each configuration is its own
+    assert configs[1]["optimizer"]["lr"] == 0.1 and configs[4]["optimizer"]["lr"] == 0.05
+
+    spec.write_text(spec.read_text().replace("{name: other, optimizer: *sgd}",
+                                             "{name: other, task: *sgd}"))
+    result = dsgd_in_process("run", str(spec), "--dry-run")
+    _one_line_error(result, spec, "experiments[1].task.name: unknown task 'sgd'")
+
+
+def test_unknown_selection_in_a_large_grid_lists_a_few_names(tmp_path):
+    spec = write_spec(tmp_path, """
+    experiments:
+      - {name: g, task: logreg, grid: {seed: [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]}}
+    """)
+    result = dsgd_in_process("run", str(spec), "-e", "nothere", "--dry-run")
+    message = _one_line_error(result, spec, "no experiment named 'nothere' (the spec has: g[seed=0], ")
+    assert message.endswith("g[seed=19], … (25 in all))") and "g[seed=20]" not in message

@@ -7,8 +7,10 @@ import time
 
 import torch
 
+from conftest import dsgd, write_spec
 from distributed import run_workers
 from dsgd_cli.comm import Comm, CommTimeout
+from dsgd_cli.store import Store
 
 TIMEOUT_S = 1.0
 
@@ -44,3 +46,27 @@ def test_operations_that_make_no_progress_fail_naming_operation_and_peer():
         "recv from any of all 2 workers: no progress for 1 s (the spec's timeout)",
         "broadcast from rank 1 over all 2 workers: no progress for 1 s (the spec's timeout)",
     ]
+
+
+def test_a_run_whose_peer_stops_answering_fails_naming_the_wait(tmp_path):
+    """Rank 1 stalls (an emulated straggler 100,000 times slower) for longer than the spec's
+    timeout: rank 0's all-reduce gives up and the run fails with that reason, not a hang."""
+    spec = write_spec(tmp_path, """
+        experiments:
+          - name: stalls
+            task: {name: logreg, samples: 256}
+            steps_per_epoch: 4
+            timeout: 1
+            stragglers: {ranks: [1], slowdown: 100000}
+          - name: after
+            task: {name: logreg, samples: 256}
+            steps_per_epoch: 2
+    """)
+    db = tmp_path / "r.db"
+    result = dsgd("run", str(spec), "--db", str(db), timeout=240)
+    assert result.returncode == 1, result.stderr
+    stalled, after = Store(str(db)).runs()
+    assert (stalled.status, stalled.failed_rank) == ("failed", 0)
+    assert stalled.reason == ("rank 0: CommTimeout: all_reduce over all 2 workers: "
+                              "no progress for 1 s (the spec's timeout)")
+    assert after.status == "completed"

@@ -585,3 +585,12 @@ def test_custom_time_varying_topology():
     assert t.in_peers(0, 3) == [2]
     with pytest.raises(ValueError, match="self-loops"):
         CustomTopology(np.eye(3))
+
+
+def test_random_regular_graph_depends_on_the_seed():
+    """The spec loader checks a gossip graph with the run's seed (dsgd_cli.spec.check_world)
+    because random_regular draws a different graph per seed, the same one in every process."""
+    graphs = {seed: make_topology("random_regular", 8, seed=seed).adjacency().tobytes()
+              for seed in range(4)}
+    assert len(set(graphs.values())) > 1
+    assert make_topology("random_regular", 8, seed=2).adjacency().tobytes() == graphs[2]

@@ -21,6 +21,8 @@ from dsgd_cli.store import Store
 if TYPE_CHECKING:
     from dsgd_cli.launcher import Progress as RunProgress, RunResult
 
+ANNOUNCE_OVER = 100  # a spec with more experiments says how many before anything runs
+
 
 def run(
     spec: Annotated[Path, typer.Argument(help="The experiment spec (YAML)")] = Path("experiments.yaml"),
@@ -41,6 +43,8 @@ def run(
 
     # Validate everything before anything is launched or written.
     experiments = load_spec(spec, only=experiment, workers=workers)
+    if len(experiments) > ANNOUNCE_OVER:  # a grid can be larger than its author thinks
+        typer.echo(f"dsgd: {len(experiments)} experiments in {spec}", err=True)
     console = Console()
     if dry_run:
         _print_plan(plan_launches(experiments, shared=not isolate))
@@ -99,18 +103,24 @@ def _stats(p: RunProgress) -> str:
 def _print_plan(launches) -> None:
     from dsgd_cli.launcher import torchrun_command
 
+    lines: list[str] = []
     for number, planned in enumerate(launches, 1):
         count = len(planned.experiments)
-        typer.echo(f"launch {number}: {count} experiment{'s' if count > 1 else ''} on "
-                   f"{planned.experiments[0].workers} workers ({planned.device.kind})")
-        typer.echo("  " + shlex.join(torchrun_command(planned.experiments[0], "<experiments.json>",
-                                                     "<events-dir>")))
+        lines.append(f"launch {number}: {count} experiment{'s' if count > 1 else ''} on "
+                     f"{planned.experiments[0].workers} workers ({planned.device.kind})")
+        lines.append("  " + shlex.join(torchrun_command(planned.experiments[0], "<experiments.json>",
+                                                       "<events-dir>")))
         for exp in planned.experiments:
             c = exp.config
-            typer.echo(f"  {exp.name}: {c['workers']} workers, task {c['task']['name']}, "
-                       f"aggregator {c['aggregator']['name']}, compressor {c['compressor']['name']}, "
-                       f"optimizer {c['optimizer']['name']}, {c['epochs']} epochs of batch {c['batch_size']}")
+            lines.append(f"  {exp.name}: {c['workers']} workers, task {c['task']['name']}, "
+                         f"aggregator {c['aggregator']['name']}, compressor {c['compressor']['name']}, "
+                         f"optimizer {c['optimizer']['name']}, {c['epochs']} epochs of batch {c['batch_size']}")
             for key in ("task", "optimizer", "aggregator", "compressor"):
-                options = {k: v for k, v in c[key].items() if k != "name"}
+                options = [f"{k}={v}" for k, v in c[key].items() if k != "name"]
                 if options:
-                    typer.echo(f"    {key} options: " + ", ".join(f"{k}={v}" for k, v in options.items()))
+                    lines.append(f"    {key} options: " + ", ".join(options))
+            if len(lines) >= 10_000:  # a plan of 100,000 experiments: a few writes, not 400,000
+                typer.echo("\n".join(lines))
+                lines.clear()
+    if lines:
+        typer.echo("\n".join(lines))

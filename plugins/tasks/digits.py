@@ -8,11 +8,19 @@ from torch import nn
 
 from dsgd_cli.api import Task, TaskData, option
 
+IMAGES = 1797  # scikit-learn's bundled digits: 1797 images of 8x8 pixels
+SEED_MAX = 2**32 - 1  # the range of NumPy's seeds, what people expect of a seed
+
+
+def held_out(images: int, test_fraction: float) -> int:
+    """Images held out for the test set; the rest train."""
+    return int(images * test_fraction)
+
 
 @dataclass
 class DigitsOptions:
     test_fraction: float = option(0.2, min=0.05, max=0.5, help="share of images held out")
-    data_seed: int = option(0, min=0, help="seed of the train/test split")
+    data_seed: int = option(0, min=0, max=SEED_MAX, help="seed of the train/test split")
 
 
 class DigitsCNN(Task):
@@ -27,9 +35,12 @@ class DigitsCNN(Task):
         x = torch.from_numpy((digits.images / 16.0).astype(np.float32))
         y = torch.from_numpy(digits.target.astype(np.int64))
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(self.options.data_seed))
-        n_test = int(len(y) * self.options.test_fraction)
+        n_test = held_out(len(y), self.options.test_fraction)
         test, train = order[:n_test], order[n_test:]
         return TaskData(x[train], y[train], x[test], y[test])
+
+    def train_examples(self) -> int:
+        return IMAGES - held_out(IMAGES, self.options.test_fraction)
 
     def build_model(self) -> nn.Module:
         return nn.Sequential(

@@ -17,7 +17,7 @@ from dsgd_cli.api import Task, TaskData, option
 class LogRegOptions:
     samples: int = option(2048, min=16, help="training examples (plus a quarter as many for test)")
     features: int = option(10, min=1, help="dimension d")
-    data_seed: int = option(0, min=0, help="seed of the generated problem")
+    data_seed: int = option(0, min=0, max=2**32 - 1, help="seed of the generated problem")
 
 
 class LogisticRegression(Task):
@@ -31,6 +31,9 @@ class LogisticRegression(Task):
         x = torch.randn(n_total, o.features, generator=generator)
         y = torch.bernoulli(torch.sigmoid(x @ w_true), generator=generator)
         return TaskData(x[: o.samples], y[: o.samples], x[o.samples:], y[o.samples:])
+
+    def train_examples(self) -> int:
+        return self.options.samples
 
     def build_model(self) -> nn.Module:
         return nn.Linear(self.options.features, 1, bias=False)
