@@ -10,7 +10,6 @@ import copy
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -195,13 +194,10 @@ class Worker:
         """One training step in the loop's order; returns (loss, seconds)."""
         started = time.perf_counter()
         if self.straggling.active:
-            # An emulated slower machine: its compute takes `factor` times its natural time
-            # (the median of its recent forward+backward times: robust to the slow first
-            # steps), counted in the step's time.
+            # An emulated slower machine, counted in the step's (compute) time.
             factor = self.straggling.factor(step)
             self.interval.log("slowdown", factor)
-            if factor > 1 and self.recent_compute:
-                time.sleep((factor - 1) * statistics.median(self.recent_compute))
+            time.sleep(Straggling.delay(factor, self.recent_compute))
         self.optimizer.zero_grad(set_to_none=True)
         self.aggregator.before_forward(step)
         compute_started = time.perf_counter()

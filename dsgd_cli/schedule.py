@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -124,3 +126,11 @@ class Straggling:
             if draw < self.random["probability"]:
                 factor *= self.random["slowdown"]
         return factor
+
+    @staticmethod
+    def delay(factor: float, recent_compute: Sequence[float]) -> float:
+        """Seconds to sleep so a step computes `factor` times its natural time: the median of
+        the worker's recent forward+backward times (robust to the slow first steps)."""
+        if factor <= 1 or not recent_compute:
+            return 0.0
+        return (factor - 1) * statistics.median(recent_compute)
