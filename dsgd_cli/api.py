@@ -41,6 +41,7 @@ from torch import nn
 from dsgd_cli.batching import all_gather_flat, all_reduce_flat
 from dsgd_cli.comm import Comm, Group, Handle, NetworkModel, SharedCounter, Traffic
 from dsgd_cli.options import option
+from dsgd_cli.state import default_state, load_default_state
 
 __all__ = [
     "Aggregator", "AggregatorOptions", "Comm", "Compressor", "ErrorFeedback", "Group",
@@ -153,6 +154,15 @@ class Compressor(Plugin):
         """Called once per worker before the aggregator's setup."""
         self.ctx = ctx
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the compressor keeps between steps (warm starts, generators), for checkpoints.
+        The default saves its plain-data attributes (README, "Checkpoints and resume")."""
+        return default_state(self, getattr(self, "ctx", None))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output; called after `setup`."""
+        load_default_state(self, state, getattr(getattr(self, "ctx", None), "device", None))
+
     @abstractmethod
     def compress(self, tensor: torch.Tensor, key: str, step: int) -> Payload:
         """`tensor`'s payload; `key` names the tensor, `step` the training step (for seeds)."""
@@ -215,10 +225,16 @@ class ErrorFeedback:
 
     def compensate(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         residual = self.residuals.get(key)
-        return tensor if residual is None else tensor + residual
+        return tensor if residual is None else tensor + residual.to(tensor.device)
 
     def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         self.residuals[key] = compensated - transmitted
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": {key: r.clone() for key, r in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residuals = {key: r.clone() for key, r in state["residuals"].items()}
 
 
 # -- aggregators ------------------------------------------------------------------------------
@@ -341,6 +357,17 @@ class Aggregator(Plugin):
     def evaluation_model(self) -> nn.Module:
         """The model this worker would report (push-sum reports its de-biased copy)."""
         return self.ctx.model
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the algorithm keeps between steps (residuals, counters, push-sum weights,
+        generators), for checkpoints. The default saves its plain-data attributes; override
+        both methods when that is not enough (README, "Checkpoints and resume")."""
+        return default_state(self, self.ctx)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output; called after `setup`, with the model and optimizer
+        already restored."""
+        load_default_state(self, state, self.ctx.device)
 
 
 # -- helpers for plugins ----------------------------------------------------------------------

@@ -37,6 +37,10 @@ class EventWriter:
     def seconds(self) -> float:
         return time.perf_counter() - self._started
 
+    def continue_from(self, seconds: float) -> None:
+        """A resumed run: its clock goes on from where the checkpoint's stopped."""
+        self._started = time.perf_counter() - seconds
+
     def write(self, kind: str, **fields: Any) -> None:
         fields.update(type=kind, rank=self.rank)
         line = json.dumps(_finite(fields), allow_nan=False) + "\n"

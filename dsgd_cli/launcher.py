@@ -220,8 +220,11 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
         nonlocal running
         experiment = experiments[index]
         callbacks.started(experiment, device)
-        run_id = store.create_run(experiment.name, experiment.config, spec_file,
-                                  plugin_versions(experiment.config))
+        run_id = experiment.run_id  # a resumed run goes on under its own id
+        if run_id is None:
+            run_id = store.create_run(experiment.name, experiment.config, spec_file,
+                                      plugin_versions(experiment.config),
+                                      experiment.checkpoint_dir)
         running = _Running(index, experiment, run_id, experiment_dir(tmp, index))
 
     def advance() -> None:
@@ -241,7 +244,7 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
         try:
             begin(0)
             plan_path = Path(tmp) / "experiments.json"
-            plan_path.write_text(json.dumps({"experiments": [e.config for e in experiments]}))
+            plan_path.write_text(json.dumps({"experiments": [e.worker_config() for e in experiments]}))
             log_path = Path(tmp) / "torchrun.log"
             try:
                 with open(log_path, "w") as log:

@@ -10,6 +10,7 @@ import copy
 import json
 import math
 import os
+import random
 import sys
 import time
 import traceback
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dsgd_cli import checkpoint
 from dsgd_cli.api import TaskData, WorkerContext, flatten, unflatten_into
 from dsgd_cli.comm import DEFAULT_TIMEOUT_S, Comm
 from dsgd_cli.evaluation import BackgroundEvaluation, evaluate, model_tensors
@@ -106,6 +108,14 @@ class Worker:
         self.model = self.task.build_model().to(device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_plugin("optimizer", config["optimizer"]).build(params)
+        # Checkpoints: the run's directory (set by the launcher when the spec asks for
+        # them), and the state to continue from when the run resumes.
+        self.checkpoints = config.get("checkpoint_dir")
+        resumed = None
+        if config.get("resume_step") is not None:
+            resumed = checkpoint.load(self.checkpoints, config["resume_step"], rank)
+            self.model.load_state_dict(resumed["model"])
+            self.optimizer.load_state_dict(resumed["optimizer"])
         self.comm = Comm(rank, world_size, network_model(config), device,
                          timeout_s=config.get("timeout", DEFAULT_TIMEOUT_S), namespace=namespace)
         self.interval = IntervalMetrics()
@@ -120,6 +130,9 @@ class Worker:
         self.stop_rule = StopRule(self.ctx.length, self.aggregator, self.comm)
         self.ctx.compressor.setup(self.ctx)
         self.aggregator.setup(self.ctx)
+        if resumed is not None:  # the plugins set up from the restored model, then their state
+            self.ctx.compressor.load_state_dict(resumed["compressor"])
+            self.aggregator.load_state_dict(resumed["aggregator"])
         self.evaluation = None
         if config.get("budget") is not None:
             self.evaluation = BackgroundEvaluation(
@@ -128,6 +141,10 @@ class Worker:
         torch.manual_seed(seed * 7919 + rank)  # per-worker randomness (dropout, compressors)
         self.straggling = Straggling(config.get("stragglers"), rank, seed)
         self.recent_compute: deque[float] = deque(maxlen=16)  # forward+backward seconds
+        self.resumed = None
+        if resumed is not None:
+            _set_rng_state(resumed["rng"], device)
+            self.resumed = resumed["progress"]
 
     def steps_per_epoch(self) -> int:
         steps = math.ceil(self.shard.size / self.config["batch_size"])
@@ -142,16 +159,22 @@ class Worker:
         points = evaluation_points(config.get("budget"))
         events.write("start", total_steps=self.stop_rule.expected_steps(batch))
         step, samples, total_sent, reached_at = 0, 0, 0, None
-        train_seconds = 0.0
+        train_seconds, elapsed = 0.0, 0.0
+        if self.resumed is not None:  # go on where the checkpoint left off
+            step, samples, total_sent = (self.resumed[k] for k in ("step", "samples", "total_sent"))
+            train_seconds, elapsed = self.resumed["train_seconds"], self.resumed["elapsed"]
+            reached_at = self.resumed["reached_at"]
+            events.continue_from(self.resumed["seconds"])
         with self.comm.untracked():
             self.comm.barrier()  # a common start: budgets in seconds count from here
-        started = time.perf_counter()
+        started = time.perf_counter() - elapsed
         self.ctx.length.started_at = started
-        done = False
+        done = self.stop_rule.after_resume(step) if self.resumed is not None else False
+        order_epoch = None
         while not done:
             epoch, b = divmod(step, steps_per_epoch)
-            if b == 0:
-                order = self.shard.indices(epoch)
+            if epoch != order_epoch:
+                order, order_epoch = self.shard.indices(epoch), epoch
             index = order[b * batch: (b + 1) * batch].to(self.device)
             x, y = self.train_x[index], self.train_y[index]
             loss, step_seconds = self._step(step, x, y)
@@ -163,7 +186,9 @@ class Worker:
             step += 1
             done = self.stop_rule.after_step(step, len(y))
             end_of_epoch = b == steps_per_epoch - 1
-            if step % config["log_interval"] == 0 or end_of_epoch or done:
+            every = config.get("checkpoint_every")
+            checkpointing = bool(every and self.checkpoints) and step % every == 0 and not done
+            if step % config["log_interval"] == 0 or end_of_epoch or done or checkpointing:
                 self._flush_interval(step, epoch)
             if budgeted:
                 # Every point this worker has passed (all of them once it stops).
@@ -177,6 +202,11 @@ class Worker:
                 target = config["target_accuracy"]
                 if target is not None and reached_at is None and accuracy >= target:
                     reached_at = time.perf_counter() - started
+            if checkpointing:  # after the step's metrics and evaluation: resumes repeat neither
+                self._save_checkpoint(step, {
+                    "step": step, "samples": samples, "total_sent": total_sent,
+                    "train_seconds": train_seconds, "elapsed": time.perf_counter() - started,
+                    "seconds": events.seconds(), "reached_at": reached_at})
         self.aggregator.finish()
         total_sent += self.comm.take_traffic().bytes_sent  # what finish() drained
         if self.evaluation is not None:
@@ -212,6 +242,14 @@ class Worker:
         self.optimizer.step()
         self.aggregator.after_step(step)
         return value, time.perf_counter() - started
+
+    def _save_checkpoint(self, step: int, progress: dict) -> None:
+        state = {"progress": progress, "model": self.model.state_dict(),
+                 "optimizer": self.optimizer.state_dict(),
+                 "aggregator": self.aggregator.state_dict(),
+                 "compressor": self.ctx.compressor.state_dict(),
+                 "rng": _rng_state(self.device)}
+        checkpoint.save(self.checkpoints, step, self.rank, state, self.world_size)
 
     def _scheduled_metrics(self, values: dict[str, float], step: int, epoch: int) -> None:
         for name, value in values.items():
@@ -328,6 +366,26 @@ class Worker:
             self.events.metric("total_bytes_sent", total_sent, per_rank=False)
             if reached_by_all != math.inf:
                 self.events.metric("time_to_accuracy", reached_by_all, per_rank=False)
+
+
+def _rng_state(device: torch.device) -> dict:
+    import numpy
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": numpy.random.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    import numpy
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    numpy.random.set_state(state["numpy"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def device_and_backend(local_rank: int) -> tuple[torch.device, str]:

@@ -59,6 +59,13 @@ class StopRule:
             return math.ceil(self.length.samples / (self.comm.world_size * batch))
         return None
 
+    def after_resume(self, steps: int) -> bool:
+        """A resumed run has done `steps` already (runs with a budget do not checkpoint):
+        True when that was its last."""
+        if self.aggregator.decides_stop:
+            return self.aggregator.finished()
+        return self.length.steps is not None and steps >= self.length.steps
+
     def after_step(self, steps: int, batch_samples: int) -> bool:
         """Count this step; True when this worker has done its last step."""
         length = self.length

@@ -55,6 +55,7 @@ EXPERIMENT_DEFAULTS: dict[str, Any] = {
     "budget": None,            # {samples: N} or {seconds: T}: train until spent, not for epochs
     "save_dir": None,          # saves each worker's final model to <save_dir>/<name>/rank<r>.pt
     "timeout": 600,            # seconds a communication may make no progress before it fails
+    "checkpoint_every": None,  # steps between checkpoints, for `dsgd run --resume`
     "grid": None,
 }
 
@@ -73,10 +74,20 @@ SpecLoader.add_implicit_resolver(
 
 @dataclass
 class Experiment:
-    """One run to launch: its name and its complete, JSON-serializable configuration."""
+    """One run to launch: its name and its complete, JSON-serializable configuration, and
+    where it keeps checkpoints: `checkpoint_dir` (when the spec asks for them), `resume_step`
+    and `run_id` when it continues an earlier run from that step."""
 
     name: str
     config: dict[str, Any]
+    checkpoint_dir: str | None = None
+    resume_step: int | None = None
+    run_id: int | None = None
+
+    def worker_config(self) -> dict[str, Any]:
+        """What its workers are given: the configuration and where to checkpoint and resume."""
+        return {**self.config, "checkpoint_dir": self.checkpoint_dir,
+                "resume_step": self.resume_step}
 
     @property
     def workers(self) -> int:
@@ -268,6 +279,12 @@ def validate_experiment(raw: dict, path: str, name: str,
     config["network"] = parse_network(raw["network"], f"{path}.network")
     config["stragglers"] = parse_stragglers(raw["stragglers"], f"{path}.stragglers", config["workers"])
     config["budget"] = parse_budget(raw["budget"], f"{path}.budget")
+    config["checkpoint_every"] = None
+    if raw["checkpoint_every"] is not None:
+        config["checkpoint_every"] = _int(raw, "checkpoint_every", path, low=1, high=MAX_COUNT)
+        if config["budget"] is not None:
+            raise SpecError("checkpoints are not supported with a budget (a run with a budget "
+                            "cannot resume yet)", path=f"{path}.checkpoint_every")
 
     config["task"], task_key = cache.section("task", raw["task"], f"{path}.task")
     config["optimizer"], _ = cache.section("optimizer", raw["optimizer"], f"{path}.optimizer")

@@ -36,7 +36,7 @@ from sqlalchemy.types import TypeDecorator
 from dsgd_cli import __version__
 from dsgd_cli.errors import StoreError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 DEFAULT_DB = "dsgd.db"
 MAX_ID = 2**63 - 1  # the largest id a database integer holds
 MAX_TAG_LENGTH = 128
@@ -137,6 +137,16 @@ class Tag(Base):
     tag: Mapped[str] = mapped_column(String(MAX_TAG_LENGTH), primary_key=True)
 
 
+class Checkpoints(Base):
+    """Where a run keeps its checkpoints, and when it resumed from which step; schema 3.
+    `resumes`: a list of {"at": ISO time, "step": the step it went on from}."""
+
+    __tablename__ = "checkpoints"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    directory: Mapped[str] = mapped_column(Text)
+    resumes: Mapped[list] = mapped_column(JSON, default=list)
+
+
 class Metric(Base):
     """One recorded value. `rank` is null for values that describe the whole run."""
 
@@ -199,9 +209,17 @@ def _migrate_1_to_2(connection: Connection) -> None:
         "PRIMARY KEY (run_id, tag), FOREIGN KEY (run_id) REFERENCES runs (id) ON DELETE CASCADE)"))
 
 
+def _migrate_2_to_3(connection: Connection) -> None:
+    """Schema 3 adds `checkpoints`: a run's checkpoint directory and its resumes."""
+    connection.execute(text(
+        "CREATE TABLE checkpoints (run_id INTEGER NOT NULL, directory TEXT NOT NULL, "
+        "resumes JSON, PRIMARY KEY (run_id), "
+        "FOREIGN KEY (run_id) REFERENCES runs (id) ON DELETE CASCADE)"))
+
+
 # The step that brings a database to each version from the one before. Written out as each
 # version's SQL rather than taken from the models, which describe only the newest version.
-MIGRATIONS = {2: _migrate_1_to_2}
+MIGRATIONS = {2: _migrate_1_to_2, 3: _migrate_2_to_3}
 
 
 class Store:
@@ -291,8 +309,10 @@ class Store:
     # -- writing ------------------------------------------------------------------------------
 
     def create_run(self, experiment: str, config: dict[str, Any], spec_file: str | None,
-                   plugins: Iterable[tuple[str, str, str, str]]) -> int:
-        """Record a run as `running`; `plugins` are (kind, name, distribution, version)."""
+                   plugins: Iterable[tuple[str, str, str, str]],
+                   checkpoint_dir: str | None = None) -> int:
+        """Record a run as `running`; `plugins` are (kind, name, distribution, version);
+        `checkpoint_dir`: where its workers write checkpoints, if they do."""
         with Session(self.engine) as session, session.begin():
             run = Run(experiment=experiment, spec_file=spec_file, status="running",
                       task=config["task"]["name"], aggregator=config["aggregator"]["name"],
@@ -304,7 +324,37 @@ class Store:
                            for k, n, d, v in plugins]
             session.add(run)
             session.flush()
+            if checkpoint_dir is not None:
+                session.add(Checkpoints(run_id=run.id, directory=checkpoint_dir, resumes=[]))
             return run.id
+
+    def checkpoint_dir(self, run_id: int) -> str | None:
+        """Where the run keeps its checkpoints (None: it keeps none, or the schema predates
+        them)."""
+        if "checkpoints" not in inspect(self.engine).get_table_names():
+            return None
+        with Session(self.engine) as session:
+            return session.scalar(select(Checkpoints.directory).where(Checkpoints.run_id == run_id))
+
+    def resumes(self, run_id: int) -> list[dict]:
+        if "checkpoints" not in inspect(self.engine).get_table_names():
+            return []
+        with Session(self.engine) as session:
+            return session.scalar(select(Checkpoints.resumes).where(Checkpoints.run_id == run_id)) or []
+
+    def resume_run(self, run_id: int, step: int) -> None:
+        """Reopen an interrupted or failed run at its checkpoint of `step`: the metrics recorded
+        after that step (and the run-level ones, written at its end) go, as the resumed
+        workers record them again; the run is `running` and the resume is noted."""
+        with Session(self.engine) as session, session.begin():
+            session.execute(delete(Metric).where(
+                Metric.run_id == run_id, or_(Metric.step > step, Metric.step.is_(None))))
+            session.execute(delete(Summary).where(Summary.run_id == run_id))
+            run = session.get(Run, run_id)
+            run.status, run.reason, run.failed_rank, run.ended_at = "running", None, None, None
+            record = session.get(Checkpoints, run_id)
+            at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            record.resumes = [*(record.resumes or []), {"at": at, "step": step}]
 
     def add_metrics(self, run_id: int, rows: list[MetricRow]) -> None:
         """Store `rows`, dropping any whose value is not a finite number (NaN is no value)."""
@@ -343,7 +393,7 @@ class Store:
             if running and not force:
                 raise StoreError(f"{_naming(running, 'run', 'runs')} still running (its `dsgd run` may still "
                                  "be writing to it; --force deletes it anyway); nothing deleted")
-            for model in (Metric, Summary, Param, PluginVersion, Tag):
+            for model in (Metric, Summary, Param, PluginVersion, Tag, Checkpoints):
                 session.execute(delete(model).where(model.run_id.in_(ids)))
             session.execute(delete(Run).where(Run.id.in_(ids)))
         return ids

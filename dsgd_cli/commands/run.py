@@ -14,7 +14,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 
 from dsgd_cli.commands.common import DbOption, ExperimentOption
 from dsgd_cli.commands.compare import compare_rows
-from dsgd_cli.errors import RunFailed
+from dsgd_cli.errors import DsgdError, RunFailed
 from dsgd_cli.output import render
 from dsgd_cli.store import Store
 
@@ -35,21 +35,42 @@ def run(
                           "experiments with the same workers, device and timeout")] = False,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the resolved experiments and the launch plan; run nothing")] = False,
+    resume: Annotated[Optional[int], typer.Option(
+        "--resume", metavar="RUN_ID", help="Continue an interrupted or failed run from its last "
+                                           "checkpoint (the spec is not read)")] = None,
+    checkpoint_dir: Annotated[Optional[Path], typer.Option(
+        "--checkpoint-dir", help="Where runs that set checkpoint_every keep their checkpoints "
+                                 "[default: $DSGD_CHECKPOINTS or dsgd-checkpoints/ beside the database]")] = None,
 ) -> None:
     """Run every experiment in SPEC (default ./experiments.yaml) and record it in the database."""
     # torch and the plugins load here, not when the CLI starts: the other commands need neither.
+    from dsgd_cli import checkpoint
     from dsgd_cli.launcher import Callbacks, plan_launches, run_all
+    from dsgd_cli.resume import reopen, resumable
     from dsgd_cli.spec import load_spec
 
-    # Validate everything before anything is launched or written.
-    experiments = load_spec(spec, only=experiment, workers=workers)
-    if len(experiments) > ANNOUNCE_OVER:  # a grid can be larger than its author thinks
-        typer.echo(f"dsgd: {len(experiments)} experiments in {spec}", err=True)
+    if resume is not None:
+        if experiment or workers is not None:
+            raise DsgdError("--resume continues a run with its own configuration: "
+                            "without --experiment or --workers")
+        store = Store(db)
+        experiments = [resumable(store, resume)]
+    else:
+        # Validate everything before anything is launched or written.
+        experiments = load_spec(spec, only=experiment, workers=workers)
+        if len(experiments) > ANNOUNCE_OVER:  # a grid can be larger than its author thinks
+            typer.echo(f"dsgd: {len(experiments)} experiments in {spec}", err=True)
     console = Console()
     if dry_run:
         _print_plan(plan_launches(experiments, shared=not isolate))
         return
-    store = Store(db)
+    if resume is not None:
+        reopen(store, experiments[0])
+    else:
+        store = Store(db)
+        for exp in experiments:
+            if exp.config.get("checkpoint_every"):
+                exp.checkpoint_dir = checkpoint.run_directory(checkpoint_dir, store.url, exp.name)
     # Experiment names and failure reasons are plain text, never rich markup: a gloo error
     # holds "[/127.0.0.1]:port", and a grid point's name "[key=value]".
     columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),

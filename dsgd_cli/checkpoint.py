@@ -1,0 +1,119 @@
+"""Checkpoints: every worker's state every `checkpoint_every` steps, so a run resumes.
+
+A run's checkpoints live in one directory (the database row points to it), one folder per step
+and one file per rank: `step-0000000040/rank-1.pt`. Each file is written to a temporary name
+and renamed into place, so a file that exists is whole: a worker killed while writing leaves
+only a temporary file, which nothing reads. A step is *complete* when every rank's file is
+there; a run resumes from its latest complete step.
+
+Each rank deletes its own files of steps older than the latest complete one, so a complete
+step always exists once one was written, even when asynchronous workers drift many
+checkpoints apart.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from pathlib import Path
+
+ENV_ROOT = "DSGD_CHECKPOINTS"
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def default_root(db_url: str) -> Path:
+    """`dsgd-checkpoints` beside an SQLite file; in the working directory for a server."""
+    if db_url.startswith("sqlite:///"):
+        path = db_url[len("sqlite:///"):]
+        if path and path != ":memory:" and not path.startswith("file:"):
+            return Path(path).resolve().parent / "dsgd-checkpoints"
+    return Path.cwd() / "dsgd-checkpoints"
+
+
+def run_directory(root: str | Path | None, db_url: str, experiment: str) -> str:
+    """A new, unique directory for one run's checkpoints (created by the workers)."""
+    root = Path(root or os.environ.get(ENV_ROOT) or default_root(db_url)).expanduser()
+    safe = re.sub(r"[^A-Za-z0-9._=-]+", "_", experiment)[:80]
+    return str(root.resolve() / f"{safe}-{uuid.uuid4().hex[:12]}")
+
+
+def step_directory(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"step-{step:010d}"
+
+
+def rank_file(directory: str | Path, step: int, rank: int) -> Path:
+    return step_directory(directory, step) / f"rank-{rank}.pt"
+
+
+def steps(directory: str | Path) -> list[int]:
+    """The steps that have a folder, in increasing order."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for m in map(_STEP.match, names) if m)
+
+
+def latest_complete(directory: str | Path | None, workers: int) -> int | None:
+    """The latest step with every rank's file, or None."""
+    if directory is None:
+        return None
+    for step in reversed(steps(directory)):
+        if all(rank_file(directory, step, rank).is_file() for rank in range(workers)):
+            return step
+    return None
+
+
+def save(directory: str | Path, step: int, rank: int, state: dict, workers: int) -> None:
+    """Write this rank's `state` for `step` atomically, then drop its superseded files."""
+    import torch
+
+    target = rank_file(directory, step, rank)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    with open(temporary, "wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, target)
+    _prune(directory, rank, workers)
+
+
+def load(directory: str | Path, step: int, rank: int) -> dict:
+    """This rank's state at `step`, on the CPU (the model and optimizer copy it to theirs)."""
+    import torch
+
+    return torch.load(rank_file(directory, step, rank), map_location="cpu", weights_only=False)
+
+
+def discard_after(directory: str | Path, step: int) -> None:
+    """Remove every step after `step`: what a resumed run writes must not mix with files that
+    an earlier attempt wrote for the same step."""
+    for later in steps(directory):
+        if later > step:
+            _remove_tree(step_directory(directory, later))
+
+
+def _prune(directory: str | Path, rank: int, workers: int) -> None:
+    complete = latest_complete(directory, workers)
+    if complete is None:
+        return
+    for old in steps(directory):
+        if old >= complete:
+            break
+        mine = rank_file(directory, old, rank)
+        try:
+            mine.unlink()
+        except FileNotFoundError:
+            pass
+        try:
+            mine.parent.rmdir()  # the last rank out removes the folder
+        except OSError:
+            pass
+
+
+def _remove_tree(path: Path) -> None:
+    for child in path.iterdir():
+        child.unlink()
+    path.rmdir()
