@@ -213,7 +213,7 @@ def _migrate_2_to_3(connection: Connection) -> None:
     """Schema 3 adds `checkpoints`: a run's checkpoint directory and its resumes."""
     connection.execute(text(
         "CREATE TABLE checkpoints (run_id INTEGER NOT NULL, directory TEXT NOT NULL, "
-        "resumes JSON, PRIMARY KEY (run_id), "
+        "resumes JSON NOT NULL, PRIMARY KEY (run_id), "
         "FOREIGN KEY (run_id) REFERENCES runs (id) ON DELETE CASCADE)"))
 
 

@@ -45,8 +45,8 @@ def test_the_fixture_is_schema_1():
 
 def test_a_writing_open_upgrades_in_place_keeping_everything(old_db):
     store = Store(str(old_db))
-    assert version(old_db) == str(SCHEMA_VERSION) == "2"
-    assert "tags" in tables(old_db)
+    assert version(old_db) == str(SCHEMA_VERSION) == "3"
+    assert {"tags", "checkpoints"} <= tables(old_db)
 
     runs = store.runs()
     assert [(r.id, r.experiment, r.status, r.reason) for r in runs] == [
@@ -75,7 +75,8 @@ def test_a_writing_open_upgrades_in_place_keeping_everything(old_db):
     store.finish_run(new_run, "completed")
     assert new_run == 3
     Store(str(old_db))  # opening it again changes nothing more
-    assert version(old_db) == "2" and Store(str(old_db)).get_run(1).tag_names == ["baseline", "v1"]
+    assert version(old_db) == "3" and Store(str(old_db)).get_run(1).tag_names == ["baseline", "v1"]
+    assert store.checkpoint_dir(1) is None and store.resumes(1) == []
 
 
 def test_an_upgraded_database_has_the_schema_of_a_new_one(old_db, tmp_path):
@@ -95,6 +96,7 @@ def test_an_upgraded_database_has_the_schema_of_a_new_one(old_db, tmp_path):
     upgraded, new = schema(old_db), schema(tmp_path / "new.db")
     assert upgraded == new
     assert new["tags"][1:3] == (["run_id", "tag"], [(["run_id"], "runs", "CASCADE")])
+    assert new["checkpoints"][1:3] == (["run_id"], [(["run_id"], "runs", "CASCADE")])
 
 
 def test_a_reading_open_reads_an_old_database_as_it_is(old_db):
@@ -117,7 +119,7 @@ def test_a_reading_open_reads_an_old_database_as_it_is(old_db):
 def test_a_writing_command_upgrades_an_old_database(old_db):
     result = dsgd("runs", "tag", "2", "flaky", "--db", str(old_db))
     assert (result.returncode, result.stdout, result.stderr) == (0, "run 2: tags flaky\n", "")
-    assert version(old_db) == "2"
+    assert version(old_db) == "3"
 
 
 def test_a_failed_migration_leaves_the_database_as_it_was(old_db, monkeypatch):
@@ -132,17 +134,17 @@ def test_a_failed_migration_leaves_the_database_as_it_was(old_db, monkeypatch):
     assert version(old_db) == "1" and "tags" not in tables(old_db)  # one transaction: all or nothing
     monkeypatch.undo()
     assert Store(str(old_db)).runs()[0].experiment == "allreduce"
-    assert version(old_db) == "2"
+    assert version(old_db) == "3"
 
 
 def test_a_database_of_a_newer_schema_is_refused(old_db):
     with sqlite3.connect(old_db) as connection:
-        connection.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
+        connection.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
     for readonly in (True, False):
-        with pytest.raises(StoreError, match="has schema version 3, newer than this dsgd "
-                                             r"understands \(2\); upgrade dsgd"):
+        with pytest.raises(StoreError, match="has schema version 4, newer than this dsgd "
+                                             r"understands \(3\); upgrade dsgd"):
             Store(str(old_db), readonly=readonly)
-    assert version(old_db) == "3" and "tags" not in tables(old_db)  # not "upgraded" to 2
+    assert version(old_db) == "4" and "tags" not in tables(old_db)  # not "upgraded" to 3
 
 
 def test_every_version_step_has_a_migration():
