@@ -213,3 +213,34 @@ def test_checkpoints_are_refused_with_a_budget(tmp_path):
     result = dsgd_in_process("run", str(spec), "--dry-run")
     assert result.returncode == 2
     assert "experiments[0].checkpoint_every: checkpoints are not supported with a budget" in result.stderr
+
+
+def test_synchronous_algorithms_resume_exactly_from_a_checkpoint(tmp_path):
+    """Each run is recorded failed after it completed, and resumed from its last checkpoint
+    (step 84 of 96, between two averages and with an average in flight): the steps after it
+    are trained again to the same parameters. Covers what each algorithm keeps between steps:
+    backup's update count, push-sum's weights, DaSGD's average in flight, LSGD's losses since
+    the last election."""
+    spec = write_spec(tmp_path, f"""
+        defaults: {{task: logreg, workers: 2, epochs: 3, checkpoint_every: 21,
+                   save_dir: {tmp_path / "models"}}}
+        experiments:
+          - {{name: backup, aggregator: {{name: backup, backups: 0}}}}
+          - {{name: sgp, aggregator: {{name: sgp}}}}
+          - {{name: dasgd, aggregator: {{name: dasgd, period: 2, delay: 1}}}}
+          - {{name: lsgd, aggregator: {{name: lsgd, period: 2, global_period: 5}}}}
+    """)
+    db = tmp_path / "r.db"
+    result = dsgd("run", str(spec), "--db", str(db), "--checkpoint-dir", str(tmp_path / "ck"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    (tmp_path / "models").rename(tmp_path / "uninterrupted")
+    store = Store(str(db))
+    runs = store.runs()
+    for run in runs:
+        store.finish_run(run.id, "failed", "recorded as failed by the test")
+        result = dsgd("run", "--resume", str(run.id), "--db", str(db))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert [entry["step"] for entry in store.resumes(run.id)] == [84]
+        for resumed, uninterrupted in zip(_models(tmp_path / "models", run.experiment),
+                                          _models(tmp_path / "uninterrupted", run.experiment)):
+            assert all(torch.equal(resumed[key], uninterrupted[key]) for key in resumed), run.experiment

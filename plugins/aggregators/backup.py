@@ -111,6 +111,26 @@ class Backup(Aggregator):
                              else 1.0)
         self.ctx.metrics.log("updates_applied", len(updates))
 
+    def state_dict(self) -> dict:
+        return {"applied": self.applied}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from update `applied`. Every worker must have applied the same updates: the
+        updates between two versions are not in any checkpoint, so a worker behind could not
+        catch up (with no gradient dropped before the checkpoint, versions agree)."""
+        self.applied = state["applied"]
+        versions = torch.tensor([self.applied, -self.applied], dtype=torch.float64)
+        with self.ctx.comm.untracked():
+            self.ctx.comm.all_reduce(versions, "max", group=self.group)
+        newest, oldest = int(versions[0]), -int(versions[1])
+        if newest != oldest:
+            raise ValueError(f"backup cannot resume from this checkpoint: its workers had "
+                             f"applied between {oldest} and {newest} updates (a late worker's "
+                             f"gradients were dropped before it)")
+        if self.coordinator is not None:
+            self.coordinator.published = self.coordinator.first_step = self.applied
+            self.published.add(self.applied)
+
     def finish(self):
         self._send(DONE, self.applied, None)
         if self.coordinator is not None:
@@ -167,6 +187,7 @@ class _Coordinator(threading.Thread):
         self.inbox: queue.Queue = queue.Queue()   # messages from every rank
         self.outbox: queue.Queue = queue.Queue()  # rank 0's updates
         self.published = 0  # updates sent; read by rank 0's training loop
+        self.first_step = 0  # the first update to close (a resumed run's version)
         self.error: BaseException | None = None
 
     def check(self) -> None:
@@ -216,9 +237,11 @@ class _Coordinator(threading.Thread):
         receiver.join()
 
     def _coordinate(self) -> None:
-        step, total, contributors, closed = 0, None, [], False
+        step, total, contributors, closed = None, None, [], False
         sends = []  # updates in flight to remote workers: a slow one receives them late
         for kind, sender, gradient_step, gradient in self._messages():
+            if step is None:  # set by now: messages come once training has begun
+                step = self.first_step
             if kind == DONE or closed or gradient_step != step:
                 continue  # a stale gradient: its step was closed without it
             total = gradient.clone() if total is None else total.add_(gradient)

@@ -35,6 +35,16 @@ class _InFlight:
     handle: Handle
 
 
+class _Completed:
+    """A restored average: its all-reduce completed before the checkpoint."""
+
+    def __init__(self, average: torch.Tensor):
+        self.average = average
+
+    def wait(self) -> torch.Tensor:
+        return self.average
+
+
 class DaSGD(Aggregator):
     Options = DaSGDOptions
     models_identical = False
@@ -54,6 +64,18 @@ class DaSGD(Aggregator):
             self.in_flight.append(_InFlight(step + self.options.delay, snapshot, average, handle))
         while self.in_flight and self.in_flight[0].apply_at <= step:
             self._apply(self.in_flight.popleft())
+
+    def state_dict(self) -> dict:
+        """The averages started and not yet applied, with their snapshots: a checkpoint waits
+        for their all-reduces to complete."""
+        return {"in_flight": [(p.apply_at, p.snapshot.clone(), p.handle.wait().clone())
+                              for p in self.in_flight]}
+
+    def load_state_dict(self, state: dict) -> None:
+        device = self.ctx.device
+        self.in_flight = deque(
+            _InFlight(apply_at, snapshot.to(device), average.to(device), _Completed(average.to(device)))
+            for apply_at, snapshot, average in state["in_flight"])
 
     def finish(self):
         while self.in_flight:

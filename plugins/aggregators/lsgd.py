@@ -76,6 +76,14 @@ class LSGD(Aggregator):
             _Level(tuple(range(n)), None, self.options.global_period, self.options.global_pull,
                    "global_leader_rank")]
 
+    def state_dict(self) -> dict:
+        """Each level's losses since its last election."""
+        return {"losses": [(level.loss_sum, level.loss_steps) for level in self.levels]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for level, (loss_sum, loss_steps) in zip(self.levels, state["losses"]):
+            level.loss_sum, level.loss_steps = loss_sum, loss_steps
+
     def after_step(self, step):
         loss = float(self.ctx.loss)
         for level in self.levels:

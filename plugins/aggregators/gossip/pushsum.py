@@ -37,6 +37,15 @@ class PushSum:
     def debiased(self) -> torch.Tensor:
         return self.numerator / self.weight
 
+    def state_dict(self) -> dict:
+        """For checkpoints (messages in flight are not in it: a resumed run goes on without
+        their share of x and w)."""
+        return {"numerator": self.numerator.clone(), "weight": self.weight}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.numerator.copy_(state["numerator"])
+        self.weight = state["weight"]
+
     def apply_update(self, delta_z: torch.Tensor) -> None:
         """The local optimizer, run on the de-biased model, changed it by `delta_z`; the step
         updates the numerator by that much: x += delta_z (plain SGD: x -= η g(z)), as in the
