@@ -23,8 +23,7 @@ from dsgd_cli import registry
 from dsgd_cli.comm import NetworkModel
 from dsgd_cli.errors import PluginError, SpecError
 from dsgd_cli.options import check_finite, options_to_dict, parse_options, show
-from dsgd_cli.topology import (CompleteTopology, ExponentialTopology, HypercubeTopology,
-                               RingTopology, TimeVaryingExponentialTopology, TorusTopology)
+from dsgd_cli.topology import TOPOLOGY_KINDS
 
 TOP_LEVEL_KEYS = ("defaults", "experiments")
 PLUGIN_SECTIONS = ("task", "optimizer", "aggregator")
@@ -341,8 +340,7 @@ def _plugin_section(kind: str, raw: Any, path: str) -> dict[str, Any]:
 
 # Built-in graphs that do not depend on the seed: checking one for a world size holds for
 # every seed. Anything else (random_regular, a plugin's own graph) is checked per seed.
-_SEED_FREE_GRAPHS = (RingTopology, TorusTopology, CompleteTopology, ExponentialTopology,
-                     TimeVaryingExponentialTopology, HypercubeTopology)
+_SEED_FREE_GRAPHS = tuple(kind.cls for kind in TOPOLOGY_KINDS.values() if not kind.seeded)
 
 
 def check_world(aggregator_cls: type, options: Any, workers: int, seed: int) -> bool:
