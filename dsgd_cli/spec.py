@@ -26,7 +26,8 @@ from dsgd_cli.options import check_finite, options_to_dict, parse_options, show
 from dsgd_cli.topology import TOPOLOGY_KINDS
 
 TOP_LEVEL_KEYS = ("defaults", "experiments")
-PLUGIN_SECTIONS = ("task", "optimizer", "aggregator")
+# The sections of a resolved config that name a plugin, each a registry kind.
+PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor")
 MAX_WORKERS = 1024
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: beyond, a wait is a hang
 # Bounds that keep the worker's arithmetic in 64 bits: it seeds torch with
@@ -80,9 +81,6 @@ class Experiment:
     @property
     def workers(self) -> int:
         return self.config["workers"]
-
-    def plugin_label(self, section: str) -> str:
-        return self.config[section]["name"]
 
 
 def load_spec(path: str | Path, *, only: list[str] | None = None,
