@@ -25,7 +25,7 @@ from typing import Callable
 
 from dsgd_cli import registry
 from dsgd_cli.events import EventReader, events_path, experiment_dir
-from dsgd_cli.spec import Experiment
+from dsgd_cli.spec import PLUGIN_SECTIONS, Experiment
 from dsgd_cli.store import MetricRow, Store, finite_number
 
 POLL_SECONDS = 0.5
@@ -33,7 +33,6 @@ GRACE_AFTER_ERROR_S = 10.0  # torchrun normally stops the other workers well bef
 TERMINATE_WAIT_S = 5.0  # after SIGTERM, before SIGKILL
 RUN_MARKER = "DSGD_RUN_DIR"  # set in the environment of a run's processes
 DEVICE_VARIABLE = "DSGD_DEVICE"  # tells the workers: cuda or cpu
-PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor")
 
 
 @dataclass

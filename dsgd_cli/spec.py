@@ -23,11 +23,11 @@ from dsgd_cli import registry
 from dsgd_cli.comm import NetworkModel
 from dsgd_cli.errors import PluginError, SpecError
 from dsgd_cli.options import check_finite, options_to_dict, parse_options, show
-from dsgd_cli.topology import (CompleteTopology, ExponentialTopology, HypercubeTopology,
-                               RingTopology, TimeVaryingExponentialTopology, TorusTopology)
+from dsgd_cli.topology import TOPOLOGY_KINDS
 
 TOP_LEVEL_KEYS = ("defaults", "experiments")
-PLUGIN_SECTIONS = ("task", "optimizer", "aggregator")
+# The sections of a resolved config that name a plugin, each a registry kind.
+PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor")
 MAX_WORKERS = 1024
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: beyond, a wait is a hang
 # Bounds that keep the worker's arithmetic in 64 bits: it seeds torch with
@@ -92,9 +92,6 @@ class Experiment:
     @property
     def workers(self) -> int:
         return self.config["workers"]
-
-    def plugin_label(self, section: str) -> str:
-        return self.config[section]["name"]
 
 
 def load_spec(path: str | Path, *, only: list[str] | None = None,
@@ -358,8 +355,7 @@ def _plugin_section(kind: str, raw: Any, path: str) -> dict[str, Any]:
 
 # Built-in graphs that do not depend on the seed: checking one for a world size holds for
 # every seed. Anything else (random_regular, a plugin's own graph) is checked per seed.
-_SEED_FREE_GRAPHS = (RingTopology, TorusTopology, CompleteTopology, ExponentialTopology,
-                     TimeVaryingExponentialTopology, HypercubeTopology)
+_SEED_FREE_GRAPHS = tuple(kind.cls for kind in TOPOLOGY_KINDS.values() if not kind.seeded)
 
 
 def check_world(aggregator_cls: type, options: Any, workers: int, seed: int) -> bool:

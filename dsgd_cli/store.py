@@ -470,6 +470,9 @@ class Store:
                 Metric.run_id == run_id, Metric.name == name).order_by(Metric.id)))
 
     def count_metrics(self, run_id: int) -> int:
+        """How many metric records a run holds, counted by the database. No command needs it;
+        the tests do, to check what a run recorded on SQLite and PostgreSQL alike and to poll
+        a run that is still writing, without depending on the table layout."""
         with Session(self.engine) as session:
             return session.scalar(select(func.count()).where(Metric.run_id == run_id))
 

@@ -29,13 +29,18 @@ import math
 import random
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Literal, Sequence
 
 import numpy as np
 
 __all__ = [
+    "TOPOLOGY_KINDS",
     "TOPOLOGIES",
     "MIXINGS",
+    "TopologyKind",
+    "TopologyName",
+    "MixingName",
     "Topology",
     "RingTopology",
     "TorusTopology",
@@ -45,25 +50,19 @@ __all__ = [
     "HypercubeTopology",
     "RandomRegularTopology",
     "CustomTopology",
+    "topology_kind",
     "make_topology",
     "mixing_matrix",
     "push_weights",
     "push_matrix",
     "mixing_product",
     "spectral_gap",
+    "is_connected",
     "is_strongly_connected",
 ]
 
-TOPOLOGIES = (
-    "ring",
-    "torus",
-    "complete",
-    "exponential",
-    "time_varying_exponential",
-    "hypercube",
-    "random_regular",
-)
 MIXINGS = ("uniform", "metropolis")
+MixingName = Literal[MIXINGS]  # a plugin option's type: one of MIXINGS
 
 
 # --------------------------------------------------------------------------
@@ -344,7 +343,7 @@ class RandomRegularTopology(Topology):
                 adj = None if sparse is None else [set(range(n)) - {v} - sparse[v] for v in range(n)]
             else:
                 adj = _random_regular(n, d, rng)
-            if adj is not None and _connected(adj):
+            if adj is not None and is_connected(adj):
                 return [sorted(s) for s in adj]
         raise RuntimeError(  # pragma: no cover - astronomically unlikely
             f"could not build a connected {d}-regular graph on {n} nodes "
@@ -388,19 +387,6 @@ def _random_regular(n: int, d: int, rng: random.Random) -> list[set[int]] | None
             stubs[idx] = stubs[-1]
             stubs.pop()
     return adj
-
-
-def _connected(adj: Sequence[Iterable[int]]) -> bool:
-    """Whether an undirected graph given as neighbour lists is connected."""
-    n = len(adj)
-    seen = {0}
-    queue = deque([0])
-    while queue:
-        for v in adj[queue.popleft()]:
-            if v not in seen:
-                seen.add(v)
-                queue.append(v)
-    return len(seen) == n
 
 
 class CustomTopology(Topology):
@@ -448,7 +434,44 @@ class CustomTopology(Topology):
 # Factory
 # --------------------------------------------------------------------------
 
-_UNDIRECTED_ONLY = ("torus", "complete", "hypercube", "random_regular")
+@dataclass(frozen=True)
+class TopologyKind:
+    """A built-in topology as :func:`make_topology` builds it."""
+
+    cls: type[Topology]
+    directions: tuple[bool, ...]  # the variants it has (True: directed), its default first
+    takes: tuple[str, ...] = ()   # make_topology's keyword arguments the class is given
+
+    @property
+    def seeded(self) -> bool:
+        """Whether the graph depends on the seed (the same seed gives the same graph)."""
+        return "seed" in self.takes
+
+
+# The one table of built-in topologies: the names a spec may use, their classes and variants.
+TOPOLOGY_KINDS: dict[str, TopologyKind] = {
+    "ring": TopologyKind(RingTopology, directions=(False, True), takes=("directed",)),
+    "torus": TopologyKind(TorusTopology, directions=(False,)),
+    "complete": TopologyKind(CompleteTopology, directions=(False,)),
+    "exponential": TopologyKind(ExponentialTopology, directions=(True, False),
+                                takes=("directed",)),
+    "time_varying_exponential": TopologyKind(TimeVaryingExponentialTopology, directions=(True,),
+                                             takes=("peers_per_step",)),
+    "hypercube": TopologyKind(HypercubeTopology, directions=(False,)),
+    "random_regular": TopologyKind(RandomRegularTopology, directions=(False,),
+                                   takes=("degree", "seed")),
+}
+TOPOLOGIES = tuple(TOPOLOGY_KINDS)
+TopologyName = Literal[TOPOLOGIES]  # a plugin option's type: one of TOPOLOGIES
+
+
+def topology_kind(name: str) -> TopologyKind:
+    """The table's entry for ``name`` (case-insensitive, ``-`` accepted for ``_``); ValueError
+    naming the known topologies if there is none."""
+    kind = TOPOLOGY_KINDS.get(str(name).strip().lower().replace("-", "_"))
+    if kind is None:
+        raise ValueError(f"unknown topology {name!r}; known topologies: {', '.join(TOPOLOGIES)}")
+    return kind
 
 
 def make_topology(
@@ -462,35 +485,24 @@ def make_topology(
 ) -> Topology:
     """Build a topology by name (one of :data:`TOPOLOGIES`).
 
-    ``directed=None`` picks each topology's default: ``ring`` undirected,
-    ``exponential`` and ``time_varying_exponential`` directed.  Asking for a
+    ``directed=None`` picks each topology's default, the first of its
+    directions in :data:`TOPOLOGY_KINDS`: ``ring`` undirected, ``exponential``
+    and ``time_varying_exponential`` directed.  Asking for a
     direction a topology does not support raises ValueError.  Arguments that a
     topology does not use (``seed``, ``peers_per_step``, ``degree``) are
     ignored.  Names are case-insensitive and ``-`` is accepted for ``_``.
     """
-    key = str(name).strip().lower().replace("-", "_")
-    if key not in TOPOLOGIES:
-        raise ValueError(f"unknown topology {name!r}; known topologies: {', '.join(TOPOLOGIES)}")
-    if key in _UNDIRECTED_ONLY and directed:
-        raise ValueError(f"topology {key!r} is undirected only; leave directed unset or False")
-    if key == "time_varying_exponential" and directed is False:
+    kind = topology_kind(name)
+    default = kind.directions[0]
+    if directed is not None and bool(directed) not in kind.directions:
+        both = [other for other, k in TOPOLOGY_KINDS.items() if len(k.directions) == 2]
         raise ValueError(
-            "topology 'time_varying_exponential' is directed only; use 'exponential' "
-            "with directed=False for an undirected exponential graph"
+            f"topology {kind.cls.name!r} is {'directed' if default else 'undirected'} only; leave "
+            f"directed unset or {default} (topologies with both variants: {', '.join(both)})"
         )
-    if key == "ring":
-        return RingTopology(world_size, directed=bool(directed))
-    if key == "torus":
-        return TorusTopology(world_size)
-    if key == "complete":
-        return CompleteTopology(world_size)
-    if key == "exponential":
-        return ExponentialTopology(world_size, directed=True if directed is None else directed)
-    if key == "time_varying_exponential":
-        return TimeVaryingExponentialTopology(world_size, peers_per_step=peers_per_step)
-    if key == "hypercube":
-        return HypercubeTopology(world_size)
-    return RandomRegularTopology(world_size, degree=degree, seed=seed)
+    arguments = {"directed": default if directed is None else bool(directed), "seed": seed,
+                 "peers_per_step": peers_per_step, "degree": degree}
+    return kind.cls(world_size, **{argument: arguments[argument] for argument in kind.takes})
 
 
 # --------------------------------------------------------------------------
@@ -587,9 +599,28 @@ def spectral_gap(w: np.ndarray) -> float:
     return float(1.0 - moduli[1])
 
 
-def is_strongly_connected(topology: Topology, step: int = 0) -> bool:
-    """Whether every worker can reach every other along edges at ``step``."""
-    adj = topology.adjacency(step)
+# --------------------------------------------------------------------------
+# Connectivity
+# --------------------------------------------------------------------------
+
+
+def is_connected(neighbours: Sequence[Iterable[int]]) -> bool:
+    """Whether worker 0 reaches every worker, ``neighbours[i]`` being the workers ``i`` has
+    an edge to.  For an undirected graph: whether it is connected."""
+    seen = {0}
+    queue = deque([0])
+    while queue:
+        for v in neighbours[queue.popleft()]:
+            if v not in seen:
+                seen.add(v)
+                queue.append(v)
+    return len(seen) == len(neighbours)
+
+
+def is_strongly_connected(graph: Topology | np.ndarray, step: int = 0) -> bool:
+    """Whether every worker can reach every other along the edges of ``graph``: a topology
+    at ``step``, or a boolean adjacency matrix (``A[i, j]``: ``i`` sends to ``j``)."""
+    adj = graph.adjacency(step) if isinstance(graph, Topology) else np.asarray(graph, dtype=bool)
     fwd = [np.flatnonzero(row).tolist() for row in adj]
     back = [np.flatnonzero(col).tolist() for col in adj.T]
-    return _connected(fwd) and _connected(back)
+    return is_connected(fwd) and is_connected(back)

@@ -44,6 +44,18 @@ def test_defaults_merge_and_grid(tmp_path):
     assert sweep["aggregator"]["period"] == 2 and sweep["optimizer"]["momentum"] == 0.9
 
 
+def test_plugin_sections_are_the_configs_plugins(tmp_path):
+    """PLUGIN_SECTIONS (whose plugin versions the launcher records with a run) is every section
+    of a resolved config that names a plugin, one per registry kind."""
+    from dsgd_cli.spec import PLUGIN_SECTIONS
+
+    assert sorted(PLUGIN_SECTIONS) == sorted(registry.KINDS)
+    for experiment in load_spec(write_spec(tmp_path, GOOD)):
+        named = [key for key, value in experiment.config.items()
+                 if isinstance(value, dict) and "name" in value]
+        assert sorted(named) == sorted(PLUGIN_SECTIONS)
+
+
 def test_grid_over_plugin_names(tmp_path):
     spec = write_spec(tmp_path, """
 defaults:

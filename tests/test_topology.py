@@ -12,6 +12,7 @@ import pytest
 from dsgd_cli.topology import (
     MIXINGS,
     TOPOLOGIES,
+    TOPOLOGY_KINDS,
     CustomTopology,
     Topology,
     TorusTopology,
@@ -365,6 +366,8 @@ def test_is_strongly_connected_detects_one_way_and_disconnected():
     two_parts[0, 1] = two_parts[1, 0] = two_parts[2, 3] = two_parts[3, 2] = True
     assert not is_strongly_connected(CustomTopology(two_parts))
     assert is_strongly_connected(make_topology("ring", 5, directed=True))
+    assert not is_strongly_connected(one_way) and not is_strongly_connected(two_parts)
+    assert is_strongly_connected(one_way | one_way.T)
 
 
 def test_bad_rank_rejected():
@@ -402,6 +405,33 @@ def test_factory_defaults_and_direction_errors():
         make_topology("time_varying_exponential", 4, directed=False)
     with pytest.raises(ValueError, match="world_size"):
         make_topology("ring", 0)
+
+
+def test_table_of_topologies_describes_what_make_topology_builds():
+    """Each entry's class, variants and seed dependence are what the factory gives."""
+    assert [name for name, kind in TOPOLOGY_KINDS.items() if kind.seeded] == ["random_regular"]
+    for name, kind in TOPOLOGY_KINDS.items():
+        assert kind.cls.name == name
+        built = make_topology(name, 16)
+        assert type(built) is kind.cls and built.directed is kind.directions[0]
+        for directed in (False, True):
+            if directed in kind.directions:
+                assert make_topology(name, 16, directed=directed).directed is directed
+            else:
+                with pytest.raises(ValueError, match="only; leave directed unset"):
+                    make_topology(name, 16, directed=directed)
+        graphs = {make_topology(name, 16, seed=seed).adjacency().tobytes() for seed in range(3)}
+        assert (len(graphs) > 1) is kind.seeded, name
+
+
+def test_option_types_list_the_table():
+    from typing import get_args
+
+    from dsgd_cli.topology import MixingName, TopologyName
+    from plugins.aggregators.gossip import graph
+
+    assert get_args(TopologyName) == TOPOLOGIES and graph.TopologyName is TopologyName
+    assert get_args(MixingName) == MIXINGS and graph.MixingName is MixingName
 
 
 def test_base_class_is_abstract():

@@ -9,28 +9,24 @@ algorithm relies on, raising ValueError with a message a spec author can act on.
 from __future__ import annotations
 
 from collections import deque
-from typing import Literal
 
 import numpy as np
 
-from dsgd_cli.topology import (Topology, make_topology, mixing_matrix, mixing_product,
-                               spectral_gap)
-
-TopologyName = Literal["ring", "torus", "complete", "exponential", "time_varying_exponential",
-                       "hypercube", "random_regular"]
-MixingName = Literal["uniform", "metropolis"]
-
-_HAS_UNDIRECTED_VARIANT = ("ring", "exponential")
+from dsgd_cli.topology import (TOPOLOGY_KINDS, MixingName, Topology, TopologyName, is_connected,
+                               is_strongly_connected, make_topology, mixing_matrix, mixing_product,
+                               spectral_gap, topology_kind)
 
 
 def build(name: str, world_size: int, *, peers_per_step: int = 1, seed: int = 0,
           undirected: bool = False) -> Topology:
     """The topology `name` over `world_size` workers; `undirected` picks the undirected variant
     of ring and exponential (the others have one variant only)."""
-    if peers_per_step != 1 and name != "time_varying_exponential":
-        raise ValueError(f"peers_per_step applies to topology 'time_varying_exponential' only; "
-                         f"topology {name!r} fixes its peers (leave peers_per_step at 1)")
-    directed = False if undirected and name in _HAS_UNDIRECTED_VARIANT else None
+    kind = topology_kind(name)
+    if peers_per_step != 1 and "peers_per_step" not in kind.takes:
+        takers = [other for other, k in TOPOLOGY_KINDS.items() if "peers_per_step" in k.takes]
+        raise ValueError(f"peers_per_step applies to topology {', '.join(map(repr, takers))} "
+                         f"only; topology {name!r} fixes its peers (leave peers_per_step at 1)")
+    directed = False if undirected and False in kind.directions else None
     try:
         return make_topology(name, world_size, directed=directed, seed=seed,
                              peers_per_step=peers_per_step)
@@ -64,11 +60,7 @@ def check_push_sum(topology: Topology, *, balanced_rounds: bool = False) -> None
     connected part is strongly connected): a worker that has stopped computing then still
     receives the messages that tell it to take part in a round its peers wait for."""
     n = topology.world_size
-    union = union_adjacency(topology)
-    reach = np.eye(n, dtype=bool) | union
-    for _ in range(max(1, int(np.ceil(np.log2(max(n, 2)))))):
-        reach = reach | ((reach.astype(np.int64) @ reach.astype(np.int64)) > 0)
-    if not reach.all():
+    if not is_strongly_connected(union_adjacency(topology)):
         raise ValueError(f"topology {topology.name!r} with {n} workers is not strongly connected, "
                          f"so push-sum cannot reach consensus")
     if balanced_rounds:
@@ -109,7 +101,7 @@ def bipartite_split(topology: Topology) -> tuple[list[bool], list[list[int]]]:
     active = [c == 0 for c in colour] if colour is not None else [r % 2 == 0 for r in range(n)]
     neighbours = [[j for j in np.flatnonzero(adjacency[i]).tolist() if active[j] != active[i]]
                   for i in range(n)]
-    if not _connected(neighbours):
+    if not is_connected(neighbours):
         raise ValueError(
             f"topology {topology.name!r} with {n} workers has no usable active/passive split: "
             f"the edges between even (active) and odd (passive) ranks do not connect every "
@@ -134,16 +126,6 @@ def _two_colouring(adjacency: np.ndarray) -> list[int] | None:
                 elif colour[j] == colour[i]:
                     return None
     return colour
-
-
-def _connected(neighbours: list[list[int]]) -> bool:
-    seen, queue = {0}, deque([0])
-    while queue:
-        for j in neighbours[queue.popleft()]:
-            if j not in seen:
-                seen.add(j)
-                queue.append(j)
-    return len(seen) == len(neighbours)
 
 
 __all__ = ["MixingName", "TopologyName", "bipartite_split", "build", "check_doubly_stochastic",
