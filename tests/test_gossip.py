@@ -92,7 +92,7 @@ def _flat(model: nn.Module) -> torch.Tensor:
 
 
 def _train(aggregator, ctx, steps: int, record=None, straggle=None) -> None:
-    """The runtime's loop order, on a fixed batch. `straggle` (from `_straggler`) holds the
+    """The runtime's loop order, on a fixed batch. `straggle` (from `_Straggler`) holds the
     slow rank back until every other rank has finished its loop."""
     x = torch.randn(8, 5, dtype=torch.float64)
     if straggle:
@@ -112,7 +112,7 @@ def _train(aggregator, ctx, steps: int, record=None, straggle=None) -> None:
     aggregator.finish()
 
 
-class _straggler:
+class _Straggler:
     """Rank `slow` takes its first step only once every other rank has taken its last one: the
     most a worker can lag, with no clock involved. The ranks meet through the rendezvous store,
     not a collective, so an algorithm that waits for the slow rank's computation hangs (the
@@ -254,7 +254,7 @@ def _scenario_osgp(rank, n):
     aggregator.setup(ctx)
     initial = _flat(ctx.model)
     # Ranks stop after different numbers of steps, and rank 1 starts when the others are done.
-    _train(aggregator, ctx, STEPS + 5 * rank, straggle=_straggler(ctx, 1, "osgp-done"))
+    _train(aggregator, ctx, STEPS + 5 * rank, straggle=_Straggler(ctx, 1, "osgp-done"))
     return {"initial": initial, "numerator": aggregator.state.numerator.clone(),
             "weight": aggregator.state.weight, "model": _flat(ctx.model),
             "metrics": ctx.metrics.values, "metric_steps": ctx.metrics.steps,
@@ -269,7 +269,7 @@ def _scenario_adpsgd(rank, n):
     peers = []
     # Ranks stop after different numbers of steps, and the passive rank 1 starts when the
     # others are done.
-    _train(aggregator, ctx, STEPS + 5 * rank, straggle=_straggler(ctx, 1, "adpsgd-done"),
+    _train(aggregator, ctx, STEPS + 5 * rank, straggle=_Straggler(ctx, 1, "adpsgd-done"),
            record=lambda step: peers.append(aggregator.peer if aggregator.active else None))
     return {"initial": initial, "model": _flat(ctx.model), "active": aggregator.active,
             "metrics": ctx.metrics.values, "metric_steps": ctx.metrics.steps, "peers": peers,
