@@ -3,9 +3,11 @@
 Two kinds of test:
 
 * the plugins driven by a hand-written training loop in worker processes on a real gloo
-  group, with zero learning rate and a different model on every worker, so the mixing alone
-  can be compared with the matrices of `dsgd_cli.topology` (one start of the workers runs
-  every scenario);
+  group, with a different model on every worker (one start of the workers runs every
+  scenario): with zero learning rate, so the mixing alone can be compared with the matrices
+  of `dsgd_cli.topology`, and with a quadratic loss and lr > 0 against a trajectory computed
+  here step by step. Slow workers are made slow by events (a rank waits until the others have
+  finished), never by sleeping, so the assertions hold on a loaded machine;
 * real `dsgd run` launches under torchrun, with 2 and 4 workers, and with a straggler (one
   `dsgd run` runs them all).
 """
@@ -31,7 +33,9 @@ from dsgd_cli.store import Store
 from dsgd_cli.topology import (CustomTopology, make_topology, mixing_matrix, push_matrix,
                                spectral_gap)
 from plugins.aggregators.gossip import ADPSGD, DPSGD, OSGP, SGP
+from plugins.aggregators.gossip.adpsgd import HEADER as ADPSGD_HEADER
 from plugins.aggregators.gossip.graph import bipartite_split, messages_through
+from plugins.aggregators.gossip.pushsum import HEADER as PUSH_SUM_HEADER
 from plugins.tasks.logreg import LogisticRegression
 
 WORKERS = 4
@@ -50,20 +54,34 @@ class NonRegularSGP(SGP):
         return CustomTopology(NON_REGULAR)
 
 
+# The one-way ring i -> i+1: uniform weights W = (I + S)/2 are doubly stochastic, and unlike
+# the undirected 4-ring its non-unit eigenvalues (1 + i^k)/2 differ in modulus (√½, 0, √½).
+DIRECTED_RING = np.roll(np.eye(4, dtype=bool), 1, axis=1)
+
+
+class DirectedRingDPSGD(DPSGD):
+    @classmethod
+    def make_topology(cls, options, world_size, seed=0):
+        return CustomTopology(DIRECTED_RING)
+
+
 # -- the in-process harness -------------------------------------------------------------------
 
 class _Metrics:
     def __init__(self):
         self.values: dict[str, list[float]] = {}
+        self.steps: dict[str, list[int]] = {}  # the loop's step at which each value was logged
+        self.step = 0
 
     def log(self, name, value):
         self.values.setdefault(name, []).append(float(value))
+        self.steps.setdefault(name, []).append(self.step)
 
 
-def _context(rank: int, world_size: int) -> WorkerContext:
+def _context(rank: int, world_size: int, lr: float = 0.0) -> WorkerContext:
     torch.manual_seed(100 + rank)  # a different model on every worker
     model = nn.Linear(5, 3, dtype=torch.float64)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     return WorkerContext(rank=rank, world_size=world_size, device=torch.device("cpu"),
                          model=model, optimizer=optimizer, comm=Comm(rank, world_size),
                          metrics=_Metrics(), seed=0, compressor=None, config={})
@@ -73,12 +91,14 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return flatten([p.detach() for p in model.parameters()]).clone()
 
 
-def _train(aggregator, ctx, steps: int, delay: float = 0.0, record=None) -> None:
-    """The runtime's loop order, on a fixed batch."""
+def _train(aggregator, ctx, steps: int, record=None, straggle=None) -> None:
+    """The runtime's loop order, on a fixed batch. `straggle` (from `_Straggler`) holds the
+    slow rank back until every other rank has finished its loop."""
     x = torch.randn(8, 5, dtype=torch.float64)
+    if straggle:
+        straggle.before_first_step()
     for step in range(steps):
-        if delay:
-            time.sleep(delay)
+        ctx.metrics.step = step
         ctx.optimizer.zero_grad(set_to_none=True)
         aggregator.before_forward(step)
         ctx.model(x).square().mean().backward()
@@ -87,7 +107,118 @@ def _train(aggregator, ctx, steps: int, delay: float = 0.0, record=None) -> None
         aggregator.after_step(step)
         if record is not None:
             record(step)
+    if straggle:
+        straggle.after_last_step()
     aggregator.finish()
+
+
+class _Straggler:
+    """Rank `slow` takes its first step only once every other rank has taken its last one: the
+    most a worker can lag, with no clock involved. The ranks meet through the rendezvous store,
+    not a collective, so an algorithm that waits for the slow rank's computation hangs (the
+    fixture reports a hang)."""
+
+    def __init__(self, ctx, slow: int, name: str):
+        self.counter = ctx.comm.counter(name)
+        self.slow, self.rank, self.others = slow, ctx.rank, ctx.world_size - 1
+
+    def before_first_step(self):
+        if self.rank == self.slow:
+            while self.counter.value() < self.others:
+                time.sleep(0.005)  # polling, from Python: the plugin's threads keep running
+
+    def after_last_step(self):
+        if self.rank != self.slow:
+            self.counter.add(1)
+
+
+def _centre(rank: int, d: int) -> torch.Tensor:
+    """The minimum of worker `rank`'s quadratic loss."""
+    return torch.linspace(-1.0, 1.0, d, dtype=torch.float64) * (rank + 1)
+
+
+def _params(ctx) -> torch.Tensor:
+    return torch.cat([p.reshape(-1) for p in ctx.model.parameters()])
+
+
+def _forward_backward(ctx) -> None:
+    """f_i(x) = ½‖x - c_i‖²: the gradient is x - c_i at the model forward sees."""
+    x = _params(ctx)
+    (0.5 * (x - _centre(ctx.rank, x.numel())).square().sum()).backward()
+
+
+def _quadratic_step(aggregator, ctx, step: int) -> None:
+    ctx.optimizer.zero_grad(set_to_none=True)
+    aggregator.before_forward(step)
+    _forward_backward(ctx)
+    aggregator.after_backward(step)
+    ctx.optimizer.step()
+    aggregator.after_step(step)
+
+
+LR = 0.1
+LR_STEPS = 3
+
+
+def _scenario_dpsgd_lr(rank, n):
+    ctx = _context(rank, n, lr=LR)
+    aggregator = DPSGD(DPSGD.Options(topology="ring", mixing="uniform"))
+    aggregator.setup(ctx)
+    models = [_flat(ctx.model)]
+    for step in range(LR_STEPS):
+        _quadratic_step(aggregator, ctx, step)
+        models.append(_flat(ctx.model))
+    aggregator.finish()
+    return {"models": torch.stack(models)}
+
+
+def _scenario_sgp_lr(rank, n):
+    ctx = _context(rank, n, lr=LR)
+    aggregator = NonRegularSGP(NonRegularSGP.Options())
+    aggregator.setup(ctx)
+    models = [_flat(ctx.model)]
+    for step in range(LR_STEPS):
+        _quadratic_step(aggregator, ctx, step)
+        models.append(_flat(ctx.model))
+    aggregator.finish()
+    return {"models": torch.stack(models)}
+
+
+def _scenario_adpsgd_lr(rank, n):
+    """Asynchronous, so the test fixes the order of events with barriers: in each step the
+    passive workers take their snapshot and gradient, then active 0 does its whole step, then
+    active 2, then the passive workers apply their gradient (so both averages land between a
+    passive worker's snapshot and its update)."""
+    ctx = _context(rank, n, lr=LR)
+    aggregator = ADPSGD(ADPSGD.Options(topology="ring"))
+    aggregator.setup(ctx)
+    models, peers = [_flat(ctx.model)], []
+    for step in range(LR_STEPS):
+        if not aggregator.active:
+            ctx.optimizer.zero_grad(set_to_none=True)
+            aggregator.before_forward(step)
+            _forward_backward(ctx)
+        for active in (None, 0, 2):
+            if rank == active:
+                _quadratic_step(aggregator, ctx, step)
+                peers.append(aggregator.peer)
+            dist.barrier()
+        if not aggregator.active:
+            aggregator.after_backward(step)
+            ctx.optimizer.step()
+            aggregator.after_step(step)
+        dist.barrier()
+        models.append(_flat(ctx.model))
+    aggregator.finish()
+    return {"models": torch.stack(models), "peers": peers}
+
+
+def _scenario_consensus(rank, n, aggregator):
+    ctx = _context(rank, n)
+    aggregator.setup(ctx)
+    models = [_flat(ctx.model)]
+    _train(aggregator, ctx, 4, record=lambda step: models.append(_flat(ctx.model)))
+    return {"models": torch.stack(models)}
 
 
 def _scenario_sgp(rank, n):
@@ -122,11 +253,12 @@ def _scenario_osgp(rank, n):
     aggregator = OSGP(OSGP.Options(tau=2))
     aggregator.setup(ctx)
     initial = _flat(ctx.model)
-    # Ranks stop after different numbers of steps, and rank 1 is slow.
-    _train(aggregator, ctx, STEPS + 5 * rank, delay=0.01 if rank == 1 else 0.0)
+    # Ranks stop after different numbers of steps, and rank 1 starts when the others are done.
+    _train(aggregator, ctx, STEPS + 5 * rank, straggle=_Straggler(ctx, 1, "osgp-done"))
     return {"initial": initial, "numerator": aggregator.state.numerator.clone(),
             "weight": aggregator.state.weight, "model": _flat(ctx.model),
-            "metrics": ctx.metrics.values}
+            "metrics": ctx.metrics.values, "metric_steps": ctx.metrics.steps,
+            "rounds": aggregator.gossip.next_round, "sent": ctx.comm.take_traffic().bytes_sent}
 
 
 def _scenario_adpsgd(rank, n):
@@ -134,14 +266,26 @@ def _scenario_adpsgd(rank, n):
     aggregator = ADPSGD(ADPSGD.Options(topology="ring"))
     aggregator.setup(ctx)
     initial = _flat(ctx.model)
-    # Ranks stop after different numbers of steps, and the passive rank 1 is slow.
-    _train(aggregator, ctx, STEPS + 5 * rank, delay=0.01 if rank == 1 else 0.0)
+    peers = []
+    # Ranks stop after different numbers of steps, and the passive rank 1 starts when the
+    # others are done.
+    _train(aggregator, ctx, STEPS + 5 * rank, straggle=_Straggler(ctx, 1, "adpsgd-done"),
+           record=lambda step: peers.append(aggregator.peer if aggregator.active else None))
     return {"initial": initial, "model": _flat(ctx.model), "active": aggregator.active,
-            "metrics": ctx.metrics.values}
+            "metrics": ctx.metrics.values, "metric_steps": ctx.metrics.steps, "peers": peers,
+            "neighbours": aggregator.neighbours, "unlogged_averages": aggregator.averages,
+            "sent": ctx.comm.take_traffic().bytes_sent}
 
 
-SCENARIOS = {"sgp": _scenario_sgp, "dpsgd": _scenario_dpsgd, "osgp": _scenario_osgp,
-             "adpsgd": _scenario_adpsgd}
+SCENARIOS = {
+    "sgp": _scenario_sgp, "dpsgd": _scenario_dpsgd, "osgp": _scenario_osgp,
+    "adpsgd": _scenario_adpsgd, "dpsgd_lr": _scenario_dpsgd_lr, "sgp_lr": _scenario_sgp_lr,
+    "adpsgd_lr": _scenario_adpsgd_lr,
+    "directed_ring": lambda rank, n: _scenario_consensus(
+        rank, n, DirectedRingDPSGD(DirectedRingDPSGD.Options(mixing="uniform"))),
+    "time_varying": lambda rank, n: _scenario_consensus(
+        rank, n, DPSGD(DPSGD.Options(topology="time_varying_exponential", mixing="uniform"))),
+}
 
 
 def _worker(rank: int, world_size: int, directory: str) -> None:
@@ -242,6 +386,36 @@ def test_dpsgd_consensus_shrinks_at_the_rate_of_the_mixing_matrix(spawned):
     torch.testing.assert_close(models[-1].mean(0), x.mean(0), rtol=0, atol=1e-14)
 
 
+@pytest.mark.parametrize("name, topology", [
+    ("directed_ring", CustomTopology(DIRECTED_RING)),
+    ("time_varying", make_topology("time_varying_exponential", WORKERS)),
+], ids=["directed_ring", "time_varying"])
+def test_dpsgd_consensus_follows_the_product_of_the_mixing_matrices(spawned, name, topology):
+    """Uniform weights where the contraction is not one factor per step: on the one-way ring
+    the deviation's components shrink by √½ or vanish at once; on the time-varying exponential
+    graph W_1 W_0 = J/n, exact consensus after two steps."""
+    runs = [r[name] for r in spawned]
+    models = torch.stack([r["models"] for r in runs], 1)  # steps x workers x d
+    x = models[0]
+
+    def distance(m):
+        return float((m - m.mean(0)).norm())
+
+    product = torch.eye(WORKERS, dtype=torch.float64)
+    for step in range(models.shape[0] - 1):
+        product = torch.from_numpy(mixing_matrix(topology, step, "uniform")) @ product
+        expected = product @ x
+        torch.testing.assert_close(models[step + 1], expected, rtol=1e-13, atol=1e-14)
+        assert distance(models[step + 1]) == pytest.approx(distance(expected), rel=1e-9,
+                                                           abs=1e-13)
+    distances = [distance(m) for m in models]
+    if name == "time_varying":
+        assert distances[1] > 0.1 * distances[0] and distances[2] < 1e-13 * distances[0]
+    else:  # the first step removes the components of eigenvalue 0, then √½ per step
+        assert distances[1] / distances[0] < 0.99 * 2 ** -0.5
+        assert distances[3] / distances[2] == pytest.approx(2 ** -0.5, rel=1e-9)
+
+
 # -- osgp: asynchronous push-sum, drained at shutdown -------------------------------------------
 
 def test_osgp_conserves_mass_and_reaches_consensus_after_shutdown(spawned):
@@ -257,7 +431,8 @@ def test_osgp_conserves_mass_and_reaches_consensus_after_shutdown(spawned):
     # every reported model is de-biased, and all of them agree with the average.
     torch.testing.assert_close(models, numerators / weights[:, None], rtol=1e-14, atol=1e-14)
     assert float((models - target).abs().max()) < 1e-6 * float((initial - target).abs().max())
-    # The slow worker (rank 1) is behind the peers whose messages it receives.
+    # The slow worker (rank 1) started when its peers had finished: it is behind the peers
+    # whose messages it receives (they could finish without it, or the fixture reports a hang).
     slow_lag = runs[1]["metrics"]["peer_step_lag"]
     assert min(slow_lag) < -5
     # No worker ever ran ahead of the bound: the model of step s went through a complete round
@@ -284,9 +459,116 @@ def test_adpsgd_pairwise_averages_keep_the_sum_and_mix(spawned):
     assert distance(models) < 1e-3 * distance(initial)
     averages = sum(sum(run["metrics"]["gossip_averages"]) for run in runs if run["active"])
     assert averages == STEPS + (STEPS + 10)  # every step of an active worker averages once
-    # The active workers did not wait for the slow passive rank 1 to compute: when they
-    # averaged with it, it was many steps behind them.
-    assert max(runs[0]["metrics"]["peer_step_lag"] + runs[2]["metrics"]["peer_step_lag"]) > 5
+    # The active workers did not wait for the passive rank 1 to compute: it took its first step
+    # after their last one, so each time they averaged with it, it had taken none.
+    with_rank_1 = 0
+    for rank in (0, 2):
+        lags = runs[rank]["metrics"]["peer_step_lag"]  # one per step: one average per step
+        assert runs[rank]["metric_steps"]["peer_step_lag"] == list(range(STEPS + 5 * rank))
+        for step, peer in enumerate(runs[rank]["peers"]):
+            if peer == 1:
+                assert lags[step] == step
+                with_rank_1 += 1
+    assert with_rank_1 > 5
+
+
+# -- bytes: the messages each algorithm sends --------------------------------------------------
+
+MODEL_NUMBERS = 5 * 3 + 3  # nn.Linear(5, 3)
+FLOAT64 = 8
+
+
+def test_osgp_sends_one_share_per_out_peer_and_round_and_a_small_end_message(spawned):
+    runs = [r["osgp"] for r in spawned]
+    rounds = runs[0]["rounds"]
+    assert [r["rounds"] for r in runs] == [rounds] * WORKERS  # every worker ran rounds 0..M
+    assert rounds >= sum(runs[0]["metrics"]["gossip_rounds"]) > 0
+    topology = make_topology("time_varying_exponential", WORKERS)
+    share = (PUSH_SUM_HEADER + MODEL_NUMBERS) * FLOAT64
+    end = PUSH_SUM_HEADER * FLOAT64
+    agree_on_last_round = 2 * (WORKERS - 1) * FLOAT64 // WORKERS  # ring all-reduce of 1 number
+    for rank, run in enumerate(runs):
+        messages = sum(len(topology.out_peers(rank, r)) for r in range(rounds))
+        assert run["sent"] == messages * share + end + agree_on_last_round
+
+
+def test_adpsgd_sends_a_model_per_request_and_reply_and_small_stop_messages(spawned):
+    runs = [r["adpsgd"] for r in spawned]
+    model = (ADPSGD_HEADER + MODEL_NUMBERS) * FLOAT64
+    stop = ADPSGD_HEADER * FLOAT64
+    requests = 0
+    for rank in (0, 2):  # active: one request per step, then a stop to each neighbour
+        run = runs[rank]
+        steps = STEPS + 5 * rank
+        assert sum(run["metrics"]["gossip_averages"]) == steps
+        assert run["sent"] == steps * model + len(run["neighbours"]) * stop
+        requests += steps
+    replies = 0
+    for rank in (1, 3):  # passive: one reply per request served, including after its last step
+        run = runs[rank]
+        served = sum(run["metrics"]["gossip_averages"]) + run["unlogged_averages"]
+        assert run["sent"] == served * model
+        replies += served
+    assert replies == requests
+
+
+# -- lr > 0: one gradient step and one mixing per step, in the algorithm's order --------------
+
+def _initial_and_centres(runs) -> tuple[torch.Tensor, torch.Tensor]:
+    initial = torch.stack([r["models"][0] for r in runs])
+    return initial, torch.stack([_centre(rank, initial.shape[1]) for rank in range(WORKERS)])
+
+
+def test_dpsgd_with_lr_mixes_the_step_start_models_and_subtracts_the_gradient_there(spawned):
+    """x_i <- Σ_j W_ij x_j - η ∇f_i(x_i) (Lian et al., 2017, Algorithm 1): the gradient is
+    taken at the model of the start of the step, the one the neighbours receive."""
+    runs = [r["dpsgd_lr"] for r in spawned]
+    x, centres = _initial_and_centres(runs)
+    w = torch.from_numpy(mixing_matrix(make_topology("ring", WORKERS, directed=False), 0,
+                                       "uniform"))
+    for step in range(LR_STEPS):
+        x = w @ x - LR * (x - centres)
+        torch.testing.assert_close(torch.stack([r["models"][step + 1] for r in runs]), x,
+                                   rtol=1e-13, atol=1e-14)
+
+
+def test_sgp_with_lr_steps_the_numerator_with_the_gradient_at_the_debiased_model(spawned):
+    """Assran et al., 2019, Algorithm 1: z_i = x_i / w_i; x_i <- x_i - η ∇f_i(z_i); then the
+    push-sum round (x, w) <- (P x, P w). After the first round the weights are not all 1 on
+    this graph, so steps 2 and 3 tell z from x, and an update on x from one on z."""
+    runs = [r["sgp_lr"] for r in spawned]
+    x, centres = _initial_and_centres(runs)
+    w = torch.ones(WORKERS, dtype=torch.float64)
+    topology = CustomTopology(NON_REGULAR)
+    for step in range(LR_STEPS):
+        z = x / w[:, None]
+        x = x - LR * (z - centres)
+        p = torch.from_numpy(push_matrix(topology, step))
+        x, w = p @ x, p @ w
+        torch.testing.assert_close(torch.stack([r["models"][step + 1] for r in runs]),
+                                   x / w[:, None], rtol=1e-13, atol=1e-14)
+    assert (w - 1).abs().max() > 0.1
+
+
+def test_adpsgd_with_lr_averages_pairs_and_applies_the_gradient_of_the_model_before(spawned):
+    """Lian et al., 2018: active i averages with passive j, x_i, x_j <- (x_i + x_j)/2, and
+    applies the gradient of the model it read before, x_i -= η ∇f_i(x̂_i); a passive worker's
+    gradient, taken at its snapshot, is added to its model after the averages made meanwhile.
+    Pairings as the plugin drew them (seeded); the order of events as the scenario fixed it."""
+    runs = [r["adpsgd_lr"] for r in spawned]
+    x, centres = _initial_and_centres(runs)
+    peers = {rank: spawned[rank]["adpsgd_lr"]["peers"] for rank in (0, 2)}
+    for step in range(LR_STEPS):
+        passive_gradients = {j: x[j] - centres[j] for j in (1, 3)}
+        for i in (0, 2):
+            j = peers[i][step]
+            average = (x[i] + x[j]) / 2
+            x[i], x[j] = average - LR * (x[i] - centres[i]), average
+        for j, gradient in passive_gradients.items():
+            x[j] = x[j] - LR * gradient
+        torch.testing.assert_close(torch.stack([r["models"][step + 1] for r in runs]), x,
+                                   rtol=1e-13, atol=1e-14)
+    assert len({peer for rank in (0, 2) for peer in peers[rank]}) == 2  # both pairings happen
 
 
 # -- topology checks reach the spec loader --------------------------------------------------------
@@ -449,18 +731,15 @@ def test_fast_workers_do_not_wait_for_a_straggler(gossip_runs, plugin):
     run = [r for r in store.runs() if r.experiment == name][0]
     steps = 2 * 64
     lag = store.metric_history(run.id, "peer_step_lag")
-    # Every message or average the slow rank 0 takes part in carries its peer's step count:
-    # its peers were far ahead, i.e. they completed many more steps than it in the same time
-    # (a synchronous algorithm keeps this at 0).
-    slow = [m.value for m in lag if m.rank == 0]
-    assert min(slow) < -steps / 4
-    # The fast ranks reached their last step while rank 0 was still in its first epoch: they
-    # did not wait for it at the end of the epoch either (evaluation there is local).
-    loss = store.metric_history(run.id, "train_loss")
-    fast_done = max(m.seconds for m in loss if m.rank != 0 and m.step == steps)
-    slow_done = max(m.seconds for m in loss if m.rank == 0 and m.step == steps)
-    slow_then = max((m.step for m in loss if m.rank == 0 and m.seconds <= fast_done), default=0)
-    assert slow_then < 64 and slow_done > fast_done
+    # Every message or average the slow rank 0 takes part in carries its peer's step count (a
+    # synchronous algorithm keeps the lag at 0). Step counts, not clocks: in some log interval
+    # of its first epoch (steps <= 64), rank 0 averaged with peers more than 64 steps ahead on
+    # average, so at least one peer had passed the end of the first epoch while rank 0 had not
+    # reached it: the fast ranks did not wait for it there either (evaluation is local). The
+    # 60-fold slowdown leaves a wide margin: the fast ranks would have to be more than 30
+    # times slower than usual relative to it.
+    first_epoch = [m.value for m in lag if m.rank == 0 and m.step <= 64]
+    assert first_epoch and min(first_epoch) < -64
     # Each worker evaluated its own model every epoch, and once more after the last exchange;
     # the average model only then.
     own = store.metric_history(run.id, "test_accuracy_workers")
@@ -469,7 +748,13 @@ def test_fast_workers_do_not_wait_for_a_straggler(gossip_runs, plugin):
     # Training still converges, every worker's model and their average.
     row = rows[name]
     assert row["status"] == "completed" and row["test_accuracy"] > 0.8
-    assert row["total_bytes_sent"] > 0
+    if plugin == "adpsgd":
+        # The active ranks 0 and 2 each send a request per step and get a reply (13 float32:
+        # header and model), then a stop (the 3-number header) to each of their 2 neighbours.
+        assert row["total_bytes_sent"] == 2 * steps * 2 * (3 + 10) * 4 + 2 * 2 * 3 * 4
+    else:  # the number of rounds is not logged (exact count: the in-process test); with
+        # tau = 1 a round starts at least every second step: one model-sized share per round
+        assert row["total_bytes_sent"] >= 4 * (steps // 2) * (5 + 10) * 4
     optimum = LogisticRegression(LogisticRegression.Options(samples=16384)).optimum().float()
     for rank in range(4):  # from about optimum.norm() away at the start
         final = torch.load(models / name / f"rank{rank}.pt")["weight"][0]

@@ -18,8 +18,9 @@ its model, so it answers at once whatever its training loop is doing:
   step and adds the optimizer's change to the master at the end (x_j += Δ), so averages that
   happened in between are kept.
 
-Shutdown: an active worker sends a stop message to each of its passive neighbours after its
-last step; a passive worker's server ends when all its active neighbours have stopped.
+Shutdown: an active worker sends a stop message (a header, no model) to each of its passive
+neighbours after its last step; a passive worker's server ends when all its active neighbours
+have stopped.
 
 Per-step metrics: `peer_step_lag` (this worker's step count minus the peer's, over the
 averagings of the step; positive when the peer lags behind) and `gossip_averages`.
@@ -143,8 +144,8 @@ class ADPSGD(Aggregator):
         if self.group is None:
             return
         if self.active:
-            stop = torch.zeros(HEADER + self.vector.numel, dtype=self.vector.dtype)
-            stop[:HEADER] = torch.tensor([STOP, self.rank, self.steps])
+            # A header only: gloo delivers it into the passive worker's larger request buffer.
+            stop = torch.tensor([STOP, self.rank, self.steps], dtype=self.vector.dtype)
             for peer in self.neighbours:
                 self.ctx.comm.isend(stop, peer, self.group).wait()
         else:

@@ -151,7 +151,7 @@ class OverlapGossip:
                 self.sent_through = round_
                 self._advance()
         # After every round message this worker sends to rank+1, so it arrives last from us.
-        end = end_message(self.state.numerator.numel(), self.state.numerator.dtype, rank)
+        end = end_message(self.state.numerator.dtype, rank)
         comm.isend(end, (rank + 1) % comm.world_size, self.group).wait()
 
     def _receive_loop(self) -> None:

@@ -92,9 +92,11 @@ def message_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(HEADER + numel, dtype=dtype)
 
 
-def end_message(numel: int, dtype: torch.dtype, rank: int) -> torch.Tensor:
-    """The last message a worker sends in OSGP's shutdown (round -1, no mass)."""
-    message = torch.zeros(HEADER + numel, dtype=dtype)
+def end_message(dtype: torch.dtype, rank: int) -> torch.Tensor:
+    """The last message a worker sends in OSGP's shutdown (round -1, no mass): a header only.
+    gloo delivers a message shorter than the receive buffer posted for it, and the header
+    alone says it is the end, so it costs HEADER numbers, not a model."""
+    message = torch.zeros(HEADER, dtype=dtype)
     message[2], message[3] = -1, rank
     return message
 
