@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dsgd_cli import checkpoint, registry
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.spec import Experiment
+from dsgd_cli.spec import PLUGIN_SECTIONS, Experiment
 from dsgd_cli.store import Store
 
 RESUMABLE = ("interrupted", "failed")
@@ -31,7 +31,7 @@ def resumable(store: Store, run_id: int) -> Experiment:
         why = ("its spec set no checkpoint_every" if directory is None
                else f"none complete in {directory}")
         raise DsgdError(f"run {run_id} has no checkpoint to resume from ({why})")
-    for kind in ("task", "optimizer", "aggregator", "compressor"):
+    for kind in PLUGIN_SECTIONS:
         registry.load(kind, run.config[kind]["name"])  # still installed: else a clear error
     return Experiment(run.experiment, run.config, checkpoint_dir=directory, resume_step=step,
                       run_id=run_id)

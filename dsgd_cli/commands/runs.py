@@ -47,10 +47,17 @@ RunIds = Annotated[list[int], typer.Argument(help="Run ids from `dsgd runs`", sh
 def delete(ctx: typer.Context, run_ids: RunIds, db: DbOption = None,
            force: Annotated[bool, typer.Option(
                "--force", help="Also delete runs still marked running")] = False) -> None:
-    """Delete runs with their metrics, configuration and tags (an unknown id: none at all)."""
-    from dsgd_cli.store import Store
+    """Delete runs with their metrics, configuration, tags and checkpoints (an unknown id:
+    none at all)."""
+    import shutil
 
-    deleted = Store(_db(ctx, db)).delete_runs(run_ids, force=force)
+    from dsgd_cli.store import MAX_ID, Store
+
+    store = Store(_db(ctx, db))
+    checkpoints = [store.checkpoint_dir(run_id) for run_id in run_ids if 0 < run_id <= MAX_ID]
+    deleted = store.delete_runs(run_ids, force=force)
+    for directory in filter(None, checkpoints):
+        shutil.rmtree(directory, ignore_errors=True)
     typer.echo(f"deleted run{'s' if len(deleted) > 1 else ''} {', '.join(map(str, deleted))}")
 
 
@@ -89,6 +96,10 @@ def show(run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`")
                f"dsgd {run.dsgd_version}  spec: {run.spec_file or '-'}")
     if run.tags:
         typer.echo(f"tags: {', '.join(run.tag_names)}")
+    checkpoints = store.checkpoint_dir(run.id)
+    if checkpoints:
+        resumes = "; ".join(f"{r['at']} from step {r['step']}" for r in store.resumes(run.id))
+        typer.echo(f"checkpoints: {checkpoints}" + (f"  resumed: {resumes}" if resumes else ""))
     typer.echo("\nconfiguration:")
     typer.echo(yaml.safe_dump(run.config, sort_keys=False).rstrip())
     typer.echo("\nplugins:")
