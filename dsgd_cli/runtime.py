@@ -177,7 +177,11 @@ class Worker:
                 order, order_epoch = self.shard.indices(epoch), epoch
             index = order[b * batch: (b + 1) * batch].to(self.device)
             x, y = self.train_x[index], self.train_y[index]
-            loss, step_seconds = self._step(step, x, y)
+            try:
+                loss, step_seconds = self._step(step, x, y)
+            except Diverged:
+                self._flush_interval(step, epoch)  # the steps before it are sound: keep them
+                raise
             traffic = self.comm.take_traffic()
             total_sent += traffic.bytes_sent
             samples += len(y)

@@ -315,6 +315,30 @@ def test_dsgd_run_goes_on_after_a_diverged_run(tmp_path, fake_torchrun):
         ("bad", "diverged"), ("good", "completed")]
 
 
+def test_a_real_worker_that_diverges_keeps_the_steps_before(tmp_path):
+    """The issue's own example: SGD with lr 1e6 on mnist1d_mlp diverges within a few steps,
+    inside the first log interval. The steps before it are flushed and kept; the next
+    experiment of the spec runs."""
+    spec = write_spec(tmp_path, """
+        defaults: {task: mnist1d_mlp, workers: 2, steps_per_epoch: 20, log_interval: 50}
+        experiments:
+          - {name: bad, optimizer: {name: sgd, lr: 1.0e+6}}
+          - {name: good, steps_per_epoch: 2}
+    """)
+    db = tmp_path / "r.db"
+    result = dsgd("run", str(spec), "--db", str(db))
+    assert result.returncode == 1, result.stdout + result.stderr
+    store = Store(str(db))
+    bad, good = store.runs()
+    assert (bad.status, good.status) == ("diverged", "completed")
+    diverged_at = int(bad.reason.split(" at step ")[1].split()[0])
+    assert diverged_at >= 1 and bad.failed_rank in (0, 1)
+    # The rank that diverged flushed its steps before the divergence (its peer may still be
+    # waiting in that step's all-reduce when the run is stopped).
+    losses = [m for m in store.metric_history(bad.id, "train_loss") if m.rank == bad.failed_rank]
+    assert [m.step for m in losses] == [diverged_at] and math.isfinite(losses[0].value)
+
+
 # -- signals and launch failures ----------------------------------------------------------------
 
 def _workers(cli: subprocess.Popen) -> dict[int, tuple[int, str]]:
