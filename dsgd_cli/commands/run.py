@@ -16,7 +16,6 @@ from dsgd_cli.commands.common import DbOption, ExperimentOption
 from dsgd_cli.commands.compare import compare_rows
 from dsgd_cli.errors import DsgdError, RunFailed
 from dsgd_cli.output import render
-from dsgd_cli.store import Store
 
 if TYPE_CHECKING:
     from dsgd_cli.launcher import Progress as RunProgress, RunResult
@@ -48,6 +47,7 @@ def run(
     from dsgd_cli.launcher import Callbacks, plan_launches, run_all
     from dsgd_cli.resume import reopen, resumable
     from dsgd_cli.spec import load_spec
+    from dsgd_cli.store import Store
 
     if resume is not None:
         if experiment or workers is not None:
