@@ -55,10 +55,25 @@ class Progress:
 
 
 def torchrun_command(experiment: Experiment, plan_path: str | Path, events_dir: str | Path) -> list[str]:
-    """The torchrun command of a launch whose experiments have `experiment`'s worker count."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={experiment.workers}", "--max-restarts=0",
+    """The torchrun command of a launch whose experiments have `experiment`'s worker count:
+    standalone on one machine, or this machine's part of a c10d rendezvous."""
+    nodes = experiment.nodes
+    if nodes is None:
+        where = ["--standalone", f"--nproc-per-node={experiment.workers}"]
+    else:
+        where = [f"--nnodes={nodes.nnodes}",
+                 f"--nproc-per-node={nodes.local_workers(experiment.workers)}",
+                 "--rdzv-backend=c10d", f"--rdzv-endpoint={nodes.endpoint}",
+                 f"--rdzv-id={nodes.rendezvous_id(experiment.spec_text, experiment.name)}",
+                 f"--rdzv-conf=join_timeout={nodes.timeout:g}"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, "--max-restarts=0",
             "-m", "dsgd_cli.runtime", str(plan_path), str(events_dir)]
+
+
+def local_workers(experiment: Experiment) -> int:
+    """How many of the experiment's workers run on this machine."""
+    nodes = experiment.nodes
+    return experiment.workers if nodes is None else nodes.local_workers(experiment.workers)
 
 
 def plugin_versions(config: dict) -> list[tuple[str, str, str, str]]:
@@ -113,8 +128,9 @@ def plan_launches(experiments: list[Experiment], shared: bool = True) -> list[La
     without `shared`."""
     launches: list[Launch] = []
     for experiment in experiments:
-        device = choose_device(experiment.workers)
-        if shared and launches and launches[-1].fits(experiment, device):
+        device = choose_device(local_workers(experiment))
+        # A run over several machines has a rendezvous of its own.
+        if shared and experiment.nodes is None and launches and launches[-1].fits(experiment, device):
             launches[-1].experiments.append(experiment)
         else:
             launches.append(Launch([experiment], device))
@@ -152,30 +168,44 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
     """Run and record one experiment in a launch of its own. `device`: by default
     `choose_device`'s."""
     callbacks = Callbacks(progress=lambda experiment, progress: on_progress(progress))
-    device = device or choose_device(experiment.workers)
+    device = device or choose_device(local_workers(experiment))
     return _launch([experiment], device, store, spec_file, callbacks)[0]
 
 
 class _Running:
     """The experiment of a launch that is running now: its run id, its workers' events as
-    read so far, and its progress."""
+    read so far, and its progress.
 
-    def __init__(self, index: int, experiment: Experiment, run_id: int, events_dir: Path):
+    On one machine the workers are ranks 0 to n - 1. In a run over several machines this
+    machine's workers have the ranks the rendezvous gave them, found as their event files
+    appear; a node other than node rank 0 learns the run id from its workers (a `run` event)
+    and keeps their metrics until then."""
+
+    def __init__(self, index: int, experiment: Experiment, run_id: int | None, events_dir: Path):
         self.index, self.experiment, self.run_id = index, experiment, run_id
-        self.readers = [EventReader(events_path(events_dir, rank))
-                        for rank in range(experiment.workers)]
+        self.events_dir = events_dir
+        self.readers: dict[int, EventReader] = {}
+        if experiment.nodes is None:
+            self.readers = {rank: EventReader(events_path(events_dir, rank))
+                            for rank in range(experiment.workers)}
         self.progress = Progress()
         self.problems: list[dict] = []  # `error` and `diverged` events
         self.done_ranks: set[int] = set()
         self.first_problem_at: float | None = None
+        self.unstored: list[MetricRow] = []  # until the run id is known
 
     @property
     def complete(self) -> bool:
-        return len(self.done_ranks) == self.experiment.workers
+        return len(self.done_ranks) == local_workers(self.experiment)
 
     def ingest(self, store: Store, callbacks: Callbacks) -> None:
-        rows = []
-        for reader in self.readers:
+        if self.experiment.nodes is not None:
+            for path in self.events_dir.glob("rank*.jsonl"):
+                rank = int(path.stem[len("rank"):])
+                self.readers.setdefault(rank, EventReader(path))
+        lead = min(self.readers, default=0)  # whose progress is shown
+        rows = self.unstored
+        for reader in self.readers.values():
             for event in reader.read():
                 kind, rank = event["type"], event["rank"]
                 if kind == "metric":
@@ -184,16 +214,22 @@ class _Running:
                     rows.append(MetricRow(event["name"], event["value"], event["step"],
                                           event["epoch"], rank if event["per_rank"] else None,
                                           event["seconds"]))
-                    if rank == 0:
+                    if rank == lead:
                         _update_progress(self.progress, event)
-                elif kind == "start" and rank == 0:
+                elif kind == "start" and rank == lead:
                     self.progress.total_steps = event["total_steps"]
+                elif kind == "run":
+                    self.run_id = event["run_id"]
                 elif kind in ("error", "diverged"):
                     self.problems.append(event)
                     self.first_problem_at = self.first_problem_at or time.monotonic()
                 elif kind == "done":
                     self.done_ranks.add(rank)
+        if self.run_id is None:
+            self.unstored = rows
+            return
         store.add_metrics(self.run_id, rows)
+        self.unstored = []
         if rows:
             callbacks.progress(self.experiment, self.progress)
 
@@ -210,7 +246,10 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
 
     def finish(result: RunResult) -> None:
         nonlocal running
-        store.finish_run(result.run_id, result.status, result.reason, result.failed_rank)
+        if _records(running.experiment):
+            store.finish_run(result.run_id, result.status, result.reason, result.failed_rank)
+        elif result.run_id is not None:  # node rank 0 ends the run; this node's metrics are in
+            store.refresh_summaries(result.run_id)
         results.append(result)
         callbacks.ended(result)
         running = None
@@ -220,7 +259,7 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
         experiment = experiments[index]
         callbacks.started(experiment, device)
         run_id = experiment.run_id  # a resumed run goes on under its own id
-        if run_id is None:
+        if run_id is None and _records(experiment):
             run_id = store.create_run(experiment.name, experiment.config, spec_file,
                                       plugin_versions(experiment.config),
                                       experiment.checkpoint_dir)
@@ -243,7 +282,9 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
         try:
             begin(0)
             plan_path = Path(tmp) / "experiments.json"
-            plan_path.write_text(json.dumps({"experiments": [e.worker_config() for e in experiments]}))
+            configs = [e.worker_config() for e in experiments]
+            configs[0]["run_id"] = running.run_id  # other machines' workers learn it from these
+            plan_path.write_text(json.dumps({"experiments": configs}))
             log_path = Path(tmp) / "torchrun.log"
             try:
                 with open(log_path, "w") as log:
@@ -278,12 +319,26 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
                     failures = [] if stopped else torchrun_failures(log_text)
                     finish(run_result(running.run_id, running.experiment, running.problems,
                                       running.done_ranks, process.returncode,
-                                      _last_line(log_text), failures))
+                                      _last_line(log_text), failures,
+                                      _rendezvous_failure(running.experiment, log_text)))
         except BaseException as error:
-            if running is not None:
+            if running is not None and _records(running.experiment) and running.run_id is not None:
                 store.finish_run(running.run_id, "failed", f"dsgd failed: {error!r}")
             raise
     return results
+
+
+def _records(experiment: Experiment) -> bool:
+    """Whether this machine records the run: always, unless it is another node's run."""
+    return experiment.nodes is None or experiment.nodes.records
+
+
+def _rendezvous_failure(experiment: Experiment, log: str) -> str | None:
+    nodes = experiment.nodes
+    if nodes is None or "RendezvousTimeoutError" not in log:
+        return None
+    return (f"rendezvous at {nodes.endpoint} timed out: not all {nodes.nnodes} nodes joined "
+            f"within {nodes.timeout:g} s")
 
 
 def _must_stop(running: _Running) -> bool:
@@ -340,7 +395,8 @@ def torchrun_failures(log: str) -> list[WorkerExit]:
 
 
 def run_result(run_id: int, experiment: Experiment, problems: list[dict], done_ranks: set[int],
-               returncode: int, log_tail: str, failures: list[WorkerExit] = ()) -> RunResult:
+               returncode: int, log_tail: str, failures: list[WorkerExit] = (),
+               launch_failure: str | None = None) -> RunResult:
     """How a run ended, from its workers' `error` and `diverged` events, the workers that
     torchrun saw fail by themselves (`failures`, empty when dsgd stopped the workers) and
     torchrun's exit.
@@ -361,7 +417,9 @@ def run_result(run_id: int, experiment: Experiment, problems: list[dict], done_r
                              f"{first.get('name', 'train_loss')} is {first['value']} "
                              f"at step {first['step']} on rank {rank}", rank)
         return RunResult(run_id, experiment.name, "failed", f"rank {rank}: {first['reason']}", rank)
-    if returncode != 0 or len(done_ranks) < experiment.workers:
+    if launch_failure is not None:
+        return RunResult(run_id, experiment.name, "failed", launch_failure)
+    if returncode != 0 or len(done_ranks) < local_workers(experiment):
         return RunResult(run_id, experiment.name, "failed",
                          f"torchrun exited with code {returncode}: {log_tail}")
     return RunResult(run_id, experiment.name, "completed")

@@ -392,6 +392,16 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def _shared_run_id(config: dict, namespace: str) -> int:
+    """The id of the run, which only node rank 0's launcher knows (it created the run): its
+    workers put it in the rendezvous store, the other machines' read it from there."""
+    store = dist.distributed_c10d._get_default_store()
+    key = f"dsgd/run_id/{namespace}"
+    if config.get("run_id") is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        store.set(key, str(config["run_id"]))
+    return int(store.get(key))
+
+
 def device_and_backend(local_rank: int) -> tuple[torch.device, str]:
     """The launcher's choice (`launcher.choose_device`, in $DSGD_DEVICE); for a worker started
     by hand, CUDA when it is there."""
@@ -439,6 +449,8 @@ def run_experiment(config: dict, events: EventWriter, rank: int, world_size: int
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(
                 seconds=config.get("timeout", DEFAULT_TIMEOUT_S)))
+        if config.get("nnodes", 1) > 1:
+            events.write("run", run_id=_shared_run_id(config, namespace))
         worker = Worker(config, events, rank, world_size, device, namespace)
         worker.train()
         with worker.comm.untracked():  # nobody tears down its links while a peer needs them

@@ -22,10 +22,11 @@ import yaml
 from dsgd_cli import registry
 from dsgd_cli.comm import NetworkModel
 from dsgd_cli.errors import PluginError, SpecError
+from dsgd_cli.nodes import NodePlan, check_split, parse_launch
 from dsgd_cli.options import check_finite, options_to_dict, parse_options, show
 from dsgd_cli.topology import TOPOLOGY_KINDS
 
-TOP_LEVEL_KEYS = ("defaults", "experiments")
+TOP_LEVEL_KEYS = ("defaults", "experiments", "launch")
 # The sections of a resolved config that name a plugin, each a registry kind.
 PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor")
 MAX_WORKERS = 1024
@@ -83,11 +84,14 @@ class Experiment:
     checkpoint_dir: str | None = None
     resume_step: int | None = None
     run_id: int | None = None
+    nodes: NodePlan | None = None  # this machine's part when the run spans several
+    spec_text: str = ""  # names the rendezvous of a run over several machines
 
     def worker_config(self) -> dict[str, Any]:
-        """What its workers are given: the configuration and where to checkpoint and resume."""
+        """What its workers are given: the configuration, where to checkpoint and resume,
+        and the run id when they tell other machines' workers which run they are in."""
         return {**self.config, "checkpoint_dir": self.checkpoint_dir,
-                "resume_step": self.resume_step}
+                "resume_step": self.resume_step, "run_id": self.run_id}
 
     @property
     def workers(self) -> int:
@@ -95,8 +99,9 @@ class Experiment:
 
 
 def load_spec(path: str | Path, *, only: list[str] | None = None,
-              workers: int | None = None) -> list[Experiment]:
-    """Read, expand and validate the spec at `path`; `only` selects experiments by name."""
+              workers: int | None = None, launch: dict[str, Any] | None = None) -> list[Experiment]:
+    """Read, expand and validate the spec at `path`; `only` selects experiments by name;
+    `workers` and `launch` (the keys of its `launch:` section) are the command line's."""
     file = str(path)
     try:
         text = _read_text(Path(path))
@@ -112,9 +117,12 @@ def load_spec(path: str | Path, *, only: list[str] | None = None,
         except RecursionError:
             raise SpecError("invalid YAML: nested too deeply") from None
         try:
-            experiments = resolve_document(document, workers_override=workers)
+            experiments = resolve_document(document, workers_override=workers,
+                                           launch_override=launch)
         except RecursionError:  # a YAML alias inside itself (`&a [*a]`), or absurd nesting
             raise SpecError("nested too deeply, or a YAML alias contains itself") from None
+        for experiment in experiments:
+            experiment.spec_text = text
         return select(experiments, only)
     except SpecError as error:
         # One line whatever the spec holds: a key may contain a line break.
@@ -143,7 +151,8 @@ def _one_line(text: str) -> str:
     return _LINE_BREAKS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
-def resolve_document(document: Any, workers_override: int | None = None) -> list[Experiment]:
+def resolve_document(document: Any, workers_override: int | None = None,
+                     launch_override: dict[str, Any] | None = None) -> list[Experiment]:
     if not isinstance(document, dict):
         raise SpecError("expected a mapping with keys 'defaults' and 'experiments'")
     check_finite(document, "")  # where the value is written: `defaults` or an experiment
@@ -156,6 +165,7 @@ def resolve_document(document: Any, workers_override: int | None = None) -> list
     if not isinstance(defaults, dict):
         raise SpecError("expected a mapping", path="defaults")
     _check_keys(defaults, "defaults", allow=set(EXPERIMENT_DEFAULTS) - {"name", "grid"})
+    nodes = parse_launch(document.get("launch"), launch_override)
     entries = document.get("experiments")
     if not isinstance(entries, list) or not entries:
         raise SpecError("expected a non-empty list of experiments", path="experiments")
@@ -173,7 +183,11 @@ def resolve_document(document: Any, workers_override: int | None = None) -> list
         for name, point in expand_grid(merged, path):
             if workers_override is not None:  # the command line wins over spec and grid
                 point["workers"] = workers_override
-            experiments.append(Experiment(name, validate_experiment(point, path, name, cache)))
+            config = validate_experiment(point, path, name, cache)
+            if nodes is not None:
+                check_split(nodes, config["workers"], path)
+                config["nnodes"] = nodes.nnodes
+            experiments.append(Experiment(name, config, nodes=nodes))
 
     seen: dict[str, int] = {}
     for experiment in experiments:

@@ -371,12 +371,13 @@ class Store:
             run = session.get(Run, run_id)
             run.status, run.reason, run.failed_rank = status, reason, failed_rank
             run.ended_at = datetime.now(timezone.utc)
-            session.execute(delete(Summary).where(Summary.run_id == run_id))
-            metrics = session.execute(
-                select(Metric.name, Metric.rank, Metric.value)
-                .where(Metric.run_id == run_id).order_by(Metric.id)).all()
-            session.add_all(Summary(run_id=run_id, name=name, final=final, best=best)
-                            for name, (final, best) in summarize(metrics).items())
+            _write_summaries(session, run_id)
+
+    def refresh_summaries(self, run_id: int) -> None:
+        """Write a run's summaries again from its metric history, changing nothing else (a
+        node of a run over several machines whose last metrics came after the run ended)."""
+        with Session(self.engine) as session, session.begin():
+            _write_summaries(session, run_id)
 
     def delete_runs(self, run_ids: Iterable[int], force: bool = False) -> list[int]:
         """Delete runs with everything of theirs (metrics, summaries, parameters, plugin
@@ -475,6 +476,14 @@ class Store:
         a run that is still writing, without depending on the table layout."""
         with Session(self.engine) as session:
             return session.scalar(select(func.count()).where(Metric.run_id == run_id))
+
+
+def _write_summaries(session: Session, run_id: int) -> None:
+    session.execute(delete(Summary).where(Summary.run_id == run_id))
+    metrics = session.execute(select(Metric.name, Metric.rank, Metric.value)
+                              .where(Metric.run_id == run_id).order_by(Metric.id)).all()
+    session.add_all(Summary(run_id=run_id, name=name, final=final, best=best)
+                    for name, (final, best) in summarize(metrics).items())
 
 
 def _with_details(query, tags: bool = True):

@@ -37,6 +37,15 @@ def run(
     resume: Annotated[Optional[int], typer.Option(
         "--resume", metavar="RUN_ID", help="Continue an interrupted or failed run from its last "
                                            "checkpoint (the spec is not read)")] = None,
+    nnodes: Annotated[Optional[int], typer.Option(
+        "--nnodes", help="Machines the run spans (each runs this command) [spec: launch.nnodes]")] = None,
+    node_rank: Annotated[Optional[int], typer.Option(
+        "--node-rank", help="This machine's rank among them; 0 records the runs [spec: launch.node_rank]")] = None,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option(
+        "--rdzv-endpoint", metavar="HOST:PORT",
+        help="Where the machines meet (torchrun's c10d rendezvous) [spec: launch.rdzv_endpoint]")] = None,
+    rdzv_timeout: Annotated[Optional[float], typer.Option(
+        "--rdzv-timeout", help="Seconds to wait for every machine to join [spec: launch.rdzv_timeout, 600]")] = None,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(
         "--checkpoint-dir", help="Where runs that set checkpoint_every keep their checkpoints "
                                  "[default: $DSGD_CHECKPOINTS or dsgd-checkpoints/ beside the database]")] = None,
@@ -57,7 +66,9 @@ def run(
         experiments = [resumable(store, resume)]
     else:
         # Validate everything before anything is launched or written.
-        experiments = load_spec(spec, only=experiment, workers=workers)
+        launch = {"nnodes": nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint,
+                  "rdzv_timeout": rdzv_timeout}
+        experiments = load_spec(spec, only=experiment, workers=workers, launch=launch)
         if len(experiments) > ANNOUNCE_OVER:  # a grid can be larger than its author thinks
             typer.echo(f"dsgd: {len(experiments)} experiments in {spec}", err=True)
     console = Console()
@@ -94,7 +105,8 @@ def run(
         results = run_all(experiments, store, str(spec), Callbacks(started, progress, ended),
                           shared=not isolate)
 
-    typer.echo(render(compare_rows(store, store.runs(ids=[r.run_id for r in results]))))
+    recorded = [r.run_id for r in results if r.run_id is not None]
+    typer.echo(render(compare_rows(store, store.runs(ids=recorded))))
     failed = [r for r in results if r.status != "completed"]
     if failed:
         raise RunFailed(f"{len(failed)} of {len(results)} runs failed: " + "; ".join(
@@ -127,8 +139,13 @@ def _print_plan(launches) -> None:
     lines: list[str] = []
     for number, planned in enumerate(launches, 1):
         count = len(planned.experiments)
+        first = planned.experiments[0]
+        where = ""
+        if first.nodes is not None:
+            where = (f", {first.nodes.local_workers(first.workers)} on this machine (node "
+                     f"{first.nodes.node_rank} of {first.nodes.nnodes})")
         lines.append(f"launch {number}: {count} experiment{'s' if count > 1 else ''} on "
-                     f"{planned.experiments[0].workers} workers ({planned.device.kind})")
+                     f"{first.workers} workers{where} ({planned.device.kind})")
         lines.append("  " + shlex.join(torchrun_command(planned.experiments[0], "<experiments.json>",
                                                        "<events-dir>")))
         for exp in planned.experiments:
