@@ -87,12 +87,12 @@ def load(directory: str | Path, step: int, rank: int) -> dict:
     return torch.load(rank_file(directory, step, rank), map_location="cpu", weights_only=False)
 
 
-def discard_after(directory: str | Path, step: int) -> None:
-    """Remove every step after `step`: what a resumed run writes must not mix with files that
-    an earlier attempt wrote for the same step."""
-    for later in steps(directory):
-        if later > step:
-            _remove_tree(step_directory(directory, later))
+def keep_only(directory: str | Path, step: int) -> None:
+    """Remove every step but `step`: what a resumed run writes must not mix with files that an
+    earlier attempt wrote for a later step, and older steps are of no more use."""
+    for other in steps(directory):
+        if other != step:
+            _remove_tree(step_directory(directory, other))
 
 
 def _prune(directory: str | Path, rank: int, workers: int) -> None:

@@ -5,7 +5,12 @@ arrive and draws progress. A worker that dies keeps everything it flushed before
 
 Event types: `start` (total_steps), `metric` (name, value, step, epoch, seconds),
 `error` (reason, traceback, at), `diverged` (name, value: "nan", "inf" or "-inf", step, at),
-`done`. Every number in the files is finite: JSON has no NaN or infinity.
+`run` (run_id: a run over several machines), `stopped` (step: it saved a checkpoint there and
+left, as the launcher asked), `done`. Every number in the files is finite: JSON has no NaN or
+infinity.
+
+The other way, the launcher asks the workers of a run that checkpoints to stop (it was
+interrupted) by creating the file `stop_path(launch_dir)`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ from typing import Any
 def experiment_dir(launch_dir: str | Path, index: int) -> Path:
     """Where the workers of a launch write the events of its `index`-th experiment."""
     return Path(launch_dir) / str(index)
+
+
+def stop_path(launch_dir: str | Path) -> Path:
+    """Exists once the launcher asks the workers to checkpoint and stop."""
+    return Path(launch_dir) / "stop"
 
 
 def events_path(directory: str | Path, rank: int) -> Path:

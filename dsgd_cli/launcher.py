@@ -24,13 +24,14 @@ from pathlib import Path
 from typing import Callable
 
 from dsgd_cli import registry
-from dsgd_cli.events import EventReader, events_path, experiment_dir
+from dsgd_cli.events import EventReader, events_path, experiment_dir, stop_path
 from dsgd_cli.spec import PLUGIN_SECTIONS, Experiment
 from dsgd_cli.store import MetricRow, Store, finite_number
 
 POLL_SECONDS = 0.5
 GRACE_AFTER_ERROR_S = 10.0  # torchrun normally stops the other workers well before this
 TERMINATE_WAIT_S = 5.0  # after SIGTERM, before SIGKILL
+CHECKPOINT_WAIT_S = 30.0  # for the workers of an interrupted run to save a last checkpoint
 RUN_MARKER = "DSGD_RUN_DIR"  # set in the environment of a run's processes
 DEVICE_VARIABLE = "DSGD_DEVICE"  # tells the workers: cuda or cpu
 
@@ -191,12 +192,18 @@ class _Running:
         self.progress = Progress()
         self.problems: list[dict] = []  # `error` and `diverged` events
         self.done_ranks: set[int] = set()
+        self.stopped_ranks: set[int] = set()  # saved a checkpoint and left, as asked
         self.first_problem_at: float | None = None
         self.unstored: list[MetricRow] = []  # until the run id is known
 
     @property
     def complete(self) -> bool:
         return len(self.done_ranks) == local_workers(self.experiment)
+
+    @property
+    def all_left(self) -> bool:
+        """Every local worker finished or stopped as asked."""
+        return len(self.done_ranks | self.stopped_ranks) == local_workers(self.experiment)
 
     def ingest(self, store: Store, callbacks: Callbacks) -> None:
         if self.experiment.nodes is not None:
@@ -225,6 +232,8 @@ class _Running:
                     self.first_problem_at = self.first_problem_at or time.monotonic()
                 elif kind == "done":
                     self.done_ranks.add(rank)
+                elif kind == "stopped":
+                    self.stopped_ranks.add(rank)
         if self.run_id is None:
             self.unstored = rows
             return
@@ -296,12 +305,22 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
                 finish(RunResult(running.run_id, running.experiment.name, "failed",
                                  f"cannot start torchrun: {error}"))
                 return results
-            stopped, interrupted_by = False, None
+            stopped, interrupted_by, asked_at = False, None, None
             try:
                 while process.poll() is None:
                     time.sleep(POLL_SECONDS)
                     advance()
                     interrupted_by = interrupts.caught[0] if interrupts.caught else None
+                    if interrupted_by and running is not None and _checkpoints(running):
+                        # The first interruption asks the workers to save a checkpoint where
+                        # they are and leave; a second one, or their taking too long, does
+                        # not wait for them.
+                        if asked_at is None:
+                            stop_path(tmp).touch()
+                            asked_at = time.monotonic()
+                        if not (running.all_left or len(interrupts.caught) > 1
+                                or time.monotonic() - asked_at > CHECKPOINT_WAIT_S):
+                            continue
                     if (running is not None and _must_stop(running)) or interrupted_by:
                         stopped = True
                         break
@@ -326,6 +345,10 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
                 store.finish_run(running.run_id, "failed", f"dsgd failed: {error!r}")
             raise
     return results
+
+
+def _checkpoints(running: _Running) -> bool:
+    return bool(running.experiment.config.get("checkpoint_every") and running.experiment.checkpoint_dir)
 
 
 def _records(experiment: Experiment) -> bool:

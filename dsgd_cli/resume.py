@@ -38,7 +38,7 @@ def resumable(store: Store, run_id: int) -> Experiment:
 
 
 def reopen(store: Store, experiment: Experiment) -> None:
-    """Make way for the resumed workers: files an earlier attempt wrote after the step go,
-    and so do the metrics recorded after it."""
-    checkpoint.discard_after(experiment.checkpoint_dir, experiment.resume_step)
+    """Make way for the resumed workers: the other steps' checkpoints go (an earlier attempt
+    may have written files for later ones), and so do the metrics recorded after the step."""
+    checkpoint.keep_only(experiment.checkpoint_dir, experiment.resume_step)
     store.resume_run(experiment.run_id, experiment.resume_step)

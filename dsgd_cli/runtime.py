@@ -26,7 +26,7 @@ from dsgd_cli import checkpoint
 from dsgd_cli.api import TaskData, WorkerContext, flatten, unflatten_into
 from dsgd_cli.comm import DEFAULT_TIMEOUT_S, Comm
 from dsgd_cli.evaluation import BackgroundEvaluation, evaluate, model_tensors
-from dsgd_cli.events import EventWriter, events_path, experiment_dir
+from dsgd_cli.events import EventWriter, events_path, experiment_dir, stop_path
 from dsgd_cli.schedule import StopRule, Straggling, evaluation_points, run_length
 from dsgd_cli.spec import build_plugin, network_model
 
@@ -37,6 +37,15 @@ class Diverged(Exception):
     def __init__(self, step: int, value: float):
         super().__init__(f"train_loss is {value} at step {step}")
         self.step, self.value = step, value
+
+
+class Stopped(Exception):
+    """The launcher asked the workers to stop (the run was interrupted); this one saved a
+    checkpoint after `step` and leaves."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped after step {step}")
+        self.step = step
 
 
 class IntervalMetrics:
@@ -96,8 +105,10 @@ class Shard:
 
 class Worker:
     def __init__(self, config: dict, events: EventWriter, rank: int, world_size: int,
-                 device: torch.device, namespace: str = ""):
+                 device: torch.device, namespace: str = "", stop_file: Path | None = None):
         self.config, self.events = config, events
+        self.stop_file, self.namespace = stop_file, namespace
+        self.stop_at: int | None = None  # the step all workers stop after, once asked
         self.rank, self.world_size, self.device = rank, world_size, device
         seed = config["seed"]
         self.task = build_plugin("task", config["task"])
@@ -191,7 +202,9 @@ class Worker:
             done = self.stop_rule.after_step(step, len(y))
             end_of_epoch = b == steps_per_epoch - 1
             every = config.get("checkpoint_every")
-            checkpointing = bool(every and self.checkpoints) and step % every == 0 and not done
+            stopping = bool(every and self.checkpoints) and not done and self._asked_to_stop(step)
+            checkpointing = bool(every and self.checkpoints) and not done and (
+                step % every == 0 or stopping)
             if step % config["log_interval"] == 0 or end_of_epoch or done or checkpointing:
                 self._flush_interval(step, epoch)
             if budgeted:
@@ -211,6 +224,8 @@ class Worker:
                     "step": step, "samples": samples, "total_sent": total_sent,
                     "train_seconds": train_seconds, "elapsed": time.perf_counter() - started,
                     "seconds": events.seconds(), "reached_at": reached_at})
+            if stopping:
+                raise Stopped(step)
         self.aggregator.finish()
         total_sent += self.comm.take_traffic().bytes_sent  # what finish() drained
         if self.evaluation is not None:
@@ -246,6 +261,19 @@ class Worker:
         self.optimizer.step()
         self.aggregator.after_step(step)
         return value, time.perf_counter() - started
+
+    def _asked_to_stop(self, step: int) -> bool:
+        """Whether this worker stops after `step`, `step` steps done. Once the launcher asks,
+        the first worker to notice proposes to stop two steps later and the others take its
+        proposal from the rendezvous store: workers in step are at most one step apart, so
+        all of them can still stop after that same step, none waiting for a peer that left."""
+        if self.stop_at is None:
+            if self.stop_file is None or not self.stop_file.exists():
+                return False
+            store = dist.distributed_c10d._get_default_store()
+            key = f"dsgd/stop_at/{self.namespace}"
+            self.stop_at = int(store.compare_set(key, "", str(step + 2)))
+        return step >= self.stop_at
 
     def _save_checkpoint(self, step: int, progress: dict) -> None:
         state = {"progress": progress, "model": self.model.state_dict(),
@@ -428,7 +456,8 @@ def main(argv: list[str] | None = None) -> None:
         directory = experiment_dir(events_dir, index)
         directory.mkdir(parents=True, exist_ok=True)
         events = EventWriter(events_path(directory, rank), rank)
-        exit_code = run_experiment(config, events, rank, world_size, local_rank, namespace=str(index))
+        exit_code = run_experiment(config, events, rank, world_size, local_rank,
+                                   namespace=str(index), stop_file=stop_path(events_dir))
         events.close()
         if exit_code:
             break
@@ -437,12 +466,13 @@ def main(argv: list[str] | None = None) -> None:
     # Leave without tearing down the process group: after a failure the peers may be gone and
     # a clean shutdown could block on them, and gloo's teardown can abort the process
     # ("terminate called without an active exception") after a run that succeeded.
-    os._exit(exit_code)
+    os._exit(max(exit_code, 0))
 
 
 def run_experiment(config: dict, events: EventWriter, rank: int, world_size: int,
-                   local_rank: int, namespace: str = "") -> int:
-    """Train one experiment, reporting to `events`; returns the process exit code."""
+                   local_rank: int, namespace: str = "", stop_file: Path | None = None) -> int:
+    """Train one experiment, reporting to `events`; returns the process exit code, or -1 when
+    it stopped as the launcher asked (the process then leaves, with code 0)."""
     try:
         device, backend = device_and_backend(local_rank)
         if not dist.is_initialized():
@@ -451,13 +481,16 @@ def run_experiment(config: dict, events: EventWriter, rank: int, world_size: int
                 seconds=config.get("timeout", DEFAULT_TIMEOUT_S)))
         if config.get("nnodes", 1) > 1:
             events.write("run", run_id=_shared_run_id(config, namespace))
-        worker = Worker(config, events, rank, world_size, device, namespace)
+        worker = Worker(config, events, rank, world_size, device, namespace, stop_file)
         worker.train()
         with worker.comm.untracked():  # nobody tears down its links while a peer needs them
             worker.comm.barrier()
         worker.comm.close()
         events.write("done")
         return 0
+    except Stopped as stopped:
+        events.write("stopped", step=stopped.step)
+        return -1
     except Diverged as diverged:
         events.write("diverged", step=diverged.step, name="train_loss",
                      value=str(diverged.value), at=time.time())

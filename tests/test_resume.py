@@ -68,7 +68,8 @@ def reference(tmp_path_factory):
 
 
 def _interrupt_after_a_checkpoint(spec: Path, db: Path, checkpoints: Path, name: str) -> None:
-    """Start `dsgd run -e name`, SIGINT it once its workers wrote the checkpoint of step 50."""
+    """Start `dsgd run -e name`, SIGINT it once its workers wrote the checkpoint of step 50:
+    they save a last one where they are and leave."""
     process = subprocess.Popen(
         [sys.executable, "-m", "dsgd_cli", "run", str(spec), "-e", name, "--db", str(db),
          "--checkpoint-dir", str(checkpoints)],
@@ -94,8 +95,10 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(reference, tmp_p
     _interrupt_after_a_checkpoint(spec, db, checkpoints, name)
     (run,) = Store(str(db)).runs()
     assert run.status == "interrupted"
+    # Asked to stop, the workers agreed on a step after the one they were at and saved a
+    # last checkpoint there.
     stopped_at = checkpoint.latest_complete(Store(str(db)).checkpoint_dir(run.id), 2)
-    assert 50 <= stopped_at < 384 and stopped_at % 50 == 0
+    assert 50 < stopped_at < 384
 
     result = dsgd("run", "--resume", str(run.id), "--db", str(db))
     assert result.returncode == 0, result.stdout + result.stderr
