@@ -2,7 +2,10 @@
 
 Both are launched with torchrun on this machine. Throughput is samples per second of the
 training loop (evaluation excluded), summed over workers, using the slowest worker's time —
-how dsgd computes its `samples_per_second`. Prints both and the ratio dsgd / DDP.
+how dsgd computes its `samples_per_second`. End to end is the wall time of the whole command:
+`dsgd run` of a one-experiment spec against `torchrun` of the DDP script, which also
+evaluates on the test set after every epoch, as dsgd does. Prints both and the ratios
+dsgd / DDP.
 
     python benchmarks/overhead.py [--workers 2] [--epochs 3] [--repeats 3]
 """
@@ -61,6 +64,7 @@ def ddp_worker(config_path: str, out_path: str) -> None:
             float(loss.detach())  # dsgd reads the loss every step too
             seconds += time.perf_counter() - start
             samples += len(y)
+        evaluate(task, model.module, data, rank, world)
     totals = torch.tensor([samples, seconds], dtype=torch.float64)
     dist.all_reduce(totals[:1])
     dist.all_reduce(totals[1:], dist.ReduceOp.MAX)
@@ -71,24 +75,40 @@ def ddp_worker(config_path: str, out_path: str) -> None:
     dist.destroy_process_group()
 
 
+def evaluate(task, model, data, rank: int, world: int) -> float:
+    """Test accuracy, each worker on its slice of the test set, as dsgd evaluates."""
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        x, y = data.test_x[rank::world], data.test_y[rank::world]
+        counts = torch.tensor([float(task.count_correct(model(x), y)), float(len(y))])
+    dist.all_reduce(counts)
+    return float(counts[0] / counts[1])
+
+
 def spec_config(task: dict, workers: int, epochs: int) -> dict:
     return {"task": task, "workers": workers, "epochs": epochs, "batch_size": 32, "seed": 0,
             "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}}
 
 
-def run_ddp(config: dict, tmp: Path) -> float:
+def run_ddp(config: dict, tmp: Path) -> tuple[float, float]:
+    """(samples per second, wall seconds of the whole torchrun command)."""
     config_path, out_path = tmp / "ddp.json", tmp / "ddp-out.json"
     config_path.write_text(json.dumps(config))
+    started = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                              f"--nproc-per-node={config['workers']}", __file__, "--ddp-worker",
                              str(config_path), str(out_path)], capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wall = time.perf_counter() - started
     if result.returncode != 0:
         raise SystemExit(f"DDP run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return json.loads(out_path.read_text())["samples_per_second"]
+    return json.loads(out_path.read_text())["samples_per_second"], wall
 
 
-def run_dsgd(config: dict, tmp: Path, index: int) -> float:
+def run_dsgd(config: dict, tmp: Path, index: int) -> tuple[float, float]:
+    """(samples per second, wall seconds of the whole `dsgd run` command)."""
     import yaml
 
     from dsgd_cli.store import Store
@@ -97,12 +117,14 @@ def run_dsgd(config: dict, tmp: Path, index: int) -> float:
     db = tmp / f"bench{index}-{time.monotonic_ns()}.db"
     experiment = {"name": "bench", **config, "aggregator": {"name": "allreduce"}}
     spec.write_text(yaml.safe_dump({"experiments": [experiment]}))
+    started = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "dsgd_cli", "run", str(spec), "--db", str(db)],
                             capture_output=True, text=True)
+    wall = time.perf_counter() - started
     if result.returncode != 0:
         raise SystemExit(f"dsgd run failed:\n{result.stdout}\n{result.stderr}")
     (run,) = Store(str(db)).runs()
-    return {s.name: s.final for s in run.summaries}["samples_per_second"]
+    return {s.name: s.final for s in run.summaries}["samples_per_second"], wall
 
 
 def main() -> None:
@@ -113,21 +135,29 @@ def main() -> None:
     args = parser.parse_args()
     print(f"dsgd allreduce vs torch DDP, {args.workers} workers (gloo, CPU), batch 32 per worker, "
           f"{args.epochs} epochs, median of {args.repeats} alternating runs [min-max]")
-    print(f"{'model':28s} {'DDP samples/s':>22s} {'dsgd samples/s':>22s} {'dsgd/DDP':>9s}")
+    print(f"{'model':28s} {'DDP samples/s':>22s} {'dsgd samples/s':>22s} {'dsgd/DDP':>9s} "
+          f"{'DDP wall s':>18s} {'dsgd wall s':>18s} {'wall dsgd/DDP':>14s}")
     with tempfile.TemporaryDirectory() as directory:
         tmp = Path(directory)
         for label, task in CASES:
             config = spec_config(task, args.workers, args.epochs)
-            ddp, ours = [], []
+            ddp, ours, ddp_wall, our_wall = [], [], [], []
             for repeat in range(args.repeats):  # alternate so drift in machine load hits both
-                ddp.append(run_ddp(config, tmp))
-                ours.append(run_dsgd(config, tmp, repeat))
+                speed, wall = run_ddp(config, tmp)
+                ddp.append(speed)
+                ddp_wall.append(wall)
+                speed, wall = run_dsgd(config, tmp, repeat)
+                ours.append(speed)
+                our_wall.append(wall)
             print(f"{label:28s} {_spread(ddp):>22s} {_spread(ours):>22s} "
-                  f"{statistics.median(ours) / statistics.median(ddp):9.3f}", flush=True)
+                  f"{statistics.median(ours) / statistics.median(ddp):9.3f} "
+                  f"{_spread(ddp_wall, 2):>18s} {_spread(our_wall, 2):>18s} "
+                  f"{statistics.median(our_wall) / statistics.median(ddp_wall):14.3f}", flush=True)
 
 
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
+def _spread(values: list[float], digits: int = 0) -> str:
+    return (f"{statistics.median(values):.{digits}f} "
+            f"[{min(values):.{digits}f}-{max(values):.{digits}f}]")
 
 
 if __name__ == "__main__":
