@@ -51,9 +51,10 @@ def test_plan_shares_a_launch_between_experiments_that_fit(tmp_path):
 def _record(db) -> dict[str, tuple]:
     """Per experiment: status, and the exact history of every arithmetic metric."""
     store = Store(str(db))
-    return {run.experiment: (run.status, {name: [(m.rank, m.step, m.value)
-                                                 for m in store.metric_history(run.id, name)]
-                                          for name in EXACT_METRICS})
+    # Sorted: the order the launcher stores the ranks' rows in depends on when it reads them.
+    return {run.experiment: (run.status, {name: sorted(
+        (-1 if m.rank is None else m.rank, m.step, m.value)
+        for m in store.metric_history(run.id, name)) for name in EXACT_METRICS})
             for run in store.runs()}
 
 

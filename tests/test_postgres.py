@@ -259,15 +259,16 @@ def test_a_schema_1_database_on_postgresql_is_upgraded(pg_url):
 
     record(pg_url)
     store = Store(pg_url)
-    with store.engine.begin() as connection:  # back to schema 1: the same, without tags
+    with store.engine.begin() as connection:  # back to schema 1: without tags and checkpoints
         connection.exec_driver_sql("DROP TABLE tags")
+        connection.exec_driver_sql("DROP TABLE checkpoints")
         connection.exec_driver_sql("UPDATE meta SET value = '1'")
     reader = Store(pg_url, readonly=True)  # reads it as it is: no tags, nothing written
     assert [run.tag_names for run in reader.runs()] == [[], [], [], []]
     assert _version(pg_url) == "1"
 
     upgraded = Store(pg_url)
-    assert _version(pg_url) == str(SCHEMA_VERSION) == "2"
+    assert _version(pg_url) == str(SCHEMA_VERSION) == "3"
     assert [r.experiment for r in upgraded.runs()] == ["base", "local", "sweep[optimizer.lr=0.1]", "broken"]
     assert upgraded.count_metrics(1) == 7
     assert upgraded.tag_run(2, ["again"]) == ["again"]
@@ -367,8 +368,9 @@ def test_many_processes_open_a_schema_1_database_at_once(db_url, tmp_path):
     store = Store(db_url)
     with store.engine.begin() as connection:
         connection.exec_driver_sql("DROP TABLE tags")
+        connection.exec_driver_sql("DROP TABLE checkpoints")
         connection.exec_driver_sql("UPDATE meta SET value = '1'")
     store.engine.dispose()
     run_writers(db_url, tmp_path)
     check_everything_written(db_url)
-    assert _version(db_url) == "2"
+    assert _version(db_url) == "3"
