@@ -64,8 +64,9 @@ class Reached:
 
 def reach_times(store: Store, run_ids: list[int], target: Target) -> dict[int, Reached]:
     """For each run that reached `target` in its recorded history, when it did: the first
-    point of its `curves` that reaches it, found by the database (one row per run comes
-    back, not the history), with the `bytes_sent` records up to that step for its bytes."""
+    point of its curve (`curve_points`) that reaches it, found by the database (one row per
+    run comes back, not the history), with the `bytes_sent` records up to that step for its
+    bytes."""
     if not run_ids:
         return {}
     value = func.avg(Metric.value)
@@ -118,36 +119,24 @@ def _rank_order(rank: int | None) -> tuple[bool, int]:
     return rank is not None, rank or 0
 
 
-class Point(NamedTuple):
-    """A metric at one step of a run: `seconds` since its workers started training."""
+# A curve's x at each point, as the database works it out over the records of a run and step.
+CURVE_X = {
+    "step": lambda: Metric.step,
+    "epoch": lambda: func.min(Metric.epoch),
+    "seconds": lambda: func.coalesce(func.max(Metric.seconds), 0.0),
+}
 
-    step: int
-    epoch: int | None
-    seconds: float
-    value: float
 
-
-def curves(store: Store, run_ids: list[int], metric: str,
-           reaching: Target | None = None) -> dict[int, list[Point]]:
-    """A metric's course over each run, one point per step in step order, worked out by the
-    database: a per-run metric (test_accuracy) as recorded; a per-rank metric (train_loss)
-    as the mean over the ranks that recorded the step, at the time the last of them did.
-    `reaching`: only the points that reach that target."""
-    by_run: dict[int, list[Point]] = defaultdict(list)
-    if not run_ids:
-        return by_run
-    value = func.avg(Metric.value)
-    query = (select(Metric.run_id, Metric.step, func.min(Metric.epoch),
-                    func.coalesce(func.max(Metric.seconds), 0.0), value)
+def curve_points(run_ids: list[int], metric: str, x: str = "step"):
+    """The query for a metric's course over each run: (run id, x, value), one row per step in
+    order of run and step, worked out by the database. The value: a per-run metric
+    (test_accuracy) as recorded, a per-rank metric (train_loss) the mean over the ranks that
+    recorded the step. x: the `step`, the `epoch` (the lowest recorded at the step; steps
+    without one are left out) or the `seconds` (when the last rank recorded it)."""
+    query = (select(Metric.run_id, CURVE_X[x](), func.avg(Metric.value))
              .where(Metric.run_id.in_(run_ids), Metric.name == metric, Metric.step.is_not(None))
              .group_by(Metric.run_id, Metric.step).order_by(Metric.run_id, Metric.step))
-    if reaching is not None:
-        higher = higher_is_better(reaching.metric)
-        query = query.having(value >= reaching.value if higher else value <= reaching.value)
-    with store.engine.connect() as connection:  # plain rows: no ORM objects to build
-        for run_id, *point in connection.execute(query).all():
-            by_run[run_id].append(Point(*point))
-    return by_run
+    return query.having(func.min(Metric.epoch).is_not(None)) if x == "epoch" else query
 
 
 class Record(NamedTuple):  # a tuple: hundreds of thousands may be read at once
