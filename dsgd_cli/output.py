@@ -8,15 +8,17 @@ import json
 from itertools import chain
 from typing import Any
 
-from tabulate import tabulate, tabulate_formats
-
 from dsgd_cli.errors import DsgdError
 
 EXTRA_FORMATS = ("csv", "json")
 
 
 def check_format(fmt: str) -> str:
-    if fmt not in EXTRA_FORMATS and fmt not in tabulate_formats:
+    if fmt in EXTRA_FORMATS or fmt == "simple":  # tabulate loads only for the other formats
+        return fmt
+    from tabulate import tabulate_formats
+
+    if fmt not in tabulate_formats:
         known = ", ".join(sorted(set(tabulate_formats) | set(EXTRA_FORMATS)))
         raise DsgdError(f"--format: unknown format {fmt!r} (known: {known})")
     return fmt
@@ -37,6 +39,8 @@ def render(rows: list[dict[str, Any]], fmt: str = "simple", columns: list[str] |
         simple = simple_table(table, columns)
         if simple is not None:
             return simple
+    from tabulate import tabulate
+
     return tabulate(table, headers=columns, tablefmt=fmt, disable_numparse=True)
 
 
