@@ -8,9 +8,9 @@ import math
 import re
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from itertools import groupby
 from operator import itemgetter
-from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple
 
 from sqlalchemy import and_, case, func, select
