@@ -9,9 +9,12 @@ import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
+from itertools import groupby
+from operator import itemgetter
 from typing import Any, Iterable, NamedTuple
 
-from sqlalchemy import func, select
+from sqlalchemy import and_, case, func, select
+from sqlalchemy.orm import aliased
 
 from dsgd_cli.errors import DsgdError
 from dsgd_cli.query import names, run_value
@@ -61,47 +64,79 @@ class Reached:
 
 def reach_times(store: Store, run_ids: list[int], target: Target) -> dict[int, Reached]:
     """For each run that reached `target` in its recorded history, when it did: the first
-    point of its `curves` that reaches it."""
-    firsts: dict[int, Point] = {}
-    for run_id, points in curves(store, run_ids, target.metric, reaching=target).items():
-        firsts[run_id] = points[0]
-    sent = load_history(store, list(firsts), ["bytes_sent"])
-    return {run_id: Reached(first.seconds, first.step,
-                            BytesSent(sent[(run_id, "bytes_sent")]).by_step(first.step)
-                            if (run_id, "bytes_sent") in sent else None)
-            for run_id, first in firsts.items()}
-
-
-class Point(NamedTuple):
-    """A metric at one step of a run: `seconds` since its workers started training."""
-
-    step: int
-    epoch: int | None
-    seconds: float
-    value: float
-
-
-def curves(store: Store, run_ids: list[int], metric: str,
-           reaching: Target | None = None) -> dict[int, list[Point]]:
-    """A metric's course over each run, one point per step in step order, worked out by the
-    database: a per-run metric (test_accuracy) as recorded; a per-rank metric (train_loss)
-    as the mean over the ranks that recorded the step, at the time the last of them did.
-    `reaching`: only the points that reach that target."""
-    by_run: dict[int, list[Point]] = defaultdict(list)
+    point of its curve (`curve_points`) that reaches it, found by the database (one row per
+    run comes back, not the history), with the `bytes_sent` records up to that step for its
+    bytes."""
     if not run_ids:
-        return by_run
+        return {}
     value = func.avg(Metric.value)
-    query = (select(Metric.run_id, Metric.step, func.min(Metric.epoch),
-                    func.coalesce(func.max(Metric.seconds), 0.0), value)
+    reaching = value >= target.value if higher_is_better(target.metric) else value <= target.value
+    sent = aliased(Metric)
+    points = (select(Metric.run_id, Metric.step,
+                     func.coalesce(func.max(Metric.seconds), 0.0).label("seconds"),
+                     func.row_number().over(partition_by=Metric.run_id,
+                                            order_by=Metric.step).label("nth"))
+              .where(Metric.run_id.in_(run_ids), Metric.name == target.metric,
+                     Metric.step.is_not(None))
+              .group_by(Metric.run_id, Metric.step).having(reaching).subquery())
+    # Whether the run recorded bytes_sent at all: one that did only after reaching the
+    # target had sent 0 bytes by then (as far as recorded); one that never did, no number.
+    recorded = (select(sent.id).where(sent.run_id == points.c.run_id, sent.name == "bytes_sent")
+                .exists())
+    firsts = (select(points.c.run_id, points.c.step, points.c.seconds,
+                     case((recorded, 1), else_=0).label("recorded"))
+              .where(points.c.nth == 1).cte("firsts"))
+    query = (select(firsts.c.run_id, firsts.c.step, firsts.c.seconds, firsts.c.recorded,
+                    Metric.rank, Metric.step, Metric.value)
+             .select_from(firsts.outerjoin(Metric, and_(
+                 Metric.run_id == firsts.c.run_id, Metric.name == "bytes_sent",
+                 Metric.step.is_not(None), Metric.step <= firsts.c.step)))
+             .order_by(firsts.c.run_id, Metric.rank, Metric.step, Metric.id))
+    reached: dict[int, Reached] = {}
+    with store.engine.connect() as connection:
+        # The driver's rows as they are: thousands of them, and no type needs converting.
+        rows = connection.execute(query).cursor.fetchall()
+    # Each run's rows: its bytes_sent records up to the step it reached the target, rank by
+    # rank in the order of BytesSent (by step, then as recorded), summed as BytesSent does.
+    for run_id, group in groupby(rows, key=itemgetter(0)):
+        by_rank: dict[int | None, float] = {}
+        for _, step, seconds, recorded, rank, sent_step, value in group:
+            if sent_step is None:
+                continue
+            if rank not in by_rank:
+                by_rank[rank], previous = 0.0, 0
+            by_rank[rank] += value * (sent_step - previous)
+            previous = sent_step
+        total = 0.0
+        for rank in sorted(by_rank, key=_rank_order):
+            total += by_rank[rank]
+        reached[run_id] = Reached(seconds, step, total if recorded else None)
+    return reached
+
+
+def _rank_order(rank: int | None) -> tuple[bool, int]:
+    """Ranks in order, a run-wide record (no rank) first."""
+    return rank is not None, rank or 0
+
+
+# A curve's x at each point, as the database works it out over the records of a run and step.
+CURVE_X = {
+    "step": lambda: Metric.step,
+    "epoch": lambda: func.min(Metric.epoch),
+    "seconds": lambda: func.coalesce(func.max(Metric.seconds), 0.0),
+}
+
+
+def curve_points(run_ids: list[int], metric: str, x: str = "step"):
+    """The query for a metric's course over each run: (run id, x, value), one row per step in
+    order of run and step, worked out by the database. The value: a per-run metric
+    (test_accuracy) as recorded, a per-rank metric (train_loss) the mean over the ranks that
+    recorded the step. x: the `step`, the `epoch` (the lowest recorded at the step; steps
+    without one are left out) or the `seconds` (when the last rank recorded it)."""
+    query = (select(Metric.run_id, CURVE_X[x](), func.avg(Metric.value))
              .where(Metric.run_id.in_(run_ids), Metric.name == metric, Metric.step.is_not(None))
              .group_by(Metric.run_id, Metric.step).order_by(Metric.run_id, Metric.step))
-    if reaching is not None:
-        higher = higher_is_better(reaching.metric)
-        query = query.having(value >= reaching.value if higher else value <= reaching.value)
-    with store.engine.connect() as connection:  # plain rows: no ORM objects to build
-        for run_id, *point in connection.execute(query).all():
-            by_run[run_id].append(Point(*point))
-    return by_run
+    return query.having(func.min(Metric.epoch).is_not(None)) if x == "epoch" else query
 
 
 class Record(NamedTuple):  # a tuple: hundreds of thousands may be read at once
@@ -136,7 +171,8 @@ class BytesSent:
 
     def __init__(self, records: list[Record]):
         self._by_rank: dict[int | None, tuple[list[int], list[float]]] = {}
-        for rank in {r.rank for r in records}:
+        # Ranks in order (the sum over them then never depends on which ranks recorded what).
+        for rank in sorted({r.rank for r in records}, key=_rank_order):
             steps, totals, total, previous = [], [], 0.0, 0
             for record in sorted((r for r in records if r.rank == rank and r.step is not None),
                                  key=lambda r: r.step):

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
-from dsgd_cli.analysis import BytesSent, curves, load_history
+from dsgd_cli.analysis import BytesSent, curve_points, load_history
 from dsgd_cli.errors import DsgdError
 from dsgd_cli.query import flat_config, run_value
 from dsgd_cli.store import Run, Store
@@ -104,25 +106,30 @@ def _shown(value) -> object:
 
 def _series(store: Store, runs: list[Run], metric: str,
             x_axis: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Each run's points of `metric` (`curve_points`), as x and y arrays sorted by x (then
+    y); runs without a point left out."""
     if x_axis not in X_AXES:
         raise DsgdError(f"--x: expected one of {', '.join(X_AXES)}, got {x_axis!r}")
     ids = [run.id for run in runs]
-    points_by_run = curves(store, ids, metric)
-    sent = load_history(store, ids, ["bytes_sent"]) if x_axis == "bytes" else {}
-    series = {}
-    for run in runs:
-        points = points_by_run.get(run.id)
-        if not points:
-            continue
-        if x_axis == "bytes":
-            bytes_sent = BytesSent(sent.get((run.id, "bytes_sent"), []))
-            xs = [bytes_sent.by_step(point.step) for point in points]
-        else:
-            xs = [getattr(point, x_axis) for point in points]
-        pairs = sorted((x, point.value) for x, point in zip(xs, points) if x is not None)
-        if pairs:
-            series[run.id] = (np.array([x for x, _ in pairs], dtype=float),
-                              np.array([y for _, y in pairs], dtype=float))
+    # x by step: the bytes axis is worked out from each run's bytes_sent records below.
+    column = "step" if x_axis == "bytes" else x_axis
+    with store.engine.connect() as connection:
+        # Hundreds of thousands of plain numbers: the driver's rows straight into an array.
+        rows = connection.execute(curve_points(ids, metric, column)).cursor.fetchall()
+    table = np.fromiter(chain.from_iterable(rows), dtype=float,
+                        count=3 * len(rows)).reshape(len(rows), 3)
+    run_ids, xs, ys = table[:, 0], table[:, 1], table[:, 2]
+    if x_axis == "bytes":
+        sent = load_history(store, ids, ["bytes_sent"])
+        bytes_sent = {run_id: BytesSent(sent.get((run_id, "bytes_sent"), [])) for run_id in ids}
+        xs = np.array([bytes_sent[int(run_id)].by_step(int(step))
+                       for run_id, step in zip(run_ids, xs)], dtype=float)
+    order = np.lexsort((ys, xs, run_ids))  # by run, then x, then y
+    run_ids, xs, ys = run_ids[order], xs[order], ys[order]
+    starts = np.flatnonzero(np.diff(run_ids, prepend=np.nan))  # each run's first point
+    ends = np.append(starts[1:], len(run_ids))
+    series = {int(run_ids[start]): (xs[start:end], ys[start:end])
+              for start, end in zip(starts, ends)}
     if not series:
         raise DsgdError(f"--metric: none of the {len(runs)} selected runs recorded "
                         f"{metric!r} with a {x_axis}")
@@ -131,8 +138,7 @@ def _series(store: Store, runs: list[Run], metric: str,
 
 def figure(lines: list[Line], metric: str, x_axis: str):
     """A matplotlib figure of the lines, without a display (for files and for tests)."""
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
-
+    Figure = _figure_class()
     fig = Figure(figsize=(8, 5), layout="constrained")
     ax = fig.add_subplot()
     for line in lines:
@@ -145,6 +151,28 @@ def figure(lines: list[Line], metric: str, x_axis: str):
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return fig
+
+
+def _figure_class():
+    """matplotlib's Figure (no pyplot: no GUI backend, no global state) and the Agg canvas
+    that writes its files. Imported for the first time here, matplotlib skips the table of
+    settable properties it writes into each artist class's `set` docstring (and into the
+    docstrings that quote them): a third of its import time, seen only by `help()`."""
+    if "matplotlib.figure" not in sys.modules:
+        import matplotlib.artist
+
+        kwdoc = getattr(matplotlib.artist, "kwdoc", None)
+        if kwdoc is not None:
+            matplotlib.artist.kwdoc = lambda artist: ""
+        try:
+            import matplotlib.backends.backend_agg  # noqa: F401  (what savefig uses for files)
+            import matplotlib.figure  # noqa: F401
+        finally:
+            if kwdoc is not None:
+                matplotlib.artist.kwdoc = kwdoc
+    from matplotlib.figure import Figure
+
+    return Figure
 
 
 TERMINAL_MARKERS = ("braille", "x", "+", "o", "*", "dot")  # tell lines apart without color

@@ -8,6 +8,7 @@ import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
+from weakref import WeakKeyDictionary
 
 from dsgd_cli.errors import DsgdError
 from dsgd_cli.store import Run, flatten_config
@@ -85,7 +86,15 @@ def run_value(run: Run, key: str) -> Any:
 
 
 def flat_config(run: Run) -> dict[str, Any]:
-    return flatten_config(run.config)
+    """The run's configuration by dotted key (read, not to be changed): worked out once per
+    run, as every condition, key check and label asks for it again."""
+    flat = _FLAT_CONFIGS.get(run)
+    if flat is None:
+        flat = _FLAT_CONFIGS[run] = flatten_config(run.config)
+    return flat
+
+
+_FLAT_CONFIGS: WeakKeyDictionary[Run, dict[str, Any]] = WeakKeyDictionary()
 
 
 def known_keys(runs: list[Run]) -> set[str]:

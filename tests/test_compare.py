@@ -170,3 +170,99 @@ def test_csv_keeps_the_spread_in_its_own_columns(db):
     result = dsgd("compare", "--db", str(db), "--by", "seed", "--format", "csv")
     header = result.stdout.splitlines()[0].split(",")
     assert header[:4] == ["seed", "runs", "test_accuracy", "test_accuracy_std"]
+
+
+def record_histories(url: str, runs: int = 12, seed: int = 0) -> Store:
+    """Runs with untidy histories: per-rank and per-run metrics, steps some ranks skip, two
+    records of one step, steps without an epoch or a time, bytes_sent of several ranks (some
+    without a step, some only late, a run-wide one), recorded in shuffled order. Every value
+    is a multiple of 1/8, so that sums are exact in any order and answers compare exactly."""
+    import random
+
+    rng = random.Random(seed)
+    store = Store(url)
+    for index in range(runs):
+        workers = rng.choice([1, 2, 3, 9])
+        run_id = store.create_run("h", config("allreduce", "none", index, 0.1), None, [])
+        rows = []
+        for step in sorted(rng.sample(range(1, 60), rng.randint(0, 20))):
+            epoch, seconds = rng.choice([None, step // 10]), rng.choice([None, step / 8])
+            for _ in range(rng.choice([0, 1, 1, 1, 2])):
+                rows.append(MetricRow("test_accuracy", rng.randint(0, 8) / 8, step, epoch, None, seconds))
+            for rank in range(workers):
+                if rng.random() < 0.7:
+                    rows.append(MetricRow("train_loss", rng.randint(0, 16) / 8, step, epoch, rank,
+                                          rng.choice([None, step / 8 + rank / 64])))
+                if index % 5 and rng.random() < 0.7:
+                    rows.append(MetricRow("bytes_sent", rng.randint(1, 4000) / 8,
+                                          rng.choice([step, step, step - 1 if step > 1 else step, None]),
+                                          epoch, rank, 1.0))
+        if index % 4 == 0:
+            rows.append(MetricRow("bytes_sent", 3.25, 100, None, None, None))
+        rng.shuffle(rows)
+        store.add_metrics(run_id, rows)
+        store.finish_run(run_id, "completed")
+    return store
+
+
+def reached_in_python(store: Store, run_ids: list[int], target) -> dict:
+    """What `reach_times` answers, worked out from every record in Python: the first step whose
+    mean over its records reaches the target, when its last record came, and BytesSent."""
+    from dsgd_cli.analysis import BytesSent, Reached, load_history
+
+    history = load_history(store, run_ids, [target.metric, "bytes_sent"])
+    answers = {}
+    for run_id in run_ids:
+        steps: dict = {}
+        for record in history.get((run_id, target.metric), []):
+            if record.step is not None:
+                steps.setdefault(record.step, []).append(record)
+        for step in sorted(steps):
+            values = [record.value for record in steps[step]]
+            if target.reached_by(sum(values) / len(values)):
+                times = [r.seconds for r in steps[step] if r.seconds is not None]
+                sent = history.get((run_id, "bytes_sent"))
+                answers[run_id] = Reached(max(times) if times else 0.0, step,
+                                          BytesSent(sent).by_step(step) if sent else None)
+                break
+    return answers
+
+
+@pytest.mark.parametrize("target", ["test_accuracy=0.5", "test_accuracy=0.875", "train_loss=0.75",
+                                    "train_loss=1.25", "bytes_sent=250", "test_accuracy=2"])
+def test_targets_from_the_database_are_the_history_worked_out_in_python(tmp_path, target):
+    from dsgd_cli.analysis import parse_target, reach_times
+
+    store = record_histories(str(tmp_path / "h.db"), runs=16)
+    run_ids = [run.id for run in store.runs(details=False)]
+    goal = parse_target(target)
+    assert reach_times(store, run_ids, goal) == reached_in_python(store, run_ids, goal)
+
+
+def test_the_simple_format_is_what_tabulate_draws():
+    import random
+    import string
+
+    from tabulate import tabulate
+
+    from dsgd_cli.output import simple_table
+
+    rng = random.Random(0)
+    words = ["", " ", "True", "False", "1", "-1.5e3", "nan", "None", "  x  ", "1,000", "a b"]
+
+    def text() -> str:
+        if rng.random() < 0.5:
+            return rng.choice(words)
+        return "".join(rng.choice(string.ascii_letters + string.digits + " .-+[]=,")
+                       for _ in range(rng.randint(0, 12)))
+
+    for _ in range(500):
+        columns = rng.randint(1, 6)
+        headers = [text() for _ in range(columns)]
+        table = [[text() for _ in range(columns)] for _ in range(rng.randint(1, 6))]
+        assert simple_table(table, headers) == tabulate(table, headers=headers, tablefmt="simple",
+                                                        disable_numparse=True)
+    # Text tabulate measures itself (wide characters, line breaks) and empty tables: tabulate.
+    assert simple_table([["日本"]], ["x"]) is None
+    assert simple_table([["a\nb"]], ["x"]) is None
+    assert simple_table([], ["x"]) is None

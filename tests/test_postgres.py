@@ -374,3 +374,28 @@ def test_many_processes_open_a_schema_1_database_at_once(db_url, tmp_path):
     run_writers(db_url, tmp_path)
     check_everything_written(db_url)
     assert _version(db_url) == "3"
+
+
+def test_targets_and_curves_are_the_same_from_sqlite_and_postgresql(tmp_path, pg_url):
+    """Time, steps and bytes to a target and the points of plotted curves are worked out by the
+    database: both give the same answers (untidy histories, several ranks, run-wide records)."""
+    from test_compare import record_histories
+
+    from dsgd_cli.plotting import _series
+
+    sqlite_url = f"sqlite:///{tmp_path / 'h.db'}"
+
+    def answers(url: str) -> dict:
+        store = record_histories(url, runs=10)
+        runs = store.runs(details=False)
+        result = {target: json.loads(cli("compare", "--db", url, "-f", "json", "--target", target))
+                  for target in ("test_accuracy=0.5", "train_loss=0.75", "bytes_sent=250")}
+        for metric in ("test_accuracy", "train_loss"):
+            for x in ("step", "epoch", "seconds", "bytes"):
+                result[metric, x] = {run_id: (xs.tolist(), ys.tolist())
+                                     for run_id, (xs, ys) in _series(store, runs, metric, x).items()}
+        return result
+
+    on_sqlite, on_postgres = answers(sqlite_url), answers(pg_url)
+    assert on_postgres == on_sqlite
+    assert any(row["bytes_to_target"] for row in on_sqlite["test_accuracy=0.5"])

@@ -7,10 +7,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                           TimeElapsedColumn)
 
 from dsgd_cli.commands.common import DbOption, ExperimentOption
 from dsgd_cli.commands.compare import compare_rows
@@ -51,7 +47,12 @@ def run(
                                  "[default: $DSGD_CHECKPOINTS or dsgd-checkpoints/ beside the database]")] = None,
 ) -> None:
     """Run every experiment in SPEC (default ./experiments.yaml) and record it in the database."""
-    # torch and the plugins load here, not when the CLI starts: the other commands need neither.
+    # torch, the plugins and rich load here, not when the CLI starts: the other commands need
+    # none of them.
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn)
+
     from dsgd_cli import checkpoint
     from dsgd_cli.launcher import Callbacks, plan_launches, run_all
     from dsgd_cli.resume import reopen, resumable
@@ -119,6 +120,8 @@ def _why(result: RunResult) -> str:
 
 def status_markup(result: RunResult) -> str:
     """How a run ended, as rich markup for its progress line; the reason is plain text."""
+    from rich.markup import escape
+
     if result.status == "completed":
         return "completed"
     return f"[red]{result.status}[/red] " + escape(f"({result.reason})")
