@@ -87,7 +87,7 @@ def _interrupt_after_a_checkpoint(spec: Path, db: Path, checkpoints: Path, name:
     assert stderr.strip().splitlines()[-1] == "dsgd: interrupted"
 
 
-@pytest.mark.parametrize("name", ["ar", "local"])
+@pytest.mark.parametrize("name", ["ar", pytest.param("local", marks=pytest.mark.slow)])
 def test_an_interrupted_run_resumes_to_the_uninterrupted_result(reference, tmp_path, name):
     ref_dir, ref_runs = reference
     spec = write_spec(tmp_path, SPEC.format(save_dir=tmp_path / "models"))
@@ -218,6 +218,7 @@ def test_checkpoints_are_refused_with_a_budget(tmp_path):
     assert "experiments[0].checkpoint_every: checkpoints are not supported with a budget" in result.stderr
 
 
+@pytest.mark.slow  # a minute on 2 cores: `make test-all`
 def test_synchronous_algorithms_resume_exactly_from_a_checkpoint(tmp_path):
     """Each run is recorded failed after it completed, and resumed from its last checkpoint
     (step 84 of 96, between two averages and with an average in flight): the steps after it

@@ -84,7 +84,7 @@ def test_selection_and_worker_override(tmp_path):
 
 BAD = [
     ("yaml syntax", "experiments: [\n  - {name: a\n", "invalid YAML: line 2, column 3: expected the node content"),
-    ("unknown top-level key", "experiment: []\n", "experiment: unknown key (expected one of defaults, experiments)"),
+    ("unknown top-level key", "experiment: []\n", "experiment: unknown key (expected one of defaults, experiments, launch)"),
     ("unknown experiment key", "experiments:\n  - {name: a, task: logreg, epocs: 2}\n",
      "experiments[0].epocs: unknown key"),
     ("unknown plugin", "experiments:\n  - {name: a, task: logreg, aggregator: {name: alreduce}}\n",
