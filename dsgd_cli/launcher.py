@@ -308,7 +308,10 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
             stopped, interrupted_by, asked_at = False, None, None
             try:
                 while process.poll() is None:
-                    time.sleep(POLL_SECONDS)
+                    try:  # returns as soon as torchrun exits: no poll interval lost at the end
+                        process.wait(timeout=POLL_SECONDS)
+                    except subprocess.TimeoutExpired:
+                        pass
                     advance()
                     interrupted_by = interrupts.caught[0] if interrupts.caught else None
                     if interrupted_by and running is not None and _checkpoints(running):
