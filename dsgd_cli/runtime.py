@@ -66,6 +66,13 @@ class IntervalMetrics:
     def log(self, name: str, value: float) -> None:
         self.custom.setdefault(name, []).append(float(value))
 
+    def state(self) -> dict:
+        """The sums so far, for a checkpoint inside the interval."""
+        return {**vars(self), "custom": {k: list(v) for k, v in self.custom.items()}}
+
+    def restore(self, state: dict) -> None:
+        vars(self).update(state)
+
 
 _loaded: dict[str, TaskData] = {}  # the last data set loaded in this process
 
@@ -176,6 +183,7 @@ class Worker:
             train_seconds, elapsed = self.resumed["train_seconds"], self.resumed["elapsed"]
             reached_at = self.resumed["reached_at"]
             events.continue_from(self.resumed["seconds"])
+            self.interval.restore(self.resumed["interval"])
         with self.comm.untracked():
             self.comm.barrier()  # a common start: budgets in seconds count from here
         started = time.perf_counter() - elapsed
@@ -205,7 +213,7 @@ class Worker:
             stopping = bool(every and self.checkpoints) and not done and self._asked_to_stop(step)
             checkpointing = bool(every and self.checkpoints) and not done and (
                 step % every == 0 or stopping)
-            if step % config["log_interval"] == 0 or end_of_epoch or done or checkpointing:
+            if step % config["log_interval"] == 0 or end_of_epoch or done:
                 self._flush_interval(step, epoch)
             if budgeted:
                 # Every point this worker has passed (all of them once it stops).
@@ -223,7 +231,8 @@ class Worker:
                 self._save_checkpoint(step, {
                     "step": step, "samples": samples, "total_sent": total_sent,
                     "train_seconds": train_seconds, "elapsed": time.perf_counter() - started,
-                    "seconds": events.seconds(), "reached_at": reached_at})
+                    "seconds": events.seconds(), "reached_at": reached_at,
+                    "interval": self.interval.state()})
             if stopping:
                 raise Stopped(step)
         self.aggregator.finish()
