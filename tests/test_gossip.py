@@ -160,9 +160,9 @@ LR = 0.1
 LR_STEPS = 3
 
 
-def _scenario_dpsgd_lr(rank, n):
+def _trajectory(aggregator, rank, n):
+    """The model before and after each of LR_STEPS steps on the quadratic, with lr > 0."""
     ctx = _context(rank, n, lr=LR)
-    aggregator = DPSGD(DPSGD.Options(topology="ring", mixing="uniform"))
     aggregator.setup(ctx)
     models = [_flat(ctx.model)]
     for step in range(LR_STEPS):
@@ -170,18 +170,14 @@ def _scenario_dpsgd_lr(rank, n):
         models.append(_flat(ctx.model))
     aggregator.finish()
     return {"models": torch.stack(models)}
+
+
+def _scenario_dpsgd_lr(rank, n):
+    return _trajectory(DPSGD(DPSGD.Options(topology="ring", mixing="uniform")), rank, n)
 
 
 def _scenario_sgp_lr(rank, n):
-    ctx = _context(rank, n, lr=LR)
-    aggregator = NonRegularSGP(NonRegularSGP.Options())
-    aggregator.setup(ctx)
-    models = [_flat(ctx.model)]
-    for step in range(LR_STEPS):
-        _quadratic_step(aggregator, ctx, step)
-        models.append(_flat(ctx.model))
-    aggregator.finish()
-    return {"models": torch.stack(models)}
+    return _trajectory(NonRegularSGP(NonRegularSGP.Options()), rank, n)
 
 
 def _scenario_adpsgd_lr(rank, n):
