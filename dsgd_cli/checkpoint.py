@@ -14,6 +14,7 @@ checkpoints apart.
 from __future__ import annotations
 
 import os
+import random
 import re
 import uuid
 from pathlib import Path
@@ -117,3 +118,27 @@ def _remove_tree(path: Path) -> None:
     for child in path.iterdir():
         child.unlink()
     path.rmdir()
+
+
+def rng_state(device) -> dict:
+    """The random generators' states a run's numbers depend on: torch (and CUDA), NumPy,
+    Python."""
+    import numpy
+    import torch
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": numpy.random.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device) -> None:
+    import numpy
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    numpy.random.set_state(state["numpy"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)

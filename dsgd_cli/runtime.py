@@ -10,7 +10,6 @@ import copy
 import json
 import math
 import os
-import random
 import sys
 import time
 import traceback
@@ -161,7 +160,7 @@ class Worker:
         self.recent_compute: deque[float] = deque(maxlen=16)  # forward+backward seconds
         self.resumed = None
         if resumed is not None:
-            _set_rng_state(resumed["rng"], device)
+            checkpoint.set_rng_state(resumed["rng"], device)
             self.resumed = resumed["progress"]
 
     def steps_per_epoch(self) -> int:
@@ -289,7 +288,7 @@ class Worker:
                  "optimizer": self.optimizer.state_dict(),
                  "aggregator": self.aggregator.state_dict(),
                  "compressor": self.ctx.compressor.state_dict(),
-                 "rng": _rng_state(self.device)}
+                 "rng": checkpoint.rng_state(self.device)}
         checkpoint.save(self.checkpoints, step, self.rank, state, self.world_size)
 
     def _scheduled_metrics(self, values: dict[str, float], step: int, epoch: int) -> None:
@@ -407,26 +406,6 @@ class Worker:
             self.events.metric("total_bytes_sent", total_sent, per_rank=False)
             if reached_by_all != math.inf:
                 self.events.metric("time_to_accuracy", reached_by_all, per_rank=False)
-
-
-def _rng_state(device: torch.device) -> dict:
-    import numpy
-
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": numpy.random.get_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    import numpy
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    numpy.random.set_state(state["numpy"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _shared_run_id(config: dict, namespace: str) -> int:
