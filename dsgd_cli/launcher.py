@@ -314,7 +314,7 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
                         pass
                     advance()
                     interrupted_by = interrupts.caught[0] if interrupts.caught else None
-                    if interrupted_by and running is not None and _checkpoints(running):
+                    if interrupted_by and running is not None and running.experiment.checkpoint_dir:
                         # The first interruption asks the workers to save a checkpoint where
                         # they are and leave; a second one, or their taking too long, does
                         # not wait for them.
@@ -348,10 +348,6 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
                 store.finish_run(running.run_id, "failed", f"dsgd failed: {error!r}")
             raise
     return results
-
-
-def _checkpoints(running: _Running) -> bool:
-    return bool(running.experiment.config.get("checkpoint_every") and running.experiment.checkpoint_dir)
 
 
 def _records(experiment: Experiment) -> bool:

@@ -128,6 +128,7 @@ class Worker:
         # Checkpoints: the run's directory (set by the launcher when the spec asks for
         # them), and the state to continue from when the run resumes.
         self.checkpoints = config.get("checkpoint_dir")
+        self.checkpoint_every = config.get("checkpoint_every") if self.checkpoints else None
         resumed = None
         if config.get("resume_step") is not None:
             resumed = checkpoint.load(self.checkpoints, config["resume_step"], rank)
@@ -208,10 +209,9 @@ class Worker:
             step += 1
             done = self.stop_rule.after_step(step, len(y))
             end_of_epoch = b == steps_per_epoch - 1
-            every = config.get("checkpoint_every")
-            stopping = bool(every and self.checkpoints) and not done and self._asked_to_stop(step)
-            checkpointing = bool(every and self.checkpoints) and not done and (
-                step % every == 0 or stopping)
+            every = self.checkpoint_every
+            stopping = bool(every) and not done and self._asked_to_stop(step)
+            checkpointing = bool(every) and not done and (step % every == 0 or stopping)
             if step % config["log_interval"] == 0 or end_of_epoch or done:
                 self._flush_interval(step, epoch)
             if budgeted:

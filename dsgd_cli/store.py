@@ -238,10 +238,11 @@ class Store:
             if readonly:
                 tables = self._check_schema(missing_ok=False)
                 self.has_tags = "tags" in tables
+                self.has_checkpoints = "checkpoints" in tables
             else:
                 self._check_schema(missing_ok=True)
                 self._migrate()
-                self.has_tags = True
+                self.has_tags = self.has_checkpoints = True
         except (ArgumentError, DatabaseError, OperationalError) as error:
             reason = getattr(error, "orig", None) or error
             verb = "write to" if not readonly and _read_only_error(error) else "open"
@@ -331,13 +332,13 @@ class Store:
     def checkpoint_dir(self, run_id: int) -> str | None:
         """Where the run keeps its checkpoints (None: it keeps none, or the schema predates
         them)."""
-        if "checkpoints" not in inspect(self.engine).get_table_names():
+        if not self.has_checkpoints:
             return None
         with Session(self.engine) as session:
             return session.scalar(select(Checkpoints.directory).where(Checkpoints.run_id == run_id))
 
     def resumes(self, run_id: int) -> list[dict]:
-        if "checkpoints" not in inspect(self.engine).get_table_names():
+        if not self.has_checkpoints:
             return []
         with Session(self.engine) as session:
             return session.scalar(select(Checkpoints.resumes).where(Checkpoints.run_id == run_id)) or []
