@@ -1,8 +1,9 @@
-"""Runs experiments: one torchrun per experiment, events tailed into the results store.
+"""Runs experiments: one torchrun per launch (consecutive experiments that can share its
+workers), events tailed into the results store.
 
 The launcher is the only writer of the database. For each run it records the configuration,
-starts `torchrun ... -m dsgd_cli.runtime`, stores metrics as workers flush them and draws a
-progress bar from rank 0's. When a worker fails, torchrun stops the others; the run is marked
+tells the launch's workers what to run (the plan; torchrun.py starts and stops torchrun),
+stores metrics as workers flush them and draws a progress bar from rank 0's. When a worker fails, torchrun stops the others; the run is marked
 failed with the rank and reason of the first error, keeping every metric already stored. When a
 worker reports that training diverged (its loss is NaN or infinite), the launcher stops the run
 at once, as the other workers may wait for it forever, and marks it diverged.
@@ -10,13 +11,9 @@ at once, as the other workers may wait for it forever, and marks it diverged.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import signal
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -24,16 +21,14 @@ from pathlib import Path
 from typing import Callable
 
 from dsgd_cli import registry
+from dsgd_cli.torchrun import Shape, Torchrun
 from dsgd_cli.events import EventReader, events_path, experiment_dir, stop_path
 from dsgd_cli.spec import PLUGIN_SECTIONS, Experiment
 from dsgd_cli.store import MetricRow, Store, finite_number
 
 POLL_SECONDS = 0.5
 GRACE_AFTER_ERROR_S = 10.0  # torchrun normally stops the other workers well before this
-TERMINATE_WAIT_S = 5.0  # after SIGTERM, before SIGKILL
 CHECKPOINT_WAIT_S = 30.0  # for the workers of an interrupted run to save a last checkpoint
-RUN_MARKER = "DSGD_RUN_DIR"  # set in the environment of a run's processes
-DEVICE_VARIABLE = "DSGD_DEVICE"  # tells the workers: cuda or cpu
 
 
 @dataclass
@@ -55,20 +50,9 @@ class Progress:
     test_accuracy: float | None = None
 
 
-def torchrun_command(experiment: Experiment, plan_path: str | Path, events_dir: str | Path) -> list[str]:
-    """The torchrun command of a launch whose experiments have `experiment`'s worker count:
-    standalone on one machine, or this machine's part of a c10d rendezvous."""
-    nodes = experiment.nodes
-    if nodes is None:
-        where = ["--standalone", f"--nproc-per-node={experiment.workers}"]
-    else:
-        where = [f"--nnodes={nodes.nnodes}",
-                 f"--nproc-per-node={nodes.local_workers(experiment.workers)}",
-                 "--rdzv-backend=c10d", f"--rdzv-endpoint={nodes.endpoint}",
-                 f"--rdzv-id={nodes.rendezvous_id(experiment.spec_text, experiment.name)}",
-                 f"--rdzv-conf=join_timeout={nodes.timeout:g}"]
-    return [sys.executable, "-m", "torch.distributed.run", *where, "--max-restarts=0",
-            "-m", "dsgd_cli.runtime", str(plan_path), str(events_dir)]
+def launch_shape(experiment: Experiment) -> Shape:
+    """What the torchrun of a launch beginning with `experiment` is started for."""
+    return Shape.of(experiment.workers, experiment.nodes, experiment.spec_text, experiment.name)
 
 
 def local_workers(experiment: Experiment) -> int:
@@ -149,15 +133,18 @@ class Callbacks:
 
 
 def run_all(experiments: list[Experiment], store: Store, spec_file: str | None,
-            callbacks: Callbacks = Callbacks(), shared: bool = True) -> list[RunResult]:
+            callbacks: Callbacks = Callbacks(), shared: bool = True,
+            early: Torchrun | None = None) -> list[RunResult]:
     """Run and record every experiment, in order. A launch that ends early (an experiment
     failed, diverged or was killed: its process group is not to be trusted) records that
-    experiment and the rest go on in a fresh launch."""
+    experiment and the rest go on in a fresh launch. `early`: a torchrun started before the
+    spec was validated (`torchrun.early_start`), for the first launch if it fits."""
     results = []
     for planned in plan_launches(experiments, shared):
         pending = planned.experiments
         while pending:
-            done = _launch(pending, planned.device, store, spec_file, callbacks)
+            done = _launch(pending, planned.device, store, spec_file, callbacks, early)
+            early = None
             results += done
             pending = pending[len(done):]
     return results
@@ -244,14 +231,22 @@ class _Running:
 
 
 def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
-            spec_file: str | None, callbacks: Callbacks) -> list[RunResult]:
-    """One torchrun for `experiments`; returns the results of those it got to (all of them,
-    unless one ended the launch early). Every run it started is recorded before it returns
-    or raises, never left `running`. A SIGINT or SIGTERM meanwhile stops the launch's
-    processes and marks the running experiment interrupted; then the signal takes its usual
-    course (the CLI's handler raises `Interrupted`)."""
+            spec_file: str | None, callbacks: Callbacks,
+            early: Torchrun | None = None) -> list[RunResult]:
+    """One torchrun for `experiments` (`early`, if started for this launch's shape); returns
+    the results of those it got to (all of them, unless one ended the launch early). Every run
+    it started is recorded before it returns or raises, never left `running`. A SIGINT or
+    SIGTERM meanwhile stops the launch's processes and marks the running experiment
+    interrupted; then the signal takes its usual course (the CLI's handler raises
+    `Interrupted`)."""
     results: list[RunResult] = []
     running: _Running | None = None
+    torchrun = early
+    if early is not None and early.shape != launch_shape(experiments[0]):
+        early.close()
+        torchrun = None
+    torchrun = torchrun or Torchrun(launch_shape(experiments[0]))
+    tmp = torchrun.dir
 
     def finish(result: RunResult) -> None:
         nonlocal running
@@ -287,24 +282,20 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
             if index + 1 < len(experiments):
                 begin(index + 1)
 
-    with _Interrupts() as interrupts, tempfile.TemporaryDirectory(prefix="dsgd-launch-") as tmp:
+    with _Interrupts() as interrupts:
         try:
             begin(0)
-            plan_path = Path(tmp) / "experiments.json"
             configs = [e.worker_config() for e in experiments]
             configs[0]["run_id"] = running.run_id  # other machines' workers learn it from these
-            plan_path.write_text(json.dumps({"experiments": configs}))
-            log_path = Path(tmp) / "torchrun.log"
-            try:
-                with open(log_path, "w") as log:
-                    process = subprocess.Popen(
-                        torchrun_command(experiments[0], plan_path, tmp), stdout=log,
-                        stderr=subprocess.STDOUT, env=_environment(tmp, device),
-                        start_new_session=True)
-            except OSError as error:
-                finish(RunResult(running.run_id, running.experiment.name, "failed",
-                                 f"cannot start torchrun: {error}"))
-                return results
+            torchrun.write_plan({"device": device.kind, "experiments": configs})
+            if torchrun.process is None:
+                try:
+                    torchrun.start()
+                except OSError as error:
+                    finish(RunResult(running.run_id, running.experiment.name, "failed",
+                                     f"cannot start torchrun: {error}"))
+                    return results
+            process = torchrun.process
             stopped, interrupted_by, asked_at = False, None, None
             try:
                 while process.poll() is None:
@@ -328,14 +319,15 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
                         stopped = True
                         break
             finally:  # whatever happened, no process of the launch outlives it
-                _stop(process, tmp, interrupts)
+                caught = len(interrupts.caught)  # another signal: no more waiting
+                torchrun.stop(hurry=lambda: len(interrupts.caught) > caught)
             advance()
             if running is not None:  # the experiment that ended the launch
                 if interrupted_by:
                     finish(RunResult(running.run_id, running.experiment.name, "interrupted",
                                      f"interrupted by {interrupted_by.name}"))
                 else:
-                    log_text = log_path.read_text(errors="replace")
+                    log_text = torchrun.log_path.read_text(errors="replace")
                     # Workers that dsgd itself stopped died of its signals: torchrun's
                     # record of them says nothing about the cause.
                     failures = [] if stopped else torchrun_failures(log_text)
@@ -347,6 +339,8 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
             if running is not None and _records(running.experiment) and running.run_id is not None:
                 store.finish_run(running.run_id, "failed", f"dsgd failed: {error!r}")
             raise
+        finally:
+            torchrun.close()
     return results
 
 
@@ -370,17 +364,6 @@ def _must_stop(running: _Running) -> bool:
         return True
     return (running.first_problem_at is not None
             and time.monotonic() - running.first_problem_at > GRACE_AFTER_ERROR_S)
-
-
-def _environment(run_dir: str, device: DevicePlan) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # workers share the machine's cores
-    env.setdefault("NUMBA_NUM_THREADS", env["OMP_NUM_THREADS"])
-    env["PYTHONUNBUFFERED"] = "1"
-    env["LOGLEVEL"] = "WARNING"  # torchrun's warnings name the workers it stopped itself
-    env[RUN_MARKER] = run_dir  # inherited by the workers: how _stop finds them
-    env[DEVICE_VARIABLE] = device.kind
-    return env
 
 
 @dataclass
@@ -480,39 +463,6 @@ class _Interrupts:
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         if self.caught:
             signal.raise_signal(self.caught[0])
-
-
-def _stop(process: subprocess.Popen, run_dir: str, interrupts: _Interrupts) -> None:
-    """Stop every process of a run: SIGTERM, then SIGKILL to those left after
-    TERMINATE_WAIT_S, or at once when another SIGINT or SIGTERM comes."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = _processes(process, run_dir)
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline, caught = time.monotonic() + TERMINATE_WAIT_S, len(interrupts.caught)
-        while (_processes(process, run_dir) and time.monotonic() < deadline
-               and len(interrupts.caught) == caught):
-            time.sleep(0.1)
-
-
-def _processes(process: subprocess.Popen, run_dir: str) -> set[int]:
-    """The live processes of a run: torchrun and whatever carries the run's marker in its
-    environment. torchrun starts each worker in a session of its own, so a signal to torchrun's
-    process group misses them, and they outlive a torchrun that was killed."""
-    pids = {process.pid} if process.poll() is None else set()
-    marker = f"{RUN_MARKER}={run_dir}".encode()
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if marker in (entry / "environ").read_bytes().split(b"\0"):
-                pids.add(int(entry.name))
-        except OSError:  # gone, or another user's
-            continue
-    return pids
 
 
 def _last_line(text: str) -> str:

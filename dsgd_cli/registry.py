@@ -11,16 +11,19 @@ from __future__ import annotations
 import importlib.metadata as metadata
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
-from dsgd_cli.api import Aggregator, Compressor, OptimizerPlugin, Plugin, Task
 from dsgd_cli.errors import PluginError
 
-# kind -> (entry-point group, required base class)
-KINDS: dict[str, tuple[str, type]] = {
-    "aggregator": ("dsgd.aggregators", Aggregator),
-    "compressor": ("dsgd.compressors", Compressor),
-    "optimizer": ("dsgd.optimizers", OptimizerPlugin),
-    "task": ("dsgd.tasks", Task),
+if TYPE_CHECKING:
+    from dsgd_cli.api import Plugin
+
+# kind -> (entry-point group, the base class in dsgd_cli.api its plugins derive from)
+KINDS: dict[str, tuple[str, str]] = {
+    "aggregator": ("dsgd.aggregators", "Aggregator"),
+    "compressor": ("dsgd.compressors", "Compressor"),
+    "optimizer": ("dsgd.optimizers", "OptimizerPlugin"),
+    "task": ("dsgd.tasks", "Task"),
 }
 
 
@@ -40,6 +43,8 @@ class PluginEntry:
         return f"{self.kind} plugin {self.name!r} ({self.target}, from {self.distribution} {self.version})"
 
     def load(self) -> type[Plugin]:
+        from dsgd_cli import api  # torch: discovering plugins needs none, loading one does
+
         if self.shadowed_by:
             raise PluginError(f"{self.describe()}: name already registered by {self.shadowed_by}")
         try:
@@ -47,7 +52,7 @@ class PluginEntry:
         except Exception as error:  # any import-time failure of third-party code
             raise PluginError(
                 f"{self.describe()} failed to import: {type(error).__name__}: {error}") from error
-        base = KINDS[self.kind][1]
+        base = getattr(api, KINDS[self.kind][1])
         if not (isinstance(loaded, type) and issubclass(loaded, base)):
             raise PluginError(f"{self.describe()} is not a subclass of dsgd_cli.api.{base.__name__}")
         loaded.plugin_name = self.name

@@ -418,10 +418,10 @@ def _shared_run_id(config: dict, namespace: str) -> int:
     return int(store.get(key))
 
 
-def device_and_backend(local_rank: int) -> tuple[torch.device, str]:
-    """The launcher's choice (`launcher.choose_device`, in $DSGD_DEVICE); for a worker started
+def device_and_backend(local_rank: int, kind: str | None = None) -> tuple[torch.device, str]:
+    """The launcher's choice (`launcher.choose_device`, in the plan); for a worker started
     by hand, CUDA when it is there."""
-    kind = os.environ.get("DSGD_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    kind = kind or ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -437,15 +437,16 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    with open(plan_path) as file:
-        configs = json.load(file)["experiments"]
+    plan = wait_for_plan(Path(plan_path))
+    configs = plan["experiments"]
     exit_code = 0
     for index, config in enumerate(configs):
         directory = experiment_dir(events_dir, index)
         directory.mkdir(parents=True, exist_ok=True)
         events = EventWriter(events_path(directory, rank), rank)
         exit_code = run_experiment(config, events, rank, world_size, local_rank,
-                                   namespace=str(index), stop_file=stop_path(events_dir))
+                                   namespace=str(index), stop_file=stop_path(events_dir),
+                                   device_kind=plan.get("device"))
         events.close()
         if exit_code:
             break
@@ -457,12 +458,35 @@ def main(argv: list[str] | None = None) -> None:
     os._exit(max(exit_code, 0))
 
 
+def wait_for_plan(path: Path) -> dict:
+    """The launch's plan. torchrun may start before the launcher has validated the spec (so
+    that starting and importing overlap the validation): the plan then appears, whole, once
+    the spec is valid. A launcher that is gone will not write it."""
+    launcher = int(os.environ.get("DSGD_LAUNCHER_PID", "0"))
+    while not path.exists():
+        if launcher and not _alive(launcher):
+            sys.exit(f"dsgd: the launcher (pid {launcher}) is gone")
+        time.sleep(0.01)
+    return json.loads(path.read_text())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's (the pid was reused)
+        return True
+    return True
+
+
 def run_experiment(config: dict, events: EventWriter, rank: int, world_size: int,
-                   local_rank: int, namespace: str = "", stop_file: Path | None = None) -> int:
+                   local_rank: int, namespace: str = "", stop_file: Path | None = None,
+                   device_kind: str | None = None) -> int:
     """Train one experiment, reporting to `events`; returns the process exit code, or -1 when
     it stopped as the launcher asked (the process then leaves, with code 0)."""
     try:
-        device, backend = device_and_backend(local_rank)
+        device, backend = device_and_backend(local_rank, device_kind)
         if not dist.is_initialized():
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(

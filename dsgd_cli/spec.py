@@ -8,25 +8,21 @@ Numbers may use scientific notation (`1e-3`), and NaN or infinity (`.nan`, `.inf
 
 from __future__ import annotations
 
-import copy
 import inspect
-import itertools
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from dsgd_cli import registry
+from dsgd_cli import registry, specfile
 from dsgd_cli.comm import NetworkModel
 from dsgd_cli.errors import PluginError, SpecError
-from dsgd_cli.nodes import NodePlan, check_split, parse_launch
-from dsgd_cli.options import check_finite, options_to_dict, parse_options, show
+from dsgd_cli.nodes import NodePlan, check_split
+from dsgd_cli.options import options_to_dict, parse_options, show
+from dsgd_cli.specfile import check_keys, one_line, selected
 from dsgd_cli.topology import TOPOLOGY_KINDS
 
-TOP_LEVEL_KEYS = ("defaults", "experiments", "launch")
 # The sections of a resolved config that name a plugin, each a registry kind.
 PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor")
 MAX_WORKERS = 1024
@@ -37,40 +33,6 @@ MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: beyond, a wait is a hang
 MAX_SEED = 2**32 - 1
 MAX_COUNT = 2**31 - 1   # epochs, batch_size, steps_per_epoch, log_interval
 MAX_SAMPLES = 2**62     # budget.samples
-
-# Every experiment key, with its default (None: required or optional-and-absent).
-EXPERIMENT_DEFAULTS: dict[str, Any] = {
-    "name": None,
-    "task": None,
-    "optimizer": {"name": "sgd", "lr": 0.05},
-    "aggregator": {"name": "allreduce"},
-    "workers": 2,
-    "epochs": 1,
-    "batch_size": 32,
-    "seed": 0,
-    "steps_per_epoch": None,   # cap on steps per epoch, for quick runs
-    "log_interval": 10,        # steps between logged training metrics
-    "target_accuracy": None,   # records time_to_accuracy when reached
-    "network": None,
-    "stragglers": None,
-    "budget": None,            # {samples: N} or {seconds: T}: train until spent, not for epochs
-    "save_dir": None,          # saves each worker's final model to <save_dir>/<name>/rank<r>.pt
-    "timeout": 600,            # seconds a communication may make no progress before it fails
-    "checkpoint_every": None,  # steps between checkpoints, for `dsgd run --resume`
-    "grid": None,
-}
-
-
-class SpecLoader(yaml.SafeLoader):
-    """YAML 1.1 as PyYAML reads it, but `1e-3`, `1E6` or `-2.5e+4` are floats as in YAML 1.2,
-    not strings (YAML 1.1 wants a dot and a signed exponent: `1.0e-3`)."""
-
-
-SpecLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    # YAML 1.2's core-schema float, only the forms with an exponent: the others already load
-    re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
 
 
 @dataclass
@@ -104,18 +66,7 @@ def load_spec(path: str | Path, *, only: list[str] | None = None,
     `workers` and `launch` (the keys of its `launch:` section) are the command line's."""
     file = str(path)
     try:
-        text = _read_text(Path(path))
-        try:
-            document = yaml.load(text, Loader=SpecLoader)
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-            problem = getattr(error, "problem", None) or (str(error).splitlines() or ["?"])[0]
-            raise SpecError(f"invalid YAML: {where}{problem}") from None
-        except ValueError as error:  # an integer of more than 4300 digits
-            raise SpecError(f"invalid YAML: {error}") from None
-        except RecursionError:
-            raise SpecError("invalid YAML: nested too deeply") from None
+        text, document = specfile.read_document(Path(path))
         try:
             experiments = resolve_document(document, workers_override=workers,
                                            launch_override=launch)
@@ -126,68 +77,21 @@ def load_spec(path: str | Path, *, only: list[str] | None = None,
         return select(experiments, only)
     except SpecError as error:
         # One line whatever the spec holds: a key may contain a line break.
-        raise SpecError(_one_line(error.detail), file=_one_line(file),
-                        path=_one_line(error.path) if error.path else None) from None
-
-
-def _read_text(path: Path) -> str:
-    try:
-        data = path.read_bytes()
-    except OSError as error:
-        raise SpecError(f"cannot read spec: {error.strerror or error}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        raise SpecError(f"not UTF-8 text: byte 0x{data[error.start]:02x} at line {line} "
-                        f"(offset {error.start}); save the spec as UTF-8") from None
-
-
-_LINE_BREAKS = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
-
-
-def _one_line(text: str) -> str:
-    """`text` with its line breaks escaped (those `str.splitlines` breaks at)."""
-    return _LINE_BREAKS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+        raise SpecError(one_line(error.detail), file=one_line(file),
+                        path=one_line(error.path) if error.path else None) from None
 
 
 def resolve_document(document: Any, workers_override: int | None = None,
                      launch_override: dict[str, Any] | None = None) -> list[Experiment]:
-    if not isinstance(document, dict):
-        raise SpecError("expected a mapping with keys 'defaults' and 'experiments'")
-    check_finite(document, "")  # where the value is written: `defaults` or an experiment
-    for key in document:
-        if key not in TOP_LEVEL_KEYS:
-            raise SpecError(f"unknown key (expected one of {', '.join(TOP_LEVEL_KEYS)})", path=str(key))
-    defaults = document.get("defaults")
-    if defaults is None:
-        defaults = {}
-    if not isinstance(defaults, dict):
-        raise SpecError("expected a mapping", path="defaults")
-    _check_keys(defaults, "defaults", allow=set(EXPERIMENT_DEFAULTS) - {"name", "grid"})
-    nodes = parse_launch(document.get("launch"), launch_override)
-    entries = document.get("experiments")
-    if not isinstance(entries, list) or not entries:
-        raise SpecError("expected a non-empty list of experiments", path="experiments")
-
+    defaults, entries, nodes = specfile.sections(document, launch_override)
     experiments: list[Experiment] = []
     cache = _Cache()  # grid points share most sections: each distinct one is checked once
-    for index, entry in enumerate(entries):
-        path = f"experiments[{index}]"
-        if not isinstance(entry, dict):
-            raise SpecError("expected a mapping", path=path)
-        _check_keys(entry, path, allow=set(EXPERIMENT_DEFAULTS))
-        merged = copy.deepcopy(EXPERIMENT_DEFAULTS)
-        for layer in (defaults, entry):
-            merged.update({key: merge(merged.get(key), value) for key, value in layer.items()})
-        for name, point in expand_grid(merged, path):
-            if workers_override is not None:  # the command line wins over spec and grid
-                point["workers"] = workers_override
-            config = validate_experiment(point, path, name, cache)
-            if nodes is not None:
-                check_split(nodes, config["workers"], path)
-                config["nnodes"] = nodes.nnodes
-            experiments.append(Experiment(name, config, nodes=nodes))
+    for point in specfile.points(defaults, entries, workers_override):
+        config = validate_experiment(point.raw, point.path, point.name, cache)
+        if nodes is not None:
+            check_split(nodes, config["workers"], point.path)
+            config["nnodes"] = nodes.nnodes
+        experiments.append(Experiment(point.name, config, nodes=nodes))
 
     seen: dict[str, int] = {}
     for experiment in experiments:
@@ -195,75 +99,6 @@ def resolve_document(document: Any, workers_override: int | None = None,
             raise SpecError(f"duplicate experiment name {experiment.name!r}", path="experiments")
         seen[experiment.name] = 1
     return experiments
-
-
-def _check_keys(mapping: dict, path: str, allow: set[str]) -> None:
-    for key in mapping:
-        if key not in allow:
-            raise SpecError(f"unknown key (expected one of {', '.join(sorted(allow))})",
-                            path=f"{path}.{key}")
-
-
-def merge(base: Any, override: Any) -> Any:
-    """Deep-merge an experiment section `override` into `base`. A plugin section naming a
-    different plugin replaces the base whole: the base's options belong to another plugin."""
-    if not (isinstance(base, dict) and isinstance(override, dict)):
-        return copy.deepcopy(override)
-    if "name" in base and "name" in override and base["name"] != override["name"]:
-        return copy.deepcopy(override)
-    result = dict(base)
-    for key, value in override.items():
-        result[key] = merge(base.get(key), value) if key in base else copy.deepcopy(value)
-    return result
-
-
-def expand_grid(experiment: dict, path: str) -> list[tuple[str, dict]]:
-    """One (name, experiment) per point of the cartesian product of `grid`."""
-    name = experiment.get("name")
-    if not isinstance(name, str) or not name:
-        raise SpecError("expected a non-empty string", path=f"{path}.name")
-    grid = experiment.pop("grid", None)
-    if grid is None:
-        return [(name, experiment)]
-    if not isinstance(grid, dict) or not grid:
-        raise SpecError("expected a mapping of dotted keys to lists of values", path=f"{path}.grid")
-    for key, values in grid.items():
-        if not isinstance(values, list) or not values:
-            raise SpecError("expected a non-empty list of values", path=f"{path}.grid.{key}")
-    points = []
-    for combination in itertools.product(*grid.values()):
-        # Shallow: points share what they do not set (`_set_dotted` copies what it changes)
-        # and validation only reads them.
-        point = dict(experiment)
-        labels = []
-        for key, value in zip(grid, combination):
-            _set_dotted(point, str(key), value, f"{path}.grid.{key}")
-            labels.append(f"{key}={value}")
-        points.append((f"{name}[{','.join(labels)}]", point))
-    return points
-
-
-def _set_dotted(mapping: dict, dotted: str, value: Any, path: str) -> None:
-    """Set one grid key. `section.name` picks a plugin: like a section naming another plugin
-    in `defaults`, it replaces the section's options (they belong to the old plugin)."""
-    *parents, leaf = dotted.split(".")
-    if not leaf or (not parents and (leaf not in EXPERIMENT_DEFAULTS or leaf in ("name", "grid"))):
-        raise SpecError("grid key must name an experiment key, a plugin option or a plugin "
-                        "section's name", path=path)
-    node = mapping
-    for part in parents:
-        child = node.get(part)
-        if child is None and leaf == "name":  # e.g. a compressor section not yet there
-            child = {}
-        if not isinstance(child, dict):
-            raise SpecError(f"{part!r} is not a section of the experiment", path=path)
-        node[part] = child = dict(child)  # this point's own copy: the others share the original
-        node = child
-    if leaf == "name" and node.get("name") != value:
-        kept = {key: section for key, section in node.items() if isinstance(section, dict)}
-        node.clear()
-        node.update(kept)  # nested plugin sections stay: an aggregator keeps its compressor
-    node[leaf] = value
 
 
 def validate_experiment(raw: dict, path: str, name: str,
@@ -528,7 +363,7 @@ def parse_network(raw: Any, path: str) -> dict[str, float] | None:
         return None
     if not isinstance(raw, dict):
         raise SpecError("expected a mapping with keys bandwidth, latency", path=path)
-    _check_keys(raw, path, {"bandwidth", "latency"})
+    check_keys(raw, path, {"bandwidth", "latency"})
     result = {"bytes_per_second": float("inf"), "latency_s": 0.0}
     if "bandwidth" in raw:
         value = raw["bandwidth"]
@@ -594,7 +429,7 @@ def parse_stragglers(raw: Any, path: str, workers: int) -> dict[str, Any] | None
         return None
     if not isinstance(raw, dict):
         raise SpecError("expected a mapping with keys ranks, slowdown, random", path=path)
-    _check_keys(raw, path, {"ranks", "slowdown", "random"})
+    check_keys(raw, path, {"ranks", "slowdown", "random"})
     ranks = raw.get("ranks", [])
     if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool)
                                               for r in ranks):
@@ -610,7 +445,7 @@ def parse_stragglers(raw: Any, path: str, workers: int) -> dict[str, Any] | None
         where = f"{path}.random"
         if not isinstance(randomly, dict):
             raise SpecError("expected a mapping with keys probability, slowdown", path=where)
-        _check_keys(randomly, where, {"probability", "slowdown"})
+        check_keys(randomly, where, {"probability", "slowdown"})
         for key in ("probability", "slowdown"):
             if key not in randomly:
                 raise SpecError("required", path=f"{where}.{key}")
@@ -627,7 +462,7 @@ def parse_budget(raw: Any, path: str) -> dict[str, Any] | None:
         return None
     if not isinstance(raw, dict):
         raise SpecError("expected a mapping with one of the keys samples, seconds", path=path)
-    _check_keys(raw, path, {"samples", "seconds", "evaluations"})
+    check_keys(raw, path, {"samples", "seconds", "evaluations"})
     if ("samples" in raw) == ("seconds" in raw):
         raise SpecError("expected exactly one of samples, seconds", path=path)
     budget: dict[str, Any] = {"samples": None, "seconds": None,
@@ -644,9 +479,8 @@ def select(experiments: list[Experiment], only: list[str] | None) -> list[Experi
     """Keep experiments named in `only`: an exact name, or a grid's base name."""
     if not only:
         return experiments
-    chosen = [e for e in experiments if e.name in only or e.name.split("[", 1)[0] in only]
-    missing = [n for n in only if not any(e.name == n or e.name.split("[", 1)[0] == n
-                                          for e in experiments)]
+    chosen = [e for e in experiments if selected(e.name, only)]
+    missing = [n for n in only if not any(selected(e.name, [n]) for e in experiments)]
     if missing:
         known = ", ".join(e.name for e in experiments[:20])
         if len(experiments) > 20:  # a grid of 100,000 points: not all of them on one line

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import write_spec
-from dsgd_cli import launcher, runtime
+from dsgd_cli import launcher, runtime, torchrun
 from dsgd_cli.comm import Comm, Group
 from dsgd_cli.launcher import DevicePlan, choose_device
 from dsgd_cli.runtime import Shard
@@ -46,25 +46,24 @@ def test_the_launchers_choice_reaches_the_workers(tmp_path, gpus, monkeypatch):
       - {name: cpu, task: {name: logreg}, workers: 2, steps_per_epoch: 2}
     """)
     (experiment,) = load_spec(spec)
-    seen = {}
-    popen = launcher.subprocess.Popen
+    seen = []
+    write_plan = torchrun.Torchrun.write_plan
 
-    def spy(command, env, **kwargs):
-        seen["device"] = env[launcher.DEVICE_VARIABLE]
-        return popen(command, env=env, **kwargs)
+    def spy(self, plan):
+        seen.append(plan["device"])
+        write_plan(self, plan)
 
-    monkeypatch.setattr(launcher.subprocess, "Popen", spy)
+    monkeypatch.setattr(torchrun.Torchrun, "write_plan", spy)
     result = launcher.launch(experiment, Store(str(tmp_path / "r.db")), str(spec))
-    assert seen == {"device": "cpu"}
+    assert seen == ["cpu"]
     assert result.status == "completed", result.reason
 
 
 def test_a_worker_uses_the_device_it_is_told(gpus, monkeypatch):
     gpus(8)
-    monkeypatch.setenv("DSGD_DEVICE", "cpu")
-    assert runtime.device_and_backend(local_rank=3) == (torch.device("cpu"), "gloo")
-    monkeypatch.setenv("DSGD_DEVICE", "cuda")
+    assert runtime.device_and_backend(local_rank=3, kind="cpu") == (torch.device("cpu"), "gloo")
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    assert runtime.device_and_backend(local_rank=3, kind="cuda") == (torch.device("cuda", 3), "nccl")
     assert runtime.device_and_backend(local_rank=3) == (torch.device("cuda", 3), "nccl")
 
 

@@ -20,7 +20,7 @@ from rich.text import Text
 from typer.testing import CliRunner
 
 from conftest import compare_json, dsgd, write_spec
-from dsgd_cli import launcher
+from dsgd_cli import launcher, torchrun
 from dsgd_cli.cli import app
 from dsgd_cli.commands.run import status_markup
 from dsgd_cli.errors import RunFailed, SpecError
@@ -226,6 +226,8 @@ def test_event_writer_is_thread_safe(tmp_path):
 # and rank 0 stays blocked in a collective that will never finish.
 FAKE_TORCHRUN = """
 import json, os, sys, time
+while not os.path.exists(sys.argv[1]):  # started early, before the spec was validated
+    time.sleep(0.01)
 experiments = json.load(open(sys.argv[1]))["experiments"]
 
 for index, config in enumerate(experiments):
@@ -260,9 +262,9 @@ for index, config in enumerate(experiments):
 def fake_torchrun(tmp_path, monkeypatch):
     script = tmp_path / "fake_torchrun.py"
     script.write_text(FAKE_TORCHRUN)
-    monkeypatch.setattr(launcher, "torchrun_command",
-                        lambda experiment, config, events: [sys.executable, str(script), str(config),
-                                                            str(events)])
+    monkeypatch.setattr(torchrun, "command",
+                        lambda shape, config, events: [sys.executable, str(script), str(config),
+                                                       str(events)])
 
 
 def test_run_result_names_the_first_problem(tmp_path):
@@ -409,12 +411,10 @@ def test_a_signal_interrupts_the_run_and_stops_its_processes(tmp_path, signum, e
 
 
 def test_a_launch_that_cannot_start_is_recorded_as_failed(tmp_path, monkeypatch):
-    from dsgd_cli import launcher
-
     def refuse(*args, **kwargs):
         raise OSError("no such program")
 
-    monkeypatch.setattr(launcher.subprocess, "Popen", refuse)
+    monkeypatch.setattr(torchrun.subprocess, "Popen", refuse)
     spec = write_spec(tmp_path, """
         experiments:
           - {name: a, task: logreg, steps_per_epoch: 2}
@@ -537,14 +537,14 @@ def test_a_worker_that_dies_at_start_up_is_named(tmp_path, monkeypatch, how, rea
     torchrun's failure records, not from its banner."""
     script = tmp_path / "dies_at_start.py"
     script.write_text(DIES_AT_START.format(how=how))
-    torchrun_command = launcher.torchrun_command
+    torchrun_command = torchrun.command
 
-    def command(experiment, config, events):
-        args = torchrun_command(experiment, config, events)
+    def command(shape, config, events):
+        args = torchrun_command(shape, config, events)
         at = args.index("dsgd_cli.runtime")
         return args[:at - 1] + [str(script)] + args[at + 1:]  # instead of `-m dsgd_cli.runtime`
 
-    monkeypatch.setattr(launcher, "torchrun_command", command)
+    monkeypatch.setattr(torchrun, "command", command)
     (experiment,) = load_spec(tiny_spec(tmp_path, "experiments: [{name: a}]\n"))
     store = Store(str(tmp_path / "r.db"))
     result = launcher.launch(experiment, store, None)
@@ -580,9 +580,9 @@ while True:
 # `dsgd run` with the stand-in for torchrun, and no end to the wait after SIGTERM.
 STUBBORN_DSGD = """
 import sys
-from dsgd_cli import cli, launcher
-launcher.TERMINATE_WAIT_S = 600
-launcher.torchrun_command = lambda experiment, config, events: [
+from dsgd_cli import cli, torchrun
+torchrun.TERMINATE_WAIT_S = 600
+torchrun.command = lambda shape, config, events: [
     sys.executable, {script!r}, str(config), str(events)]
 sys.argv = ["dsgd", "run", {spec!r}, "--db", {db!r}]
 cli.main()

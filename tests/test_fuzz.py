@@ -20,7 +20,8 @@ from hypothesis import strategies as st  # noqa: E402
 from dsgd_cli import registry  # noqa: E402
 from dsgd_cli.errors import DsgdError  # noqa: E402
 from dsgd_cli.options import option_fields  # noqa: E402
-from dsgd_cli.spec import EXPERIMENT_DEFAULTS, load_spec  # noqa: E402
+from dsgd_cli.spec import load_spec  # noqa: E402
+from dsgd_cli.specfile import EXPERIMENT_DEFAULTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = [ROOT / "experiments.yaml", *sorted((ROOT / "examples").glob("*.yaml"))]
@@ -148,13 +149,14 @@ def documents(draw):
     is drawn uniformly (hypothesis favours the first of many choices)."""
     if draw(st.integers(0, 4)) == 0:
         return draw(st.one_of(values, st.dictionaries(keys, values, max_size=3)))
-    document = draw(plausible)
+    # Copies: the edge values `[]` and `{}` are shared objects, never to be changed in place.
+    document = copy.deepcopy(draw(plausible))
     rng = random.Random(f"{draw(st.integers(0, 2**32 - 1))}:{document!r}")  # well spread
     for _ in range(rng.randint(1, 3)):
         locations = list(_paths(document))[1:]
         leaves = [(p, v) for p, v in locations if not isinstance(v, (dict, list))]
         path, value = rng.choice(leaves if leaves and rng.random() < 0.8 else locations)
-        new = rng.choice(EDGES) if rng.random() < 0.75 else draw(values)
+        new = copy.deepcopy(rng.choice(EDGES) if rng.random() < 0.75 else draw(values))
         parent = _parent(document, path)
         if isinstance(value, dict) and rng.random() < 0.5:
             value[draw(keys)] = new  # an unknown (or repeated) key

@@ -1,12 +1,14 @@
 """Plugin discovery through a real installed distribution with good and broken entry points."""
 
 import json
+import subprocess
+import sys
 
 from conftest import dsgd, write_spec
 
 
 def test_plugins_lists_builtins_and_third_party(plugin_env):
-    result = dsgd("plugins", "--json", env=plugin_env)
+    result = dsgd("plugins", "--check", "--json", env=plugin_env)
     assert result.returncode == 0, result.stderr
     rows = {(r["group"], r["name"]): r for r in json.loads(result.stdout)}
     builtin = rows[("dsgd.aggregators", "allreduce")]
@@ -25,9 +27,31 @@ def test_plugins_lists_builtins_and_third_party(plugin_env):
 
 
 def test_plain_listing_is_a_table(plugin_env):
-    result = dsgd("plugins", env=plugin_env)
+    result = dsgd("plugins", "--check", env=plugin_env)
     assert result.returncode == 0
     assert "dsgd-testplugins" in result.stdout and "broken: ModuleNotFoundError" in result.stdout
+
+
+def test_listing_without_check_reads_metadata_only(plugin_env):
+    """Without --check nothing is imported: the broken plugins are listed like the others,
+    with where they point, and no status."""
+    result = dsgd("plugins", "--json", env=plugin_env)
+    assert result.returncode == 0, result.stderr
+    rows = {(r["group"], r["name"]): r for r in json.loads(result.stdout)}
+    assert rows[("dsgd.aggregators", "allreduce")] == {
+        "group": "dsgd.aggregators", "name": "allreduce", "distribution": "dsgd",
+        "version": rows[("dsgd.aggregators", "allreduce")]["version"],
+        "target": "plugins.aggregators.allreduce:AllReduce"}
+    assert rows[("dsgd.aggregators", "broken_import")]["target"] == "dsgd_testplugins.broken:Anything"
+    assert all("status" not in row for row in rows.values())
+
+
+def test_the_registry_finds_plugins_without_importing_torch():
+    """What keeps `dsgd plugins` quick: discovery reads metadata, loading imports."""
+    code = ("import sys; from dsgd_cli import registry; registry.discover('aggregator'); "
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "False", result.stderr
 
 
 def test_spec_naming_a_broken_plugin_is_bad_input(plugin_env, tmp_path):

@@ -47,6 +47,22 @@ def run(
                                  "[default: $DSGD_CHECKPOINTS or dsgd-checkpoints/ beside the database]")] = None,
 ) -> None:
     """Run every experiment in SPEC (default ./experiments.yaml) and record it in the database."""
+    from dsgd_cli.torchrun import early_start
+
+    launch = {"nnodes": nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint,
+              "rdzv_timeout": rdzv_timeout}
+    # The first launch's torchrun starts while this process imports torch and the plugins to
+    # validate the spec; it is stopped if the spec is not valid.
+    early = None if dry_run or resume is not None else early_start(spec, experiment, workers, launch)
+    try:
+        _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkpoint_dir, early)
+    finally:
+        if early is not None:
+            early.close()
+
+
+def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkpoint_dir,
+         early) -> None:
     # torch, the plugins and rich load here, not when the CLI starts: the other commands need
     # none of them.
     from rich.console import Console
@@ -66,9 +82,7 @@ def run(
         store = Store(db)
         experiments = [resumable(store, resume)]
     else:
-        # Validate everything before anything is launched or written.
-        launch = {"nnodes": nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint,
-                  "rdzv_timeout": rdzv_timeout}
+        # Validate everything before anything is written or any worker is told what to run.
         experiments = load_spec(spec, only=experiment, workers=workers, launch=launch)
         if len(experiments) > ANNOUNCE_OVER:  # a grid can be larger than its author thinks
             typer.echo(f"dsgd: {len(experiments)} experiments in {spec}", err=True)
@@ -104,7 +118,7 @@ def run(
             bars.update(bar, stats=shown.strip())
 
         results = run_all(experiments, store, str(spec), Callbacks(started, progress, ended),
-                          shared=not isolate)
+                          shared=not isolate, early=early)
 
     recorded = [r.run_id for r in results if r.run_id is not None]
     typer.echo(render(compare_rows(store, store.runs(ids=recorded))))
@@ -137,7 +151,8 @@ def _stats(p: RunProgress) -> str:
 
 
 def _print_plan(launches) -> None:
-    from dsgd_cli.launcher import torchrun_command
+    from dsgd_cli.launcher import launch_shape
+    from dsgd_cli.torchrun import command
 
     lines: list[str] = []
     for number, planned in enumerate(launches, 1):
@@ -149,8 +164,8 @@ def _print_plan(launches) -> None:
                      f"{first.nodes.node_rank} of {first.nodes.nnodes})")
         lines.append(f"launch {number}: {count} experiment{'s' if count > 1 else ''} on "
                      f"{first.workers} workers{where} ({planned.device.kind})")
-        lines.append("  " + shlex.join(torchrun_command(planned.experiments[0], "<experiments.json>",
-                                                       "<events-dir>")))
+        lines.append("  " + shlex.join(command(launch_shape(first), "<experiments.json>",
+                                               "<launch-dir>")))
         for exp in planned.experiments:
             c = exp.config
             lines.append(f"  {exp.name}: {c['workers']} workers, task {c['task']['name']}, "

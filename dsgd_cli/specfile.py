@@ -1,0 +1,216 @@
+"""Reading a spec: the YAML file in, one raw experiment per grid point out, with `defaults`
+merged in, `grid` expanded and the command line's worker count applied. Values are not
+validated and no plugin is loaded here (spec.py does both), and nothing here imports torch:
+`dsgd run` reads this far to start torchrun while it validates the rest.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from dsgd_cli.errors import SpecError
+from dsgd_cli.nodes import NodePlan, parse_launch
+from dsgd_cli.options import check_finite
+
+TOP_LEVEL_KEYS = ("defaults", "experiments", "launch")
+
+# Every experiment key, with its default (None: required or optional-and-absent).
+EXPERIMENT_DEFAULTS: dict[str, Any] = {
+    "name": None,
+    "task": None,
+    "optimizer": {"name": "sgd", "lr": 0.05},
+    "aggregator": {"name": "allreduce"},
+    "workers": 2,
+    "epochs": 1,
+    "batch_size": 32,
+    "seed": 0,
+    "steps_per_epoch": None,   # cap on steps per epoch, for quick runs
+    "log_interval": 10,        # steps between logged training metrics
+    "target_accuracy": None,   # records time_to_accuracy when reached
+    "network": None,
+    "stragglers": None,
+    "budget": None,            # {samples: N} or {seconds: T}: train until spent, not for epochs
+    "save_dir": None,          # saves each worker's final model to <save_dir>/<name>/rank<r>.pt
+    "timeout": 600,            # seconds a communication may make no progress before it fails
+    "checkpoint_every": None,  # steps between checkpoints, for `dsgd run --resume`
+    "grid": None,
+}
+
+
+class SpecLoader(yaml.SafeLoader):
+    """YAML 1.1 as PyYAML reads it, but `1e-3`, `1E6` or `-2.5e+4` are floats as in YAML 1.2,
+    not strings (YAML 1.1 wants a dot and a signed exponent: `1.0e-3`)."""
+
+
+SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    # YAML 1.2's core-schema float, only the forms with an exponent: the others already load
+    re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def read_document(path: Path) -> tuple[str, Any]:
+    """The spec's text and its YAML; a SpecError (naming no file) if either is unreadable."""
+    text = _read_text(path)
+    try:
+        return text, yaml.load(text, Loader=SpecLoader)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(error, "problem", None) or (str(error).splitlines() or ["?"])[0]
+        raise SpecError(f"invalid YAML: {where}{problem}") from None
+    except ValueError as error:  # an integer of more than 4300 digits
+        raise SpecError(f"invalid YAML: {error}") from None
+    except RecursionError:
+        raise SpecError("invalid YAML: nested too deeply") from None
+
+def _read_text(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise SpecError(f"cannot read spec: {error.strerror or error}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise SpecError(f"not UTF-8 text: byte 0x{data[error.start]:02x} at line {line} "
+                        f"(offset {error.start}); save the spec as UTF-8") from None
+
+
+_LINE_BREAKS = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    """`text` with its line breaks escaped (those `str.splitlines` breaks at)."""
+    return _LINE_BREAKS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One experiment as written: where (`experiments[i]`), its name (a grid point's names
+    its values) and its keys, defaults merged in, before validation."""
+
+    path: str
+    name: str
+    raw: dict[str, Any]
+
+
+def sections(document: Any, launch_override: dict[str, Any] | None = None
+             ) -> tuple[dict, list, NodePlan | None]:
+    """The spec's `defaults` and `experiments`, checked for shape, and its `launch:` section
+    with the command line's values over it."""
+    if not isinstance(document, dict):
+        raise SpecError("expected a mapping with keys 'defaults' and 'experiments'")
+    check_finite(document, "")  # where the value is written: `defaults` or an experiment
+    for key in document:
+        if key not in TOP_LEVEL_KEYS:
+            raise SpecError(f"unknown key (expected one of {', '.join(TOP_LEVEL_KEYS)})", path=str(key))
+    defaults = document.get("defaults")
+    if defaults is None:
+        defaults = {}
+    if not isinstance(defaults, dict):
+        raise SpecError("expected a mapping", path="defaults")
+    check_keys(defaults, "defaults", allow=set(EXPERIMENT_DEFAULTS) - {"name", "grid"})
+    nodes = parse_launch(document.get("launch"), launch_override)
+    entries = document.get("experiments")
+    if not isinstance(entries, list) or not entries:
+        raise SpecError("expected a non-empty list of experiments", path="experiments")
+    return defaults, entries, nodes
+
+
+def points(defaults: dict, entries: list, workers_override: int | None = None) -> Iterator[Point]:
+    """Every experiment of the spec, grid points expanded, in order; lazily, so that the
+    first error is met as early as when validating as they come."""
+    for index, entry in enumerate(entries):
+        path = f"experiments[{index}]"
+        if not isinstance(entry, dict):
+            raise SpecError("expected a mapping", path=path)
+        check_keys(entry, path, allow=set(EXPERIMENT_DEFAULTS))
+        merged = copy.deepcopy(EXPERIMENT_DEFAULTS)
+        for layer in (defaults, entry):
+            merged.update({key: merge(merged.get(key), value) for key, value in layer.items()})
+        for name, point in expand_grid(merged, path):
+            if workers_override is not None:  # the command line wins over spec and grid
+                point["workers"] = workers_override
+            yield Point(path, name, point)
+
+
+def selected(name: str, only: list[str] | None) -> bool:
+    """Whether `--experiment` (`only`) selects the experiment `name`: by its exact name, or
+    by its grid's base name."""
+    return not only or name in only or name.split("[", 1)[0] in only
+
+def check_keys(mapping: dict, path: str, allow: set[str]) -> None:
+    for key in mapping:
+        if key not in allow:
+            raise SpecError(f"unknown key (expected one of {', '.join(sorted(allow))})",
+                            path=f"{path}.{key}")
+
+
+def merge(base: Any, override: Any) -> Any:
+    """Deep-merge an experiment section `override` into `base`. A plugin section naming a
+    different plugin replaces the base whole: the base's options belong to another plugin."""
+    if not (isinstance(base, dict) and isinstance(override, dict)):
+        return copy.deepcopy(override)
+    if "name" in base and "name" in override and base["name"] != override["name"]:
+        return copy.deepcopy(override)
+    result = dict(base)
+    for key, value in override.items():
+        result[key] = merge(base.get(key), value) if key in base else copy.deepcopy(value)
+    return result
+
+
+def expand_grid(experiment: dict, path: str) -> list[tuple[str, dict]]:
+    """One (name, experiment) per point of the cartesian product of `grid`."""
+    name = experiment.get("name")
+    if not isinstance(name, str) or not name:
+        raise SpecError("expected a non-empty string", path=f"{path}.name")
+    grid = experiment.pop("grid", None)
+    if grid is None:
+        return [(name, experiment)]
+    if not isinstance(grid, dict) or not grid:
+        raise SpecError("expected a mapping of dotted keys to lists of values", path=f"{path}.grid")
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise SpecError("expected a non-empty list of values", path=f"{path}.grid.{key}")
+    points = []
+    for combination in itertools.product(*grid.values()):
+        # Shallow: points share what they do not set (`_set_dotted` copies what it changes)
+        # and validation only reads them.
+        point = dict(experiment)
+        labels = []
+        for key, value in zip(grid, combination):
+            _set_dotted(point, str(key), value, f"{path}.grid.{key}")
+            labels.append(f"{key}={value}")
+        points.append((f"{name}[{','.join(labels)}]", point))
+    return points
+
+
+def _set_dotted(mapping: dict, dotted: str, value: Any, path: str) -> None:
+    """Set one grid key. `section.name` picks a plugin: like a section naming another plugin
+    in `defaults`, it replaces the section's options (they belong to the old plugin)."""
+    *parents, leaf = dotted.split(".")
+    if not leaf or (not parents and (leaf not in EXPERIMENT_DEFAULTS or leaf in ("name", "grid"))):
+        raise SpecError("grid key must name an experiment key, a plugin option or a plugin "
+                        "section's name", path=path)
+    node = mapping
+    for part in parents:
+        child = node.get(part)
+        if child is None and leaf == "name":  # e.g. a compressor section not yet there
+            child = {}
+        if not isinstance(child, dict):
+            raise SpecError(f"{part!r} is not a section of the experiment", path=path)
+        node[part] = child = dict(child)  # this point's own copy: the others share the original
+        node = child
+    if leaf == "name" and node.get("name") != value:
+        kept = {key: section for key, section in node.items() if isinstance(section, dict)}
+        node.clear()
+        node.update(kept)  # nested plugin sections stay: an aggregator keeps its compressor
+    node[leaf] = value

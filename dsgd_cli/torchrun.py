@@ -1,0 +1,167 @@
+"""One torchrun of a launch: its command, its environment, its directory and its processes.
+
+Nothing here imports torch. `dsgd run` starts the torchrun of the spec's first launch as soon
+as the spec is read this far (`early_start`), before the launcher imports torch and the plugins
+to validate it: torchrun's start and its workers' imports then overlap the validation, and the
+workers wait for the launch's plan, which the launcher writes once everything is valid. When
+validation fails, or the validated first launch differs from the guess, that torchrun is
+stopped unused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from dsgd_cli import specfile
+from dsgd_cli.errors import SpecError
+from dsgd_cli.nodes import NodePlan
+
+RUN_MARKER = "DSGD_RUN_DIR"  # set in the environment of a launch's processes
+LAUNCHER_PID = "DSGD_LAUNCHER_PID"  # workers waiting for the plan give up if it is gone
+TERMINATE_WAIT_S = 5.0  # after SIGTERM, before SIGKILL
+# Beyond this many workers an early start is not tried: for a spec that then fails
+# validation, starting them costs more than the overlap saves.
+EARLY_START_MAX_WORKERS = 16
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a torchrun is started for: the launch's worker count and, for a run over several
+    machines, this machine's part and the rendezvous id."""
+
+    workers: int
+    nodes: NodePlan | None = None
+    rendezvous: str | None = None
+
+    @classmethod
+    def of(cls, workers: int, nodes: NodePlan | None, spec_text: str, name: str) -> Shape:
+        if nodes is None:
+            return cls(workers)
+        return cls(workers, nodes, nodes.rendezvous_id(spec_text, name))
+
+    @property
+    def local_workers(self) -> int:
+        return self.workers if self.nodes is None else self.nodes.local_workers(self.workers)
+
+
+def command(shape: Shape, plan_path: str | Path, run_dir: str | Path) -> list[str]:
+    """Standalone on one machine, or this machine's part of a c10d rendezvous."""
+    if shape.nodes is None:
+        where = ["--standalone", f"--nproc-per-node={shape.workers}"]
+    else:
+        where = [f"--nnodes={shape.nodes.nnodes}", f"--nproc-per-node={shape.local_workers}",
+                 "--rdzv-backend=c10d", f"--rdzv-endpoint={shape.nodes.endpoint}",
+                 f"--rdzv-id={shape.rendezvous}",
+                 f"--rdzv-conf=join_timeout={shape.nodes.timeout:g}"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, "--max-restarts=0",
+            "-m", "dsgd_cli.runtime", str(plan_path), str(run_dir)]
+
+
+def environment(run_dir: str | Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # workers share the machine's cores
+    env.setdefault("NUMBA_NUM_THREADS", env["OMP_NUM_THREADS"])
+    env["PYTHONUNBUFFERED"] = "1"
+    env["LOGLEVEL"] = "WARNING"  # torchrun's warnings name the workers it stopped itself
+    env[RUN_MARKER] = str(run_dir)  # inherited by the workers: how `stop` finds them
+    env[LAUNCHER_PID] = str(os.getpid())
+    return env
+
+
+class Torchrun:
+    """A launch's torchrun and its temporary directory, which holds the plan (the experiments
+    to run, read by every worker), the workers' event files and torchrun's log."""
+
+    def __init__(self, shape: Shape):
+        self.shape = shape
+        self._directory = tempfile.TemporaryDirectory(prefix="dsgd-launch-")
+        self.dir = Path(self._directory.name)
+        self.plan_path = self.dir / "experiments.json"
+        self.log_path = self.dir / "torchrun.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        """Start torchrun (OSError if it cannot be); its workers wait for the plan."""
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                command(self.shape, self.plan_path, self.dir), stdout=log,
+                stderr=subprocess.STDOUT, env=environment(self.dir), start_new_session=True)
+
+    def write_plan(self, plan: dict[str, Any]) -> None:
+        """Written whole or not at all: workers may be polling for it already."""
+        partial = self.dir / "experiments.json.partial"
+        partial.write_text(json.dumps(plan))
+        os.replace(partial, self.plan_path)
+
+    def stop(self, hurry: Callable[[], bool] = lambda: False) -> None:
+        """Stop every process of the launch: SIGTERM, then SIGKILL to those left after
+        TERMINATE_WAIT_S, or as soon as `hurry()` says so."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            pids = self.processes()
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + TERMINATE_WAIT_S
+            while self.processes() and time.monotonic() < deadline and not hurry():
+                time.sleep(0.1)
+
+    def processes(self) -> set[int]:
+        """The live processes of the launch: torchrun and whatever carries the launch's marker
+        in its environment. torchrun starts each worker in a session of its own, so a signal
+        to torchrun's process group misses them, and they outlive a torchrun that was killed."""
+        if self.process is None:
+            return set()
+        pids = {self.process.pid} if self.process.poll() is None else set()
+        marker = f"{RUN_MARKER}={self.dir}".encode()
+        for entry in Path("/proc").glob("[0-9]*"):
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.add(int(entry.name))
+            except OSError:  # gone, or another user's
+                continue
+        return pids
+
+    def close(self) -> None:
+        """Stop what is left of the launch and delete its directory."""
+        self.stop()
+        self._directory.cleanup()
+
+
+def early_start(spec: str | Path, only: list[str] | None, workers: int | None,
+                launch: dict[str, Any] | None) -> Torchrun | None:
+    """The torchrun of the first experiment `dsgd run` will launch, started now from the spec
+    as `specfile` reads it; None when the spec is not readable that far (validation then says
+    why) or torchrun cannot start (the launch then says why)."""
+    try:
+        text, document = specfile.read_document(Path(spec))
+        defaults, entries, nodes = specfile.sections(document, launch)
+        first = next(point for point in specfile.points(defaults, entries, workers)
+                     if specfile.selected(point.name, only))
+    except (SpecError, RecursionError, StopIteration):
+        return None
+    count = first.raw.get("workers")
+    if type(count) is not int or count < 1 or (nodes is not None and count % nodes.nnodes):
+        return None  # validation refuses it
+    shape = Shape.of(count, nodes, text, first.name)
+    if shape.local_workers > EARLY_START_MAX_WORKERS:
+        return None
+    torchrun = Torchrun(shape)
+    try:
+        torchrun.start()
+    except OSError:
+        torchrun.close()
+        return None
+    return torchrun
