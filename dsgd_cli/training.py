@@ -69,6 +69,8 @@ class Totals:
 
 
 class TrainingLoop:
+    """Trains one worker through one experiment: `run()` once."""
+
     def __init__(self, worker: Worker, events: EventWriter, stop: StopRequest):
         self.worker, self.events, self.stop = worker, events, stop
         self.recent_compute: deque[float] = deque(maxlen=16)  # forward+backward seconds

@@ -21,6 +21,8 @@ from dsgd_cli.worker_evaluation import WorkerEvaluation
 
 @dataclass
 class Worker:
+    """What the training loop, the evaluations and the end-of-run report work with."""
+
     config: dict
     rank: int
     world_size: int

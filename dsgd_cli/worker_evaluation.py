@@ -2,8 +2,8 @@
 the target accuracy was first reached.
 
 When: without a budget at the end of every epoch; under a budget the average model at the
-budget's evaluation points, in the background (`evaluation.BackgroundEvaluation`). After the
-last step, once more where the epochs' evaluations did not already cover the end.
+budget's evaluation points, in the background (`evaluation.BackgroundEvaluation`), and once
+more after the last step; for asynchronous algorithms, the average model after the last step.
 
 What, by the aggregator's kind:
 * models identical on every worker: each worker evaluates its slice of the test set and the
@@ -70,7 +70,7 @@ class WorkerEvaluation:
                 self.background.snapshot(self.aggregator.evaluation_model(), step, epoch,
                                          self._seconds())
         elif end_of_epoch:
-            accuracy = self._evaluate(epoch, step)
+            accuracy = self._evaluate(step, epoch)
             if self.target is not None and self.reached_at is None and accuracy >= self.target:
                 self.reached_at = self._seconds()
 
@@ -81,36 +81,41 @@ class WorkerEvaluation:
             # Rank 0 judged the average model; the others pass 0 to the report's maximum.
             self.reached_at = self.background.reached_at if self.comm.rank == 0 else 0.0
         if self.aggregator.asynchronous:  # the workers meet for the first time
-            self._evaluate(epoch, step, final=True)
+            self._evaluate(step, epoch, final=True)
         elif self.background is not None:
-            self._evaluate(epoch, step)
+            self._evaluate(step, epoch)
 
-    def _evaluate(self, epoch: int, step: int, final: bool = False) -> float:
-        """Test metrics at `step`; returns the test accuracy (of the average model when models
-        differ, of this worker's own model for an asynchronous algorithm before `final`)."""
+    def _evaluate(self, step: int, epoch: int, final: bool = False) -> float:
+        """Test metrics at `step`; returns the test accuracy: the average model's, or for an
+        asynchronous algorithm before `final`, this worker's own model's."""
         model = self.aggregator.evaluation_model()
-        asynchronous = self.aggregator.asynchronous
-        if self.aggregator.models_identical and not asynchronous:
-            return self._identical_models(model, epoch, step)
-        own_loss, own_correct, count = evaluate(self.task, model, self.test_x, self.test_y)
-        if asynchronous:  # per rank; the run's final value is their mean
-            self.events.metric("test_loss_workers", own_loss / count, step=step, epoch=epoch)
-            self.events.metric("test_accuracy_workers", own_correct / count, step=step,
-                               epoch=epoch)
+        if self.aggregator.asynchronous:
+            own = evaluate(self.task, model, self.test_x, self.test_y)
+            loss, correct, count = own
+            # Per rank; the run's final value is their mean.
+            self.events.metric("test_loss_workers", loss / count, step=step, epoch=epoch)
+            self.events.metric("test_accuracy_workers", correct / count, step=step, epoch=epoch)
             if not final:
-                return own_correct / count
-        return self._average_model(model, own_loss, own_correct, count, epoch, step)
+                return correct / count
+            return self._average_model(model, own, step, epoch)
+        if self.aggregator.models_identical:
+            return self._identical_models(model, step, epoch)
+        own = evaluate(self.task, model, self.test_x, self.test_y)
+        return self._average_model(model, own, step, epoch)
 
-    def _identical_models(self, model, epoch: int, step: int) -> float:
+    def _identical_models(self, model, step: int, epoch: int) -> float:
+        """Each worker evaluates its slice of the test set; the sums are combined."""
         loss, correct, count = all_sum(self.comm, list(evaluate(
             self.task, model, *self._slice())))
         self._report({"test_loss": loss / count, "test_accuracy": correct / count}, step, epoch)
         return correct / count
 
-    def _average_model(self, model, own_loss: float, own_correct: float, count: float,
-                       epoch: int, step: int) -> float:
+    def _average_model(self, model, own: tuple[float, float, float], step: int,
+                       epoch: int) -> float:
         """The average of the workers' models on the test set (each worker its slice), the
-        consensus distance, and, unless asynchronous, the mean of the own models' metrics."""
+        consensus distance, and, unless asynchronous, the mean of the own models' metrics
+        (`own`: this worker's model's sums on the whole test set)."""
+        own_loss, own_correct, count = own
         average = copy.deepcopy(model)
         tensors = model_tensors(average)
         flat = flatten(tensors)
