@@ -35,8 +35,8 @@ def ddp_worker(config_path: str, out_path: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from dsgd_cli.runtime import Shard
     from dsgd_cli.spec import build_plugin
+    from dsgd_cli.training_data import Shard
 
     config = json.loads(Path(config_path).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -16,7 +16,7 @@ Each plugin class may declare `Options`, a dataclass whose fields use `option(..
 loader validates a spec section against it before anything launches and the plugin receives
 the instance as `self.options`.
 
-The worker loop (dsgd_cli/runtime.py) owns the order; the aggregator owns the algorithm::
+The worker loop (dsgd_cli/training.py) owns the order; the aggregator owns the algorithm::
 
     aggregator.setup(ctx)
     for each step, until the run's length is reached (or `aggregator.finished()`):

@@ -10,9 +10,9 @@ from conftest import write_spec
 from dsgd_cli import launcher, runtime, torchrun
 from dsgd_cli.comm import Comm, Group
 from dsgd_cli.launcher import DevicePlan, choose_device
-from dsgd_cli.runtime import Shard
 from dsgd_cli.spec import load_spec
 from dsgd_cli.store import Store
+from dsgd_cli.training_data import Shard
 
 
 @pytest.fixture

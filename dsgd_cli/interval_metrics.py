@@ -1,0 +1,65 @@
+"""The training metrics of one log interval: summed over its steps, written as per-step means
+when it ends."""
+
+from __future__ import annotations
+
+from dsgd_cli.comm import Traffic
+from dsgd_cli.events import EventWriter
+
+
+class IntervalMetrics:
+    """Sums over the steps of one log interval; `log()` is the plugins' MetricsLogger.
+
+    Its attributes are exactly the sums, so that `state()` can save them in a checkpoint.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.loss = 0.0
+        self.step_seconds = 0.0
+        self.comm_seconds = 0.0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.custom: dict[str, list[float]] = {}
+
+    def log(self, name: str, value: float) -> None:
+        self.custom.setdefault(name, []).append(float(value))
+
+    def add(self, loss: float, step_seconds: float, traffic: Traffic) -> None:
+        """Count one training step."""
+        self.steps += 1
+        self.loss += loss
+        self.step_seconds += step_seconds
+        self.comm_seconds += traffic.seconds
+        self.bytes_sent += traffic.bytes_sent
+        self.bytes_received += traffic.bytes_received
+
+    def flush(self, events: EventWriter, step: int, epoch: int, lr: float) -> None:
+        """Write the interval's per-step means at `step` (`lr` as it is now) and start a new
+        interval; nothing when no step was counted since the last flush."""
+        if self.steps == 0:
+            return
+        n = self.steps
+        per_step = {
+            "train_loss": self.loss / n,
+            "lr": lr,
+            "step_seconds": self.step_seconds / n,
+            "comm_seconds": self.comm_seconds / n,
+            "compute_seconds": (self.step_seconds - self.comm_seconds) / n,
+            "bytes_sent": self.bytes_sent / n,
+            "bytes_received": self.bytes_received / n,
+        }
+        per_step.update({name: sum(v) / len(v) for name, v in self.custom.items()})
+        for name, value in per_step.items():
+            events.metric(name, value, step=step, epoch=epoch)
+        self.reset()
+
+    def state(self) -> dict:
+        """The sums so far, for a checkpoint inside the interval."""
+        return {**vars(self), "custom": {k: list(v) for k, v in self.custom.items()}}
+
+    def restore(self, state: dict) -> None:
+        vars(self).update(state)

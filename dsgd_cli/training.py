@@ -1,0 +1,174 @@
+"""One worker's training loop: its steps in the order the plugin API documents (see api.py),
+the log intervals' metrics, the evaluations due, checkpoints, and stopping when the run's
+length is reached or the launcher asks."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dsgd_cli import checkpoint
+from dsgd_cli.events import EventWriter
+from dsgd_cli.schedule import Straggling
+from dsgd_cli.worker import Worker
+
+
+class Diverged(Exception):
+    """The training loss became NaN or infinite."""
+
+    def __init__(self, step: int, value: float):
+        super().__init__(f"train_loss is {value} at step {step}")
+        self.step, self.value = step, value
+
+
+class Stopped(Exception):
+    """The launcher asked the workers to stop (the run was interrupted); this one saved a
+    checkpoint after `step` and leaves."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped after step {step}")
+        self.step = step
+
+
+class StopRequest:
+    """The launcher's request to stop: a file it creates (`events.stop_path`)."""
+
+    def __init__(self, stop_file: Path | None, namespace: str):
+        self.stop_file, self.namespace = stop_file, namespace
+        self.stop_at: int | None = None  # the step all workers stop after, once asked
+
+    def stops_after(self, step: int) -> bool:
+        """Whether this worker stops after `step`, `step` steps done. Once the launcher asks,
+        the first worker to notice proposes to stop two steps later and the others take its
+        proposal from the rendezvous store: workers in step are at most one step apart, so
+        all of them can still stop after that same step, none waiting for a peer that left."""
+        if self.stop_at is None:
+            if self.stop_file is None or not self.stop_file.exists():
+                return False
+            store = dist.distributed_c10d._get_default_store()
+            key = f"dsgd/stop_at/{self.namespace}"
+            self.stop_at = int(store.compare_set(key, "", str(step + 2)))
+        return step >= self.stop_at
+
+
+@dataclass
+class Totals:
+    """What this worker did, for the end-of-run report."""
+
+    started: float  # time.perf_counter() at the common start, less the time before a resume
+    train_seconds: float  # the steps' time, evaluation and checkpoints excluded
+    samples: int
+    bytes_sent: int
+    reached_at: float | None  # see WorkerEvaluation.reached_at
+
+
+class TrainingLoop:
+    """Trains one worker through one experiment: `run()` once."""
+
+    def __init__(self, worker: Worker, events: EventWriter, stop: StopRequest):
+        self.worker, self.events, self.stop = worker, events, stop
+        self.recent_compute: deque[float] = deque(maxlen=16)  # forward+backward seconds
+
+    def run(self) -> Totals:
+        """Train until this worker's last step, then let the aggregator finish and evaluate
+        what the end of the run calls for."""
+        worker, events = self.worker, self.events
+        config, interval, evaluation = worker.config, worker.interval, worker.evaluation
+        batch = config["batch_size"]
+        steps_per_epoch = worker.steps_per_epoch
+        events.write("start", total_steps=worker.stop_rule.expected_steps(batch))
+        step, samples, total_sent = 0, 0, 0
+        train_seconds, elapsed = 0.0, 0.0
+        resumed = worker.resumed
+        if resumed is not None:  # go on where the checkpoint left off
+            step, samples, total_sent = (resumed[k] for k in ("step", "samples", "total_sent"))
+            train_seconds, elapsed = resumed["train_seconds"], resumed["elapsed"]
+            evaluation.reached_at = resumed["reached_at"]
+            events.continue_from(resumed["seconds"])
+            interval.restore(resumed["interval"])
+        with worker.comm.untracked():
+            worker.comm.barrier()  # a common start: budgets in seconds count from here
+        started = time.perf_counter() - elapsed
+        worker.ctx.length.started_at = started
+        done = worker.stop_rule.after_resume(step) if resumed is not None else False
+        order_epoch = None
+        while not done:
+            epoch, b = divmod(step, steps_per_epoch)
+            if epoch != order_epoch:
+                order, order_epoch = worker.shard.indices(epoch), epoch
+            index = order[b * batch: (b + 1) * batch].to(worker.device)
+            x, y = worker.train_x[index], worker.train_y[index]
+            try:
+                loss, step_seconds = self._step(step, x, y)
+            except Diverged:
+                self._flush(step, epoch)  # the steps before it are sound: keep them
+                raise
+            traffic = worker.comm.take_traffic()
+            total_sent += traffic.bytes_sent
+            samples += len(y)
+            train_seconds += step_seconds
+            interval.add(loss, step_seconds, traffic)
+            step += 1
+            done = worker.stop_rule.after_step(step, len(y))
+            end_of_epoch = b == steps_per_epoch - 1
+            every = worker.checkpoint_every
+            stopping = bool(every) and not done and self.stop.stops_after(step)
+            checkpointing = bool(every) and not done and (step % every == 0 or stopping)
+            if step % config["log_interval"] == 0 or end_of_epoch or done:
+                self._flush(step, epoch)
+            evaluation.after_step(step, epoch, end_of_epoch, done)
+            if checkpointing:  # after the step's metrics and evaluation: resumes repeat neither
+                self._save_checkpoint(step, {
+                    "step": step, "samples": samples, "total_sent": total_sent,
+                    "train_seconds": train_seconds, "elapsed": time.perf_counter() - started,
+                    "seconds": events.seconds(), "reached_at": evaluation.reached_at,
+                    "interval": interval.state()})
+            if stopping:
+                raise Stopped(step)
+        worker.aggregator.finish()
+        total_sent += worker.comm.take_traffic().bytes_sent  # what finish() drained
+        evaluation.after_training(step, epoch)
+        return Totals(started, train_seconds, samples, total_sent, evaluation.reached_at)
+
+    def _step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        """One training step in the loop's order; returns (loss, seconds)."""
+        worker = self.worker
+        started = time.perf_counter()
+        if worker.straggling.active:
+            # An emulated slower machine, counted in the step's (compute) time.
+            factor = worker.straggling.factor(step)
+            worker.interval.log("slowdown", factor)
+            time.sleep(Straggling.delay(factor, self.recent_compute))
+        worker.optimizer.zero_grad(set_to_none=True)
+        worker.aggregator.before_forward(step)
+        compute_started = time.perf_counter()
+        loss = worker.task.loss(worker.model(x), y)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise Diverged(step, value)
+        loss.backward()
+        self.recent_compute.append(time.perf_counter() - compute_started)
+        worker.ctx.loss = loss.detach()
+        worker.aggregator.after_backward(step)
+        worker.optimizer.step()
+        worker.aggregator.after_step(step)
+        return value, time.perf_counter() - started
+
+    def _flush(self, step: int, epoch: int) -> None:
+        self.worker.interval.flush(self.events, step, epoch,
+                                   lr=self.worker.optimizer.param_groups[0]["lr"])
+
+    def _save_checkpoint(self, step: int, progress: dict) -> None:
+        worker = self.worker
+        state = {"progress": progress, "model": worker.model.state_dict(),
+                 "optimizer": worker.optimizer.state_dict(),
+                 "aggregator": worker.aggregator.state_dict(),
+                 "compressor": worker.ctx.compressor.state_dict(),
+                 "rng": checkpoint.rng_state(worker.device)}
+        checkpoint.save(worker.checkpoint_dir, step, worker.rank, state, worker.world_size)

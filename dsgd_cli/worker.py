@@ -1,0 +1,99 @@
+"""One worker's parts for one experiment, and how they are built: data, model, optimizer,
+communication, plugins, evaluations, and the state a resumed run continues from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dsgd_cli import checkpoint
+from dsgd_cli.api import Aggregator, Task, WorkerContext
+from dsgd_cli.comm import DEFAULT_TIMEOUT_S, Comm
+from dsgd_cli.events import EventWriter
+from dsgd_cli.interval_metrics import IntervalMetrics
+from dsgd_cli.schedule import StopRule, Straggling, run_length
+from dsgd_cli.spec import build_plugin, network_model
+from dsgd_cli.training_data import Shard, load_data, steps_per_epoch
+from dsgd_cli.worker_evaluation import WorkerEvaluation
+
+
+@dataclass
+class Worker:
+    """What the training loop, the evaluations and the end-of-run report work with."""
+
+    config: dict
+    rank: int
+    world_size: int
+    device: torch.device
+    task: Task
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    shard: Shard
+    steps_per_epoch: int
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    comm: Comm
+    aggregator: Aggregator
+    ctx: WorkerContext  # what the plugins see; its compressor is the run's
+    interval: IntervalMetrics  # the plugins' MetricsLogger (ctx.metrics)
+    stop_rule: StopRule
+    evaluation: WorkerEvaluation
+    straggling: Straggling
+    checkpoint_dir: str | None  # set by the launcher when the spec asks for checkpoints
+    checkpoint_every: int | None  # None without a checkpoint directory
+    resumed: dict | None  # the checkpoint's progress, where a resumed run goes on from
+
+
+def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
+                 device: torch.device, namespace: str = "") -> Worker:
+    """The worker's parts, built in the same order on every rank: the order of process group
+    creation and of random number use is part of what makes runs reproducible."""
+    seed = config["seed"]
+    task = build_plugin("task", config["task"])
+    data = load_data(task, config["task"], seed)
+    train_x, train_y = data.train_x.to(device), data.train_y.to(device)
+    test_x, test_y = data.test_x.to(device), data.test_y.to(device)
+    torch.manual_seed(seed)  # the same initial model on every worker
+    model = task.build_model().to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_plugin("optimizer", config["optimizer"]).build(params)
+    checkpoint_dir = config.get("checkpoint_dir")
+    resumed = None
+    if config.get("resume_step") is not None:
+        resumed = checkpoint.load(checkpoint_dir, config["resume_step"], rank)
+        model.load_state_dict(resumed["model"])
+        optimizer.load_state_dict(resumed["optimizer"])
+    comm = Comm(rank, world_size, network_model(config), device,
+                timeout_s=config.get("timeout", DEFAULT_TIMEOUT_S), namespace=namespace)
+    interval = IntervalMetrics()
+    shard = Shard(len(train_y), rank, world_size, seed)
+    per_epoch = steps_per_epoch(shard, config["batch_size"], config["steps_per_epoch"])
+    aggregator = build_plugin("aggregator", config["aggregator"])
+    ctx = WorkerContext(
+        rank=rank, world_size=world_size, device=device, model=model, optimizer=optimizer,
+        comm=comm, metrics=interval, seed=seed,
+        compressor=build_plugin("compressor", config["compressor"]), config=config)
+    ctx.length = run_length(config, per_epoch, comm, aggregator)
+    # Every rank creates the same process groups in the same order: the runtime's first.
+    stop_rule = StopRule(ctx.length, aggregator, comm)
+    ctx.compressor.setup(ctx)
+    aggregator.setup(ctx)
+    if resumed is not None:  # the plugins set up from the restored model, then their state
+        ctx.compressor.load_state_dict(resumed["compressor"])
+        aggregator.load_state_dict(resumed["aggregator"])
+    evaluation = WorkerEvaluation(config, task, aggregator, comm, test_x, test_y, events,
+                                  stop_rule, ctx.length)
+    torch.manual_seed(seed * 7919 + rank)  # per-worker randomness (dropout, compressors)
+    straggling = Straggling(config.get("stragglers"), rank, seed)
+    if resumed is not None:
+        checkpoint.set_rng_state(resumed["rng"], device)
+    return Worker(
+        config=config, rank=rank, world_size=world_size, device=device, task=task,
+        train_x=train_x, train_y=train_y, shard=shard, steps_per_epoch=per_epoch, model=model,
+        optimizer=optimizer, comm=comm, aggregator=aggregator, ctx=ctx, interval=interval,
+        stop_rule=stop_rule, evaluation=evaluation, straggling=straggling,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=config.get("checkpoint_every") if checkpoint_dir else None,
+        resumed=None if resumed is None else resumed["progress"])
