@@ -130,10 +130,8 @@ class Payload:
 
 
 class Compressor(Plugin):
-    """Turns a tensor into a `Payload` and back; the aggregator moves the payload.
-
-    Each step the aggregator hands every tensor to `average_many`, which compresses them
-    one by one and moves all their payloads in one collective:
+    """Turns a tensor into a `Payload` and back. Aggregators average through `average_many`,
+    which compresses each tensor on its own and moves all payloads in one collective:
     `summable = True`: the payload tensors of all workers may be summed elementwise (an
     all-reduce) and the sum decompressed once, giving the sum of the workers' values.
     Otherwise the payloads are all-gathered and `combine` turns them into the average.
@@ -179,42 +177,44 @@ class Compressor(Plugin):
             total += self.decompress(payload, like)
         return total.div_(len(payloads))
 
-    def average(self, tensor: torch.Tensor, key: str, step: int, comm: Comm,
-                with_local: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`average_many` for one tensor."""
-        return self.average_many([tensor], [key], step, comm, with_local)[0]
-
     def average_many(self, tensors: list[torch.Tensor], keys: list[str], step: int, comm: Comm,
-                     with_local: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Average each tensor over all workers, compressed, in one collective for all of them
-        (one per payload dtype when summable). Returns per tensor its average and, when
-        `with_local`, what this worker's own payload decompresses to (for error feedback).
+                     memory: ErrorFeedback | None = None) -> list[torch.Tensor]:
+        """Each tensor averaged over all workers, compressed; `keys` name the tensors.
 
-        Compressors that need several rounds of communication (PowerSGD) override this.
+        With `memory`, error feedback: each tensor is sent compensated with its residual, and
+        the residual becomes what this worker's payload left out.
         """
-        results: list = [None] * len(tensors)
-        live = []
-        for i, tensor in enumerate(tensors):
-            if tensor.numel() == 0:  # nothing to send; every worker skips alike
-                results[i] = (tensor.clone(), tensor.clone() if with_local else None)
-            else:
-                live.append(i)
+        if memory is not None:
+            tensors = [memory.compensate(key, t) for key, t in zip(keys, tensors)]
+        results = self.exchange(tensors, keys, step, comm, with_local=memory is not None)
+        if memory is not None:
+            for key, tensor, (_, local) in zip(keys, tensors, results):
+                memory.update(key, tensor, local)
+        return [average for average, _ in results]
+
+    def exchange(self, tensors: list[torch.Tensor], keys: list[str], step: int, comm: Comm,
+                 with_local: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Per tensor: its average over all workers and, when `with_local`, what this worker's
+        own payload decompresses to. All payloads travel in one collective (one per payload
+        dtype when summable). Compressors that need several rounds (PowerSGD) override this.
+        """
+        # An empty tensor has nothing to send; every worker skips it alike.
+        live = [i for i, t in enumerate(tensors) if t.numel() > 0]
+        results = [None if t.numel() else (t.clone(), t.clone() if with_local else None)
+                   for t in tensors]
         payloads = [self.compress(tensors[i], keys[i], step) for i in live]
-        # What this worker itself transmits, for error feedback.
-        local = [self.decompress(payload, tensors[i]).clone() if with_local else None
-                 for payload, i in zip(payloads, live)]
         sent = [t for payload in payloads for t in payload.tensors]
-        if self.summable:
-            sums = iter(all_reduce_flat(sent, comm))
-            for j, (payload, i) in enumerate(zip(payloads, live)):
-                summed = Payload([next(sums) for _ in payload.tensors], payload.context)
-                results[i] = (self.decompress(summed, tensors[i]) / comm.world_size, local[j])
+        if self.summable:  # one "worker": the sum of everyone's payloads
+            workers = [iter(all_reduce_flat(sent, comm))]
         else:
             workers = [iter(w) for w in all_gather_flat(sent, comm, self.uniform_payload)]
-            for j, (payload, i) in enumerate(zip(payloads, live)):
-                theirs = [Payload([next(w) for _ in payload.tensors], payload.context)
-                          for w in workers]
-                results[i] = (self.combine(theirs, tensors[i]), local[j])
+        for payload, i in zip(payloads, live):
+            theirs = [Payload([next(w) for _ in payload.tensors], payload.context)
+                      for w in workers]
+            average = (self.decompress(theirs[0], tensors[i]) / comm.world_size
+                       if self.summable else self.combine(theirs, tensors[i]))
+            own = self.decompress(payload, tensors[i]).clone() if with_local else None
+            results[i] = (average, own)
         return results
 
 

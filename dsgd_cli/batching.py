@@ -59,7 +59,6 @@ def all_gather_flat(tensors: list[torch.Tensor], comm: "Comm",
     for data, worker_sizes in zip(gathered, sizes):
         chunks = data[: sum(worker_sizes)].split(worker_sizes)
         # A slice of a byte buffer may be misaligned for wider dtypes: copy before the view.
-        worker = [chunk.clone().view(t.dtype) for chunk, t in zip(chunks, tensors)]
-        result.append([t.view(like.shape) for t, like in zip(worker, tensors)] if uniform
-                      else worker)
+        result.append([chunk.clone().view(t.dtype).view(t.shape if uniform else (-1,))
+                       for chunk, t in zip(chunks, tensors)])
     return result

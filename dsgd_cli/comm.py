@@ -365,14 +365,23 @@ class Comm:
                            sent=_nbytes(tensor), received=0, messages=1, async_op=True,
                            operation=f"send to rank {dst}", result=tensor)
 
-    def irecv(self, tensor: torch.Tensor, src: int | None = None,
-              group: Group | None = None) -> Handle:
+    def irecv(self, tensor: torch.Tensor, src: int | None = None, group: Group | None = None,
+              length: Callable[[torch.Tensor], int] | None = None) -> Handle:
         """Receive into `tensor` from global rank `src`, or from any member of `group` when
         `src` is None (put the sender in the message if the receiver needs it). Messages
-        between two ranks on one group arrive in the order they were sent."""
+        between two ranks on one group arrive in the order they were sent.
+        gloo also delivers a message shorter than `tensor` into its start: then `length`, read
+        from the received message, says how many elements arrived (counted on `wait()`)."""
         self._check(tensor, group, "irecv")
         # The sender pays the emulated transfer time; the receiver waits for the data.
         source = f"rank {src}" if src is not None else f"any of {self._members(group)}"
+        counted = length is not None and self._tracking()
+
+        def arrived():
+            if counted:
+                self._add(received=length(tensor) * tensor.element_size())
+            return tensor
         return self._issue(lambda: dist.irecv(tensor, src, group=self._pg(group)), sent=0,
-                           received=_nbytes(tensor), messages=0, async_op=True,
-                           operation=f"recv from {source}", result=tensor)
+                           received=0 if length is not None else _nbytes(tensor), messages=0,
+                           async_op=True, operation=f"recv from {source}", result=tensor,
+                           on_complete=arrived)

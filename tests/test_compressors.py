@@ -12,6 +12,7 @@ import torch
 from conftest import compare_json, dsgd, write_spec
 from distributed import run_workers
 from dsgd_cli import registry
+from dsgd_cli.api import ErrorFeedback
 from dsgd_cli.comm import Comm
 from dsgd_cli.spec import build_plugin
 
@@ -93,7 +94,7 @@ def _powersgd_full_rank(rank, world_size):
     compressor.options.rank = 8
     m = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank + 10))
     m = m @ torch.randn(8, 20, generator=torch.Generator().manual_seed(rank + 20))  # 6 x 20
-    average, local = compressor.average(m, "w", 0, comm, with_local=True)
+    [(average, local)] = compressor.exchange([m], ["w"], 0, comm, with_local=True)
     return m, average, local
 
 
@@ -114,11 +115,11 @@ def test_powersgd_low_rank_is_rank_r_and_warm_started():
     v, _ = torch.linalg.qr(torch.randn(40, 30, generator=generator))
     singular_values = torch.cat([torch.tensor([10.0, 7.0]), torch.linspace(2.0, 0.1, 28)])
     m = u @ torch.diag(singular_values) @ v.T
-    first, _ = compressor.average(m, "w", 0, comm)
+    [first] = compressor.average_many([m], ["w"], 0, comm)
     assert torch.linalg.matrix_rank(first) == 2
     errors = []
     for step in range(1, 6):  # repeated power iterations on the same M converge to its best rank-2 fit
-        approx, _ = compressor.average(m, "w", step, comm)
+        [approx] = compressor.average_many([m], ["w"], step, comm)
         errors.append(float((m - approx).norm()))
     u, s, vh = torch.linalg.svd(m)
     best = float((m - u[:, :2] @ torch.diag(s[:2]) @ vh[:2]).norm())
@@ -132,7 +133,7 @@ def _average_awkward_sizes(rank, world_size, names):
         compressor = make(name, rank=rank)
         for size in (0, 1, 7, 13):
             x = torch.full((size,), float(rank + 1))
-            average, _ = compressor.average(x, f"t{size}", 0, comm)
+            [average] = compressor.average_many([x], [f"t{size}"], 0, comm)
             results[(name, size)] = average
     # uneven all-gather: each rank contributes a different length, one of them empty
     results["uneven"] = comm.all_gather_uneven(torch.arange(float(rank * 3)))
@@ -165,13 +166,16 @@ def _average_many_against_one_by_one(rank, world_size, names):
     keys = [f"t{i}" for i in range(len(SHAPES))]
     results = {}
     for name in names:
+        batched_memory, single_memory = ErrorFeedback(), ErrorFeedback()
         comm.take_traffic()
-        batched = make(name, rank=rank).average_many(tensors, keys, 5, comm, with_local=True)
+        batched = make(name, rank=rank).average_many(tensors, keys, 5, comm, batched_memory)
         calls = comm.take_traffic().calls
         single = make(name, rank=rank)
-        one_by_one = [single.average(t, key, 5, comm, with_local=True)
+        one_by_one = [single.average_many([t], [key], 5, comm, single_memory)[0]
                       for t, key in zip(tensors, keys)]
-        results[name] = (batched, one_by_one, calls)
+        residuals = [(batched_memory.residuals[key], single_memory.residuals[key])
+                     for key in keys]
+        results[name] = (batched, one_by_one, residuals, calls)
     return results
 
 
@@ -180,12 +184,12 @@ def test_average_many_equals_one_tensor_at_a_time_in_one_or_two_collectives(coll
     names = ["none"] + COMPRESSORS
     for results in collectives("average_many"):
         for name in names:
-            batched, one_by_one, calls = results[name]
-            for (average, local), (expected, expected_local), shape in zip(batched, one_by_one,
-                                                                           SHAPES):
-                assert average.shape == shape, name
+            batched, one_by_one, residuals, calls = results[name]
+            for average, expected, (residual, expected_residual), shape in zip(
+                    batched, one_by_one, residuals, SHAPES):
+                assert average.shape == residual.shape == shape, name
                 torch.testing.assert_close(average, expected, rtol=1e-5, atol=1e-6)
-                torch.testing.assert_close(local, expected_local, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(residual, expected_residual, rtol=1e-5, atol=1e-6)
             # PowerSGD: P then Q; dqsgd: the payload lengths, then the payloads.
             assert calls == (2 if name in ("powersgd", "dqsgd") else 1), name
 
@@ -199,7 +203,7 @@ def _dqsgd_with_different_levels(rank, world_size):
     else:
         x = torch.randn(300, generator=torch.Generator().manual_seed(1))
     compressor = make("dqsgd", rank=rank)
-    average, local = compressor.average(x, "t", 0, comm, with_local=True)
+    [(average, local)] = compressor.exchange([x], ["t"], 0, comm, with_local=True)
     levels = [value for name, value in compressor.ctx.metrics.logged if name == "dqsgd_levels"]
     return average, local, levels
 

@@ -254,7 +254,7 @@ def _scenario_osgp(rank, n):
     return {"initial": initial, "numerator": aggregator.state.numerator.clone(),
             "weight": aggregator.state.weight, "model": _flat(ctx.model),
             "metrics": ctx.metrics.values, "metric_steps": ctx.metrics.steps,
-            "rounds": aggregator.gossip.next_round, "sent": ctx.comm.take_traffic().bytes_sent}
+            "rounds": aggregator.gossip.next_round, "traffic": vars(ctx.comm.take_traffic())}
 
 
 def _scenario_adpsgd(rank, n):
@@ -270,7 +270,7 @@ def _scenario_adpsgd(rank, n):
     return {"initial": initial, "model": _flat(ctx.model), "active": aggregator.active,
             "metrics": ctx.metrics.values, "metric_steps": ctx.metrics.steps, "peers": peers,
             "neighbours": aggregator.neighbours, "unlogged_averages": aggregator.averages,
-            "sent": ctx.comm.take_traffic().bytes_sent}
+            "traffic": vars(ctx.comm.take_traffic())}
 
 
 SCENARIOS = {
@@ -484,8 +484,11 @@ def test_osgp_sends_one_share_per_out_peer_and_round_and_a_small_end_message(spa
     end = PUSH_SUM_HEADER * FLOAT64
     agree_on_last_round = 2 * (WORKERS - 1) * FLOAT64 // WORKERS  # ring all-reduce of 1 number
     for rank, run in enumerate(runs):
-        messages = sum(len(topology.out_peers(rank, r)) for r in range(rounds))
-        assert run["sent"] == messages * share + end + agree_on_last_round
+        sent = sum(len(topology.out_peers(rank, r)) for r in range(rounds))
+        received = sum(len(topology.in_peers(rank, r)) for r in range(rounds))
+        # The end message goes to rank + 1, into a buffer the size of a share.
+        assert run["traffic"]["bytes_sent"] == sent * share + end + agree_on_last_round
+        assert run["traffic"]["bytes_received"] == received * share + end + agree_on_last_round
 
 
 def test_adpsgd_sends_a_model_per_request_and_reply_and_small_stop_messages(spawned):
@@ -497,13 +500,16 @@ def test_adpsgd_sends_a_model_per_request_and_reply_and_small_stop_messages(spaw
         run = runs[rank]
         steps = STEPS + 5 * rank
         assert sum(run["metrics"]["gossip_averages"]) == steps
-        assert run["sent"] == steps * model + len(run["neighbours"]) * stop
+        assert run["traffic"]["bytes_sent"] == steps * model + len(run["neighbours"]) * stop
+        assert run["traffic"]["bytes_received"] == steps * model  # the replies
         requests += steps
     replies = 0
     for rank in (1, 3):  # passive: one reply per request served, including after its last step
         run = runs[rank]
         served = sum(run["metrics"]["gossip_averages"]) + run["unlogged_averages"]
-        assert run["sent"] == served * model
+        assert run["traffic"]["bytes_sent"] == served * model
+        # the requests, and a stop from each neighbour into a request-sized buffer
+        assert run["traffic"]["bytes_received"] == served * model + len(run["neighbours"]) * stop
         replies += served
     assert replies == requests
 

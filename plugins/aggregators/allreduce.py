@@ -7,8 +7,8 @@ so communication overlaps with the rest of backward.
 With a compressor, the gradients are averaged after backward through
 `compressor.average_many`: each parameter's gradient is compressed on its own (compressors such
 as PowerSGD need the tensor's shape), and all payloads travel together in one collective (two
-for PowerSGD and dqsgd). Error feedback
-applies when the spec asks for it or the compressor requires it.
+for PowerSGD and dqsgd). Error feedback applies when the spec asks for it or the compressor
+requires it.
 
 `momentum_before_compression` moves momentum in front of the compressor (Zheng et al., 2019):
 each worker keeps m <- beta m + g and compresses m, and the optimizer, without momentum of its
@@ -143,17 +143,12 @@ class AllReduce(Aggregator):
         # compress_seconds: this step's time in compression arithmetic (error feedback,
         # compress, decompress, combine), that is, all of it but the communication.
         started, blocked_before = time.perf_counter(), self.ctx.comm.blocked_seconds()
-        memory, keys = self.memory, self.keys
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.options.momentum_before_compression > 0:
-            grads = [self._momentum(key, grad) for key, grad in zip(keys, grads)]
-        if memory is not None:
-            grads = [memory.compensate(key, grad) for key, grad in zip(keys, grads)]
-        results = self.compressor.average_many(grads, keys, step, self.ctx.comm,
-                                               with_local=memory is not None)
-        for p, key, grad, (average, local) in zip(self.params, keys, grads, results):
-            if memory is not None:
-                memory.update(key, grad, local)
+            grads = [self._momentum(key, grad) for key, grad in zip(self.keys, grads)]
+        averages = self.compressor.average_many(grads, self.keys, step, self.ctx.comm,
+                                                self.memory)
+        for p, average in zip(self.params, averages):
             p.grad = average.view_as(p)
         blocked = self.ctx.comm.blocked_seconds() - blocked_before
         self.ctx.metrics.log("compress_seconds", time.perf_counter() - started - blocked)

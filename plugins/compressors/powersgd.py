@@ -63,7 +63,7 @@ class PowerSGD(Compressor):
         p, q = payload.tensors
         return (p @ q.T).view_as(like)
 
-    def average_many(self, tensors, keys, step, comm, with_local=False):
+    def exchange(self, tensors, keys, step, comm, with_local=False):
         """Two all-reduces per step for all tensors: the P factors together with the tensors
         that travel uncompressed, then the Q factors."""
         n = comm.world_size

@@ -170,7 +170,8 @@ class ADPSGD(Aggregator):
         reply = torch.empty_like(request)
         running = len(self.neighbours)  # every neighbour of a passive worker is active
         while running:
-            comm.irecv(request, None, self.group).wait()
+            comm.irecv(request, None, self.group,  # a stop is a header only
+                       length=lambda m: HEADER if float(m[0]) == STOP else m.numel()).wait()
             kind, sender, sender_steps = (int(v) for v in request[:HEADER].tolist())
             if kind == STOP:
                 running -= 1

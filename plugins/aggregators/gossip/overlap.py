@@ -35,7 +35,8 @@ from dsgd_cli.api import Comm, Group
 from dsgd_cli.topology import Topology, push_weights
 
 from plugins.aggregators.gossip.graph import in_degrees, messages_through
-from plugins.aggregators.gossip.pushsum import PushSum, end_message, is_end, message_buffer
+from plugins.aggregators.gossip.pushsum import (PushSum, end_message, is_end, message_buffer,
+                                                 message_length)
 
 
 class GossipStats:
@@ -166,7 +167,7 @@ class OverlapGossip:
                     expected = messages_through(self.in_degrees, self.last_round)
                 if ended and received == expected:
                     return
-            comm.irecv(buffer, None, self.group).wait()
+            comm.irecv(buffer, None, self.group, length=message_length).wait()
             if is_end(buffer):
                 ended = True
                 continue

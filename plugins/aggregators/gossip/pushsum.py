@@ -103,3 +103,8 @@ def end_message(dtype: torch.dtype, rank: int) -> torch.Tensor:
 
 def is_end(message: torch.Tensor) -> bool:
     return float(message[2]) < 0
+
+
+def message_length(message: torch.Tensor) -> int:
+    """How many numbers of its receive buffer a message filled (for `Comm.irecv`)."""
+    return HEADER if is_end(message) else message.numel()
