@@ -225,11 +225,20 @@ class ErrorFeedback:
         self.residuals: dict[str, torch.Tensor] = {}
 
     def compensate(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """g + e, in the residual's own buffer (`update` turns it back into the residual):
+        no allocation per step, which for large tensors costs more than the addition."""
         residual = self.residuals.get(key)
-        return tensor if residual is None else tensor + residual.to(tensor.device)
+        if residual is None:
+            return tensor
+        if residual.device != tensor.device:
+            residual = self.residuals[key] = residual.to(tensor.device)
+        return residual.add_(tensor)
 
     def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
-        self.residuals[key] = compensated - transmitted
+        if self.residuals.get(key) is compensated:
+            compensated.sub_(transmitted)
+        else:
+            self.residuals[key] = compensated - transmitted
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {key: r.clone() for key, r in self.residuals.items()}}

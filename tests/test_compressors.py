@@ -126,6 +126,25 @@ def test_powersgd_low_rank_is_rank_r_and_warm_started():
     assert errors[-1] <= errors[0] + 1e-5 and errors[-1] < best * 1.01
 
 
+def test_powersgd_error_feedback_keeps_what_the_rank_r_fit_left_out():
+    """Over steps with error feedback the residual is exactly (g + e) − P Qᵀ of this worker's
+    own fit (kept in a reused buffer, which is no part of the saved state)."""
+    compressor = make("powersgd")  # rank 2
+    comm = SimpleNamespace(world_size=1, all_reduce=lambda t, op: t)
+    memory = ErrorFeedback()
+    generator = torch.Generator().manual_seed(9)
+    residual = torch.zeros(12, 16)
+    for step in range(3):
+        g = torch.randn(12, 16, generator=generator)
+        compensated = g + residual
+        [average] = compressor.average_many([g], ["w"], step, comm, memory)
+        # One worker: the average is its own fit, so the residual is what the fit missed.
+        torch.testing.assert_close(memory.residuals["w"], compensated - average)
+        assert torch.linalg.matrix_rank(average) == 2
+        residual = compensated - average
+    assert set(compressor.state_dict()) == {"q_memory"}
+
+
 def _average_awkward_sizes(rank, world_size, names):
     comm = Comm(rank, world_size)
     results = {}

@@ -31,6 +31,7 @@ class PowerSGD(Compressor):
     def setup(self, ctx):
         super().setup(ctx)
         self.q_memory: dict[str, torch.Tensor] = {}
+        self.local_buffers: dict[str, torch.Tensor] = {}
 
     def _factor_rank(self, tensor: torch.Tensor) -> int:
         """The rank to use for `tensor`, or 0 when it travels uncompressed."""
@@ -55,7 +56,20 @@ class PowerSGD(Compressor):
             return Payload([tensor])
         matrix = tensor.reshape(tensor.shape[0], -1)
         p = torch.linalg.qr(matrix @ self._start(matrix, key, step, rank)).Q
-        return Payload([p, matrix.T @ p])
+        return Payload([p, _transposed_product(matrix, p)])
+
+    def state_dict(self):
+        state = super().state_dict()
+        state.pop("local_buffers")  # scratch space, overwritten every step
+        return state
+
+    def _local(self, key: str, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """This worker's own approximation P Qᵀ, which error feedback reads at once: into a
+        buffer kept per tensor, as a fresh one each step costs more than the product."""
+        buffer = self.local_buffers.get(key)
+        if buffer is None or buffer.shape != (p.shape[0], q.shape[0]):
+            buffer = self.local_buffers[key] = p.new_empty(p.shape[0], q.shape[0])
+        return torch.matmul(p, q.T, out=buffer)
 
     def decompress(self, payload, like):
         if len(payload.tensors) == 1:
@@ -78,11 +92,17 @@ class PowerSGD(Compressor):
             results[i] = (total / n, tensors[i].clone() if with_local else None)
         # Orthonormal columns: the sum or the mean of the Ps span the same space.
         ps = [torch.linalg.qr(p).Q for p in summed[len(plain):]]
-        qs = [matrices[i].T @ p for i, p in zip(factored, ps)]
-        local = [(p @ q.T).view_as(tensors[i]) if with_local else None
+        qs = [_transposed_product(matrices[i], p) for i, p in zip(factored, ps)]
+        local = [self._local(keys[i], p, q).view_as(tensors[i]) if with_local else None
                  for i, p, q in zip(factored, ps, qs)]
         for i, p, q, own in zip(factored, ps, all_reduce_flat(qs, comm), local):
             q = q / n
             self.q_memory[keys[i]] = q
             results[i] = ((p @ q.T).view_as(tensors[i]), own)
         return results
+
+
+def _transposed_product(matrix: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Mᵀ P as (Pᵀ M)ᵀ: the same numbers, but a product with M untransposed, which CPU BLAS
+    computes several times faster for a thin P (measured: 0.8 against 5 ms for 1024 × 1024)."""
+    return (p.T @ matrix).T
