@@ -42,6 +42,13 @@ workers).
 
 Kernels are compiled on first use with ``cache=True`` (cached next to the
 sources), so the JIT cost is paid once per machine.
+
+Modules
+-------
+``_dispatch``: the public functions -- validate, allocate outputs, pick the
+backend by device; ``_cpu`` / ``_cuda``: the two backends, with the same
+functions and signatures; ``_host``: host-side code both backends share
+(layouts, sizes, selection thresholds); ``_random``: the counter-based RNG.
 """
 
 from ._dispatch import (

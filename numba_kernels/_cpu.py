@@ -1,9 +1,11 @@
-"""CPU kernels (numba ``@njit``).
+"""CPU backend: numba ``@njit`` kernels.
 
-All kernels take NumPy views of the torch buffers (zero-copy) and write into
-pre-allocated outputs.  Parallel kernels split the work into fixed chunks of
-``CHUNK`` elements (``prange`` over chunks or buckets, a plain inner loop that
-LLVM vectorises).  Random numbers depend only on the element's global index,
+The public functions have the same names and signatures as :mod:`._cuda`'s:
+validated flat torch tensors in (the kernels get zero-copy NumPy views of
+them), results written into the pre-allocated outputs.
+
+Parallel kernels split the work into fixed chunks of ``CHUNK`` elements
+(``prange`` over chunks or buckets, a plain inner loop that LLVM vectorises).  Random numbers depend only on the element's global index,
 never on the chunking, so results are identical to the CUDA kernels' for the
 same seed.
 
@@ -18,29 +20,26 @@ cannot prove the index non-negative, keeps its negative-index wraparound check
 and LLVM does not vectorise the loop (about 5x slower).
 
 Compiled with ``cache=True``: the JIT cost is paid once per machine.  If you
-edit :mod:`numba_kernels._random`, delete ``numba_kernels/__pycache__`` (numba's
-cache does not track changes of called functions in other modules).
+edit :mod:`._random` or :mod:`._host`, delete ``numba_kernels/__pycache__``
+(numba's cache does not track changes of called functions in other modules).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 
 import numpy as np
+import torch
 from numba import njit, prange
 
+from . import _host
+from ._host import ABS_MASK, INF_BITS, TOPK_SAMPLE, TOPK_SMALL, estimate_threshold, radix_select, split
 from ._random import SAMPLE_KEY, hash64, uniform
 
 #: elements per parallel work item; inputs up to this size run serially
 CHUNK = 1 << 16
-#: sample size used to estimate the top-k threshold
-TOPK_SAMPLE = 1 << 15
-#: up to this size top-k skips sampling and takes every element as candidate
-TOPK_SMALL = 1 << 16
-
-_ABS_MASK = np.uint32(0x7FFFFFFF)
-_INF_BITS = np.uint32(0x7F800000)
 
 
 def _twins(fn):
@@ -56,30 +55,20 @@ def _twins(fn):
     return par, njit(cache=True)(g)
 
 
+def _entry(fn):
+    """A backend function: torch tensors in, ``fn`` gets NumPy views of them."""
+
+    def run(*args):
+        return fn(*_host.views(args, torch.Tensor.numpy))
+
+    return functools.update_wrapper(run, fn, updated=())
+
+
 # ---------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------
 
-
-@njit(cache=True, inline="always")
-def _magkey(u):
-    """Order-preserving uint32 key of |x| from the float32 bit pattern ``u``.
-
-    -0.0 maps to 0, NaN maps to +inf (NaN ranks as the largest magnitude, as
-    in ``torch.topk``)."""
-    m = np.uint32(u & _ABS_MASK)
-    if m > _INF_BITS:
-        m = _INF_BITS
-    return m
-
-
-@njit(cache=True)
-def _bucket_tasks(d, bs):
-    """Split buckets of ``bs`` elements into sub-chunks of <= CHUNK."""
-    nb = (d + bs - 1) // bs
-    nsub = (bs + CHUNK - 1) // CHUNK
-    sub = (bs + nsub - 1) // nsub
-    return nb, nsub, sub
+_magkey = njit(cache=True, inline="always")(_host.magkey)
 
 
 @njit(cache=True)
@@ -185,12 +174,14 @@ _qsgd_tasks_p, _qsgd_tasks_s = _twins(_qsgd_tasks_k)
 _qsgd_dequant_p, _qsgd_dequant_s = _twins(_qsgd_dequant_k)
 
 
+@_entry
 @njit(cache=True)
 def qsgd_quantize(x, levels, bs, key, norms, q):
     """QSGD: per-bucket L2 norms (float64 accumulation) and stochastic levels
     (see :func:`_quantize_run`), uniform draws ``uniform(key, index)``."""
     d = x.size
-    nb, nsub, sub = _bucket_tasks(d, bs)
+    nb = norms.size
+    nsub, sub = split(bs, CHUNK)
     if nsub == 1:
         if d > CHUNK:
             _qsgd_fused_p(x, levels, bs, key, norms, q)
@@ -205,11 +196,12 @@ def qsgd_quantize(x, levels, bs, key, norms, q):
     _qsgd_tasks_p(x, norms, levels, bs, nsub, sub, key, q)
 
 
+@_entry
 @njit(cache=True)
 def qsgd_dequantize(norms, q, levels, bs, out):
     """out = q * float32(norm / levels)."""
     d = q.size
-    nb, nsub, sub = _bucket_tasks(d, bs)
+    nsub, sub = split(bs, CHUNK)
     if d > CHUNK:
         _qsgd_dequant_p(norms, q, levels, bs, nsub, sub, out)
     else:
@@ -229,8 +221,8 @@ def _max_abs_k(xb):
         xs = xb[c * CHUNK : min(d, c * CHUNK + CHUNK)]
         m = np.uint32(0)
         for i in range(xs.size):
-            a = np.uint32(xs[i] & _ABS_MASK)
-            m = max(m, a if a <= _INF_BITS else np.uint32(0))
+            a = np.uint32(xs[i] & ABS_MASK)
+            m = max(m, a if a <= INF_BITS else np.uint32(0))
         part[c] = m
     res = np.zeros(1, np.uint32)
     res[0] = part.max()
@@ -262,30 +254,28 @@ _terngrad_p, _terngrad_s = _twins(_terngrad_k)
 _scale_int8_p, _scale_int8_s = _twins(_scale_int8_k)
 
 
+@_entry
 @njit(cache=True)
-def max_abs(xb):
-    """max |x| from the uint32 view ``xb`` (integer max vectorises; NaN
-    entries are ignored)."""
-    if xb.size > CHUNK:
-        return _max_abs_p(xb)
-    return _max_abs_s(xb)
-
-
-@njit(cache=True)
-def terngrad_quantize(x, scale, key, t):
-    """t = sign(x) if u * scale < |x| (exact in float64) else 0."""
+def terngrad_quantize(x, key, scale, t):
+    """scale[0] = max |x| (NaN entries ignored; an integer max on the uint32
+    view, which vectorises); t = sign(x) if u * scale < |x| (exact in float64)
+    else 0."""
+    xb = x.view(np.uint32)
+    scale[0] = _max_abs_p(xb) if x.size > CHUNK else _max_abs_s(xb)
     if x.size > CHUNK:
-        _terngrad_p(x, scale, key, t)
+        _terngrad_p(x, scale[0], key, t)
     else:
-        _terngrad_s(x, scale, key, t)
+        _terngrad_s(x, scale[0], key, t)
 
 
+@_entry
 @njit(cache=True)
 def scale_int8(t, scale, out):
+    """out = t * scale[0]."""
     if t.size > CHUNK:
-        _scale_int8_p(t, scale, out)
+        _scale_int8_p(t, scale[0], out)
     else:
-        _scale_int8_s(t, scale, out)
+        _scale_int8_s(t, scale[0], out)
 
 
 # ---------------------------------------------------------------------------
@@ -398,6 +388,7 @@ _sign_unpack_p, _sign_unpack_s = _twins(_sign_unpack_k)
 _sign_vote_p, _sign_vote_s = _twins(_sign_vote_k)
 
 
+@_entry
 @njit(cache=True)
 def sign_pack(x, out):
     """out[i] bit j = (x[8i+j] >= 0), little-endian bit order."""
@@ -407,21 +398,24 @@ def sign_pack(x, out):
         _sign_pack_s(x, out)
 
 
+@_entry
 @njit(cache=True)
-def sign_unpack(packed, d, scale, out):
-    if d > CHUNK:
-        _sign_unpack_p(packed, d, scale, out)
+def sign_unpack(packed, scale, out):
+    """out[i] = +scale[0] if bit i is set else -scale[0]."""
+    if out.size > CHUNK:
+        _sign_unpack_p(packed, out.size, scale[0], out)
     else:
-        _sign_unpack_s(packed, d, scale, out)
+        _sign_unpack_s(packed, out.size, scale[0], out)
 
 
+@_entry
 @njit(cache=True)
-def sign_vote(packed, d, out):
+def sign_vote(packed, out):
     """packed: uint8 [n, ceil(d/8)]; out[i] = +1 if 2*#set >= n else -1."""
-    if d > CHUNK:
-        _sign_vote_p(packed, d, out)
+    if out.size > CHUNK:
+        _sign_vote_p(packed, out.size, out)
     else:
-        _sign_vote_s(packed, d, out)
+        _sign_vote_s(packed, out.size, out)
 
 
 # ---------------------------------------------------------------------------
@@ -492,6 +486,7 @@ _pack_codes_p, _pack_codes_s = _twins(_pack_codes_k)
 _unpack_codes_p, _unpack_codes_s = _twins(_unpack_codes_k)
 
 
+@_entry
 @njit(cache=True)
 def pack_codes(q, bits, out):
     """out: the codes' low `bits` bits as one little-endian bit stream."""
@@ -501,6 +496,7 @@ def pack_codes(q, bits, out):
         _pack_codes_s(q, bits, out)
 
 
+@_entry
 @njit(cache=True)
 def unpack_codes(packed, bits, q):
     if q.size > CHUNK:
@@ -525,7 +521,6 @@ for _i in range(64):
 del _i
 _S58 = np.uint64(58)
 _U1 = np.uint64(1)
-_RADIX_BITS = 11
 
 
 @njit(cache=True, inline="always")
@@ -533,60 +528,6 @@ def _lowest_bit_index(w):
     """Index of the lowest set bit of w != 0, and w with that bit cleared."""
     lsb = w & (~w + _U1)
     return _DEBRUIJN_TAB[np.int64((lsb * _DEBRUIJN) >> _S58)], w ^ lsb
-
-
-@njit(cache=True)
-def radix_select(keys, r, nbits):
-    """Exact value v of ascending rank r (0-based) among unsigned integer
-    ``keys`` of ``nbits`` bits (MSB-first radix select, 11-bit digits).
-    Returns (v, #keys < v, #keys == v)."""
-    prefix = np.uint64(0)
-    mask = np.uint64(0)
-    below = 0
-    equal = 0
-    hist = np.zeros(1 << _RADIX_BITS, np.int64)
-    shift = nbits
-    while shift > 0:
-        w = min(_RADIX_BITS, shift)
-        shift -= w
-        hist[:] = 0
-        dm = np.uint64((1 << w) - 1)
-        sh = np.uint64(shift)
-        for i in range(keys.size):
-            kk = np.uint64(keys[i])
-            if (kk & mask) == prefix:
-                hist[np.int64((kk >> sh) & dm)] += 1
-        acc = 0
-        dsel = 0
-        for dg in range(1 << w):
-            if acc + hist[dg] > r:
-                dsel = dg
-                break
-            acc += hist[dg]
-        r -= acc
-        below += acc
-        equal = hist[dsel]
-        prefix |= np.uint64(dsel) << sh
-        mask |= dm << sh
-    return prefix, below, equal
-
-
-@njit(cache=True)
-def estimate_threshold(sample, k, d, boost):
-    """Key t such that about k*(1+margin) of the d keys are >= t.
-
-    ``sample`` holds uint32 magnitude keys of a stratified sample.  Returns 0
-    ("take everything") when the margin covers the whole sample."""
-    s = sample.size
-    if s == 0:
-        return np.uint32(0)
-    p = k / d
-    mean = s * p
-    r = int(boost * (mean + 3.0 * math.sqrt(mean * (1.0 - p)) + 4.0))
-    if r >= s:
-        return np.uint32(0)
-    v, _b, _e = radix_select(sample, s - r, 32)
-    return np.uint32(v)
 
 
 @njit(cache=True)
@@ -639,7 +580,7 @@ _gather_ge_p, _gather_ge_s = _twins(_gather_ge_k)
 
 
 @njit(cache=True)
-def keep_extreme(cidx, ckey, k, largest, nbits, idx_out):
+def _keep_extreme(cidx, ckey, k, largest, nbits, idx_out):
     """idx_out = cidx of the k largest (or smallest) keys, in candidate order;
     among keys equal to the k-th one, the earliest candidates win."""
     C = ckey.size
@@ -672,7 +613,7 @@ _gather_p, _gather_s = _twins(_gather_k)
 
 
 @njit(cache=True)
-def gather_values(x, idx, out):
+def _gather(x, idx, out):
     """out = x[idx] (serial below 4*CHUNK indices)."""
     if idx.size > 4 * CHUNK:
         _gather_p(x, idx, out)
@@ -680,11 +621,16 @@ def gather_values(x, idx, out):
         _gather_s(x, idx, out)
 
 
+gather = _entry(_gather)
+
+
+@_entry
 @njit(cache=True)
-def topk(x, xb, k, idx_out, val_out):
+def topk(x, k, idx_out, val_out):
     """Exact top-k by magnitude: sampled threshold, parallel count + filter
-    pass, exact fix-up on the candidates.  ``xb`` is ``x`` viewed as uint32;
-    1 <= k < d.  Ties at the k-th magnitude go to the lowest indices."""
+    pass, exact fix-up on the candidates; 1 <= k < d.  Ties at the k-th
+    magnitude go to the lowest indices."""
+    xb = x.view(np.uint32)
     d = xb.size
     par = d > CHUNK
     nch = (d + CHUNK - 1) // CHUNK
@@ -720,8 +666,8 @@ def topk(x, xb, k, idx_out, val_out):
         _gather_ge_p(xb, t, offsets, cidx, ckey)
     else:
         _gather_ge_s(xb, t, offsets, cidx, ckey)
-    keep_extreme(cidx, ckey, k, True, 32, idx_out)
-    gather_values(x, idx_out, val_out)
+    _keep_extreme(cidx, ckey, k, True, 32, idx_out)
+    _gather(x, idx_out, val_out)
 
 
 @njit(cache=True, inline="always")
@@ -768,24 +714,8 @@ _rk_count_p, _rk_count_s = _twins(_rk_count_k)
 _rk_gather_p, _rk_gather_s = _twins(_rk_gather_k)
 
 
-def randomk_threshold(d: int, k: int, boost: float) -> int:
-    """Host: key threshold T with P(key < T) ~ k/d + margin; 2**63 = all."""
-    p = k / d
-    frac = boost * (p + 4.0 * math.sqrt(p * (1.0 - p) / d) + 8.0 / d)
-    if frac >= 1.0:
-        return 1 << 63
-    return int(frac * float(1 << 63))
-
-
-def randomk_shifts(d: int):
-    """Host: shifts building the unique key (hash >> (b+1)) << b | index,
-    b = number of index bits."""
-    lo = max(0, (d - 1).bit_length())
-    return np.uint64(lo + 1), np.uint64(lo)
-
-
 @njit(cache=True)
-def randomk(key, d, k, sh_hi, sh_lo, T0, T1, T2, idx_out):
+def _randomk(key, d, k, sh_hi, sh_lo, T0, T1, T2, idx_out):
     """The k indices with the smallest unique keys, ascending.  T0 < T1 < T2
     are increasingly generous key thresholds (T2 = 2**63 accepts all)."""
     par = d > CHUNK
@@ -808,7 +738,13 @@ def randomk(key, d, k, sh_hi, sh_lo, T0, T1, T2, idx_out):
         _rk_gather_p(key, d, sh_hi, sh_lo, T, offsets, cidx, ckey)
     else:
         _rk_gather_s(key, d, sh_hi, sh_lo, T, offsets, cidx, ckey)
-    keep_extreme(cidx, ckey, k, False, 64, idx_out)
+    _keep_extreme(cidx, ckey, k, False, 64, idx_out)
+
+
+@_entry
+def randomk_indices(d, k, key, idx_out):
+    """k distinct indices (ascending) from the counter-based RNG; 1 <= k < d."""
+    _randomk(key, d, k, *_host.randomk_shifts(d), *_host.randomk_thresholds(d, k), idx_out)
 
 
 # ---------------------------------------------------------------------------
@@ -838,17 +774,14 @@ def _scatter_set_k(idx, vals, out):
 _scatter_set_p, _scatter_set_s = _twins(_scatter_set_k)
 
 
+@_entry
 @njit(cache=True)
-def scatter_set(idx, vals, out):
-    """out[idx] = vals; returns the number of out-of-range indices skipped."""
-    if idx.size > CHUNK:
-        return _scatter_set_p(idx, vals, out)
-    return _scatter_set_s(idx, vals, out)
-
-
-@njit(cache=True)
-def scatter_add(idx, vals, out):
-    """out[idx] += vals (sequential: duplicate indices accumulate)."""
+def scatter(idx, vals, out, accumulate):
+    """out[idx] = vals, or with ``accumulate`` out[idx] += vals (sequentially:
+    duplicate indices accumulate).  Returns the number of out-of-range indices
+    skipped."""
+    if not accumulate:
+        return _scatter_set_p(idx, vals, out) if idx.size > CHUNK else _scatter_set_s(idx, vals, out)
     d = out.size
     bad = 0
     for p in range(idx.size):
@@ -881,9 +814,12 @@ def _wsum4_k(x0, w0, x1, w1, x2, w2, x3, w3, out):
 
 
 #: {number of inputs: (parallel, serial)}; ``out`` may alias x0
-WSUM = {
-    1: _twins(_wsum1_k),
-    2: _twins(_wsum2_k),
-    3: _twins(_wsum3_k),
-    4: _twins(_wsum4_k),
-}
+_WSUM = {1: _twins(_wsum1_k), 2: _twins(_wsum2_k), 3: _twins(_wsum3_k), 4: _twins(_wsum4_k)}
+
+
+@_entry
+def weighted_sum(xs, ws, out):
+    """out = sum_k ws[k] * xs[k] in fused passes (see :func:`._host.wsum_passes`)."""
+    serial = out.size <= CHUNK
+    for args in _host.wsum_passes(xs, ws, out):
+        _WSUM[len(args) // 2][serial](*args, out)

@@ -1,14 +1,15 @@
-"""CUDA kernels (``numba.cuda.jit``) and their launch helpers.
+"""CUDA backend: ``numba.cuda.jit`` kernels and their launches.
 
 This module is imported lazily by :mod:`numba_kernels._dispatch` the first time
 a CUDA tensor is seen, so importing the package never needs a GPU.
 
-The launch helpers below take numba device arrays (zero-copy views of torch
-tensors made with ``numba.cuda.as_cuda_array``), or, under the CUDA simulator
-(``NUMBA_ENABLE_CUDASIM=1``), NumPy arrays / ``cuda.to_device`` arrays.  Kernels
-are launched on ``stream``; helpers that need scratch memory call
-``alloc(n, numpy_dtype)`` (the dispatcher passes an allocator backed by the
-torch caching allocator; the default uses ``cuda.device_array``).
+The public functions have the same names and signatures as :mod:`._cpu`'s:
+validated flat CUDA tensors in (the kernels get zero-copy
+``numba.cuda.as_cuda_array`` views of them), results written into the
+pre-allocated outputs.  Kernels are launched on torch's current stream of the
+tensors' device, and scratch memory comes from torch's caching allocator.
+Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) CPU tensors stand in for
+CUDA tensors.
 
 Element-wise kernels use grid-stride loops.  Top-k / random-k use an
 order-preserving block compaction (block-wide scans in shared memory) plus a
@@ -22,13 +23,16 @@ other helpers are asynchronous.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 
 import numpy as np
+import torch
 from numba import cuda
 
-from . import _cpu, _random
+from . import _host, _random
 
 try:  # numba-cuda
     from numba.cuda.core import config as _cfg
@@ -46,15 +50,62 @@ MAX_BLOCKS = 2 if SIM else 4096
 #: elements per bucket sub-chunk for the QSGD norm reduction
 NORM_CHUNK = 4 * TPB if SIM else 16384
 
-_ABS_MASK = np.uint32(0x7FFFFFFF)
-_INF_BITS = np.uint32(0x7F800000)
-
 _uniform = cuda.jit(device=True)(_random.uniform_py)
 _hash64 = cuda.jit(device=True)(_random.hash64_py)
+_magkey = cuda.jit(device=True)(_host.magkey)
+
+_STREAMS: dict = {}
 
 
-def device_alloc(n, dtype):
+def _view(t):
+    return cuda.as_cuda_array(t, sync=False)
+
+
+def _stream(device):
+    """numba view of torch's current stream on ``device`` (cached)."""
+    ptr = torch.cuda.current_stream(device).cuda_stream
+    if ptr not in _STREAMS:
+        _STREAMS[ptr] = cuda.external_stream(ptr)
+    return _STREAMS[ptr]
+
+
+def _torch_alloc(device):
+    """Scratch arrays from torch's caching allocator: bytes viewed as ``dtype``."""
+
+    def alloc(n, dtype):
+        dtype = np.dtype(dtype)
+        return _view(torch.empty(int(n) * dtype.itemsize, dtype=torch.uint8, device=device)).view(dtype)
+
+    return alloc
+
+
+def _sim_alloc(n, dtype):
     return cuda.device_array(int(n), dtype=dtype)
+
+
+@contextlib.contextmanager
+def _current(device):
+    """Make numba's current device ``device``."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if cuda.get_current_device().id == idx:
+        yield
+    else:
+        with cuda.gpus[idx]:
+            yield
+
+
+def _entry(fn):
+    """A backend function: torch tensors in.  ``fn`` gets numba views of them and
+    ``stream`` and ``alloc(n, numpy_dtype)`` (scratch memory) keywords."""
+
+    def launch(*args):
+        if SIM:  # no CUDA tensors under the simulator: CPU tensors stand in for them
+            return fn(*_host.views(args, torch.Tensor.numpy), stream=0, alloc=_sim_alloc)
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        with _current(device):
+            return fn(*_host.views(args, _view), stream=_stream(device), alloc=_torch_alloc(device))
+
+    return functools.update_wrapper(launch, fn)
 
 
 def _grid(n):
@@ -82,21 +133,13 @@ def _upload(host, alloc, stream):
 
 
 @cuda.jit(device=True)
-def _magkey(u):
-    m = np.uint32(u & _ABS_MASK)
-    if m > _INF_BITS:
-        m = _INF_BITS
-    return m
-
-
-@cuda.jit(device=True)
 def _rk_key(key, i, sh_hi, sh_lo):
     h = _hash64(key, i)
     return ((h >> sh_hi) << sh_lo) | np.uint64(i)
 
 
 @cuda.jit(device=True)
-def _block_sum_i64(v, sm):
+def _block_sum(v, sm):
     tid = cuda.threadIdx.x
     sm[tid] = v
     cuda.syncthreads()
@@ -171,14 +214,9 @@ def _k_copy(src, dst):
         i += stride
 
 
-def fill(arr, value, stream=0):
-    if arr.size:
-        _k_fill[_grid(arr.size), TPB, stream](arr, value)
-
-
-def gather(x, idx, out, stream=0):
-    if idx.size:
-        _k_gather[_grid(idx.size), TPB, stream](x, idx, out)
+@_entry
+def gather(x, idx, out, stream, alloc):
+    _k_gather[_grid(idx.size), TPB, stream](x, idx, out)
 
 
 # ---------------------------------------------------------------------------
@@ -203,17 +241,9 @@ def _k_bucket_sq(x, bs, nsub, sub, partial):
             v = np.float64(x[i])
             acc += v * v
             i += TPB
-        sm[tid] = acc
-        cuda.syncthreads()
-        w = TPB // 2
-        while w > 0:
-            if tid < w:
-                sm[tid] += sm[tid + w]
-            cuda.syncthreads()
-            w //= 2
+        tot = _block_sum(acc, sm)
         if tid == 0:
-            partial[t] = sm[0]
-        cuda.syncthreads()
+            partial[t] = tot
         t += cuda.gridDim.x
 
 
@@ -265,12 +295,12 @@ def _k_qsgd_dequant(norms, q, levels, bs, out):
         i += stride
 
 
-def qsgd_quantize(x, levels, bs, key, norms, q, stream=0, alloc=device_alloc):
+@_entry
+def qsgd_quantize(x, levels, bs, key, norms, q, stream, alloc):
     """norms[nb] and q[d] are written; bs >= 1 (already normalised)."""
     d = x.size
     nb = norms.size
-    nsub = (bs + NORM_CHUNK - 1) // NORM_CHUNK
-    sub = (bs + nsub - 1) // nsub
+    nsub, sub = _host.split(bs, NORM_CHUNK)
     partial = alloc(nb * nsub, np.float64)
     scales = alloc(nb, np.float64)
     _k_bucket_sq[max(1, min(nb * nsub, 16 * MAX_BLOCKS)), TPB, stream](x, bs, nsub, sub, partial)
@@ -278,7 +308,8 @@ def qsgd_quantize(x, levels, bs, key, norms, q, stream=0, alloc=device_alloc):
     _k_qsgd_quant[_grid(d), TPB, stream](x, scales, levels, bs, np.uint64(key), q)
 
 
-def qsgd_dequantize(norms, q, levels, bs, out, stream=0):
+@_entry
+def qsgd_dequantize(norms, q, levels, bs, out, stream, alloc):
     _k_qsgd_dequant[_grid(q.size), TPB, stream](norms, q, levels, bs, out)
 
 
@@ -336,14 +367,16 @@ def _k_scale_int8(t, scale, out):
         i += stride
 
 
-def terngrad_quantize(x, key, scale, t, stream=0):
-    """scale: float32 device array [1] (output), t: int8 [d] (output)."""
-    fill(scale, np.float32(0.0), stream)
+@_entry
+def terngrad_quantize(x, key, scale, t, stream, alloc):
+    """scale: float32 [1] (output, max |x|), t: int8 [d] (output)."""
+    _k_fill[1, TPB, stream](scale, np.float32(0.0))
     _k_maxabs[_grid(x.size), TPB, stream](x, scale)
     _k_tern_quant[_grid(x.size), TPB, stream](x, scale, np.uint64(key), t)
 
 
-def scale_int8(t, scale, out, stream=0):
+@_entry
+def scale_int8(t, scale, out, stream, alloc):
     _k_scale_int8[_grid(t.size), TPB, stream](t, scale, out)
 
 
@@ -394,16 +427,19 @@ def _k_sign_vote(packed, out):
         i += stride
 
 
-def sign_pack(x, out, stream=0):
+@_entry
+def sign_pack(x, out, stream, alloc):
     _k_sign_pack[_grid(out.size), TPB, stream](x, out)
 
 
-def sign_unpack(packed, scale, out, stream=0):
-    """scale: float32 device array [1]."""
+@_entry
+def sign_unpack(packed, scale, out, stream, alloc):
+    """scale: float32 [1]."""
     _k_sign_unpack[_grid(out.size), TPB, stream](packed, scale, out)
 
 
-def sign_vote(packed, out, stream=0):
+@_entry
+def sign_vote(packed, out, stream, alloc):
     """packed: uint8 [n, ceil(d/8)], out: float32 [d]."""
     _k_sign_vote[_grid(out.size), TPB, stream](packed, out)
 
@@ -445,11 +481,13 @@ def _k_unpack_codes(packed, bits, q):
         g += stride
 
 
-def pack_codes(q, bits, out, stream=0):
+@_entry
+def pack_codes(q, bits, out, stream, alloc):
     _k_pack_codes[_grid((q.size + 7) // 8), TPB, stream](q, bits, out)
 
 
-def unpack_codes(packed, bits, q, stream=0):
+@_entry
+def unpack_codes(packed, bits, q, stream, alloc):
     _k_unpack_codes[_grid((q.size + 7) // 8), TPB, stream](packed, bits, q)
 
 
@@ -473,11 +511,11 @@ def _k_scatter(idx, vals, out, accumulate):
         p += stride
 
 
-def scatter(idx, vals, out, accumulate, stream=0):
+@_entry
+def scatter(idx, vals, out, accumulate, stream, alloc):
     """out[idx] = vals (or += with atomics).  Out-of-range indices are skipped
-    (no host synchronisation to report them)."""
-    if idx.size:
-        _k_scatter[_grid(idx.size), TPB, stream](idx, vals, out, bool(accumulate))
+    and not counted (that would synchronise): returns None."""
+    _k_scatter[_grid(idx.size), TPB, stream](idx, vals, out, accumulate)
 
 
 @cuda.jit
@@ -519,23 +557,11 @@ def _k_wsum4(x0, w0, x1, w1, x2, w2, x3, w3, out):
 _WSUM = {1: _k_wsum1, 2: _k_wsum2, 3: _k_wsum3, 4: _k_wsum4}
 
 
-def weighted_sum(xs, ws, out, stream=0):
-    """out = sum_k ws[k] * xs[k]; xs[0] may alias out (groups of 4 inputs,
-    later groups accumulate into out)."""
-    g = _grid(out.size)
-    first = min(4, len(xs))
-    args = []
-    for j in range(first):
-        args += [xs[j], np.float32(ws[j])]
-    _WSUM[first][g, TPB, stream](*args, out)
-    j = first
-    while j < len(xs):
-        m = min(3, len(xs) - j)
-        args = [out, np.float32(1.0)]
-        for r in range(j, j + m):
-            args += [xs[r], np.float32(ws[r])]
-        _WSUM[m + 1][g, TPB, stream](*args, out)
-        j += m
+@_entry
+def weighted_sum(xs, ws, out, stream, alloc):
+    """out = sum_k ws[k] * xs[k] in fused passes (see :func:`._host.wsum_passes`)."""
+    for args in _host.wsum_passes(xs, ws, out):
+        _WSUM[len(args) // 2][_grid(out.size), TPB, stream](*args, out)
 
 
 # ---------------------------------------------------------------------------
@@ -606,7 +632,7 @@ def _count_topk(xb, t, lo, hi):
 def _k_topk_count(xb, t, counts):
     sm = cuda.shared.array(TPB, np.int64)
     lo, hi = _items(xb.size)
-    tot = _block_sum_i64(_count_topk(xb, t, lo, hi), sm)
+    tot = _block_sum(_count_topk(xb, t, lo, hi), sm)
     if cuda.threadIdx.x == 0:
         counts[cuda.blockIdx.x] = tot
 
@@ -639,7 +665,7 @@ def _count_rk(key, sh_hi, sh_lo, T, lo, hi):
 def _k_rk_count(key, d, sh_hi, sh_lo, T, counts):
     sm = cuda.shared.array(TPB, np.int64)
     lo, hi = _items(d)
-    tot = _block_sum_i64(_count_rk(key, sh_hi, sh_lo, T, lo, hi), sm)
+    tot = _block_sum(_count_rk(key, sh_hi, sh_lo, T, lo, hi), sm)
     if cuda.threadIdx.x == 0:
         counts[cuda.blockIdx.x] = tot
 
@@ -659,8 +685,7 @@ def _k_rk_write(key, d, sh_hi, sh_lo, T, offsets, cidx, ckey):
             p += 1
 
 
-RADIX_BITS = 11
-_NBINS = 1 << RADIX_BITS
+_NBINS = 1 << _host.RADIX_BITS
 
 
 @cuda.jit
@@ -707,8 +732,8 @@ def _k_sel_count(ckey, v, largest, cs, ce):
     sa = cuda.shared.array(TPB, np.int64)
     lo, hi = _items(ckey.size)
     ns, ne = _count_sel(ckey, v, largest, lo, hi)
-    ts = _block_sum_i64(ns, sa)
-    te = _block_sum_i64(ne, sa)
+    ts = _block_sum(ns, sa)
+    te = _block_sum(ne, sa)
     if cuda.threadIdx.x == 0:
         cs[cuda.blockIdx.x] = ts
         ce[cuda.blockIdx.x] = te
@@ -734,6 +759,7 @@ def _k_sel_write(ckey, cidx, v, largest, need, off_s, off_e, out):
             out[gs + min(ge, need)] = cidx[i]
             gs += 1
 
+
 def _radix_select(keys, r, nbits, alloc, stream):
     """Value v of ascending rank r (0-based) among unsigned ``keys`` of
     ``nbits`` bits (MSB-first, 11-bit digits, one small device->host copy per
@@ -747,7 +773,7 @@ def _radix_select(keys, r, nbits, alloc, stream):
     g = _grid(keys.size)
     shift = nbits
     while shift > 0:
-        w = min(RADIX_BITS, shift)
+        w = min(_host.RADIX_BITS, shift)
         shift -= w
         hist.copy_to_device(zeros, stream=stream)
         _k_hist[g, TPB, stream](
@@ -786,18 +812,19 @@ def _select(ckey, cidx, k, largest, nbits, idx_out, alloc, stream):
     _k_sel_write[nb, TPB, stream](ckey, cidx, vv, largest, np.int64(need), off_s, off_e, idx_out)
 
 
-def topk(x, k, idx_out, val_out, stream=0, alloc=device_alloc):
+@_entry
+def topk(x, k, idx_out, val_out, stream, alloc):
     """Exact top-k by magnitude; 1 <= k < d.  idx_out int64 [k] ascending,
     val_out float32 [k]."""
     d = x.size
     xb = x.view(np.uint32)
     t = np.uint32(0)
-    if d > _cpu.TOPK_SMALL:
-        s = _cpu.TOPK_SAMPLE
+    if d > _host.TOPK_SMALL:
+        s = _host.TOPK_SAMPLE
         sdev = alloc(s, np.uint32)
         _k_sample[_grid(s), TPB, stream](xb, s, sdev)
         sample = _to_host(sdev, stream)
-        t = np.uint32(_cpu.estimate_threshold(sample, k, d, 1.0))
+        t = np.uint32(_host.estimate_threshold(sample, k, d, 1.0))
         nb = _layout(d)
         counts = alloc(nb, np.int64)
         boost = 1.0
@@ -808,7 +835,7 @@ def topk(x, k, idx_out, val_out, stream=0, alloc=device_alloc):
             if C >= k:
                 break
             boost *= 4.0
-            t = np.uint32(_cpu.estimate_threshold(sample, k, d, boost))
+            t = np.uint32(_host.estimate_threshold(sample, k, d, boost))
     if t != 0:
         cidx = alloc(C, np.int64)
         ckey = alloc(C, np.uint32)
@@ -818,17 +845,16 @@ def topk(x, k, idx_out, val_out, stream=0, alloc=device_alloc):
         ckey = alloc(d, np.uint32)
         _k_magkeys[_grid(d), TPB, stream](xb, ckey, cidx)
     _select(ckey, cidx, k, True, 32, idx_out, alloc, stream)
-    gather(x, idx_out, val_out, stream)
+    _k_gather[_grid(k), TPB, stream](x, idx_out, val_out)
 
 
-def randomk_indices(d, k, key, idx_out, stream=0, alloc=device_alloc):
+@_entry
+def randomk_indices(d, k, key, idx_out, stream, alloc):
     """k distinct indices (ascending) from the counter-based RNG; 1 <= k < d."""
-    sh_hi, sh_lo = _cpu.randomk_shifts(d)
+    sh_hi, sh_lo = _host.randomk_shifts(d)
     nb = _layout(d)
     counts = alloc(nb, np.int64)
-    key = np.uint64(key)
-    for boost in (1.0, 4.0, math.inf):
-        T = np.uint64(_cpu.randomk_threshold(d, k, boost))
+    for T in _host.randomk_thresholds(d, k):
         _k_rk_count[nb, TPB, stream](key, d, sh_hi, sh_lo, T, counts)
         hc = _to_host(counts, stream)
         C = int(hc.sum())

@@ -1,49 +1,33 @@
-"""Host wrappers: torch tensors in, torch tensors out.
+"""Public functions: torch tensors in, torch tensors out.
 
-Each wrapper validates dtype / contiguity / device, makes zero-copy views
-(CPU: ``tensor.detach().numpy()``; CUDA: ``numba.cuda.as_cuda_array``),
-allocates the outputs as torch tensors on the input's device and launches the
-CPU (:mod:`._cpu`) or CUDA (:mod:`._cuda`, imported lazily) kernel.  Empty
-inputs return empty outputs without launching anything.
+Each function validates its arguments (dtype, contiguity, device, sizes,
+ranges), allocates the outputs as torch tensors on the input's device and
+calls the backend function of the same name: from :mod:`._cuda` (imported on
+first use) for CUDA tensors, from :mod:`._cpu` otherwise.  Empty inputs
+return empty outputs without calling a backend.
 """
 
 from __future__ import annotations
 
 import operator
 
-import numpy as np
 import torch
 
-from . import _cpu
+from . import _cpu, _host
 from ._random import seed_key
 
-_cuda_mod = None
-_STREAMS: dict = {}
 
-_NP2TORCH = {
-    np.dtype(np.float32): (torch.float32, None),
-    np.dtype(np.float64): (torch.float64, None),
-    np.dtype(np.int8): (torch.int8, None),
-    np.dtype(np.uint8): (torch.uint8, None),
-    np.dtype(np.int32): (torch.int32, None),
-    np.dtype(np.int64): (torch.int64, None),
-    np.dtype(np.uint32): (torch.int32, np.uint32),
-    np.dtype(np.uint64): (torch.int64, np.uint64),
-}
+def _backend(t):
+    if t.is_cuda:
+        from . import _cuda
+
+        return _cuda
+    return _cpu
 
 
 # ---------------------------------------------------------------------------
-# plumbing
+# validation
 # ---------------------------------------------------------------------------
-
-
-def _cuda():
-    global _cuda_mod
-    if _cuda_mod is None:
-        from . import _cuda as mod
-
-        _cuda_mod = mod
-    return _cuda_mod
 
 
 def _flat(x, name, dtype):
@@ -65,60 +49,6 @@ def _same_device(ref, t, name):
         raise ValueError(f"{name} is on {t.device}, expected {ref.device}")
 
 
-def _np(t):
-    return t.detach().numpy()
-
-
-def _dev(t):
-    from numba import cuda
-
-    return cuda.as_cuda_array(t.detach(), sync=False)
-
-
-def _stream(t):
-    """numba view of torch's current stream on t's device (cached)."""
-    from numba import cuda
-
-    s = torch.cuda.current_stream(t.device)
-    ptr = s.cuda_stream
-    ns = _STREAMS.get(ptr)
-    if ns is None:
-        ns = cuda.external_stream(ptr)
-        _STREAMS[ptr] = ns
-    return ns
-
-
-class _on_device:
-    """Make the numba current device match the tensor's device."""
-
-    def __init__(self, t):
-        self.idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-        self.ctx = None
-
-    def __enter__(self):
-        from numba import cuda
-
-        if cuda.get_current_device().id != self.idx:
-            self.ctx = cuda.gpus[self.idx]
-            self.ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
-        return False
-
-
-def _torch_alloc(device):
-    def alloc(n, dtype):
-        tdt, view = _NP2TORCH[np.dtype(dtype)]
-        t = torch.empty(int(n), dtype=tdt, device=device)
-        a = _dev(t)
-        return a.view(view) if view is not None else a
-
-    return alloc
-
-
 def _out(out, n, dtype, device, name="out"):
     """(flat buffer the kernel writes, tensor to return): a new tensor, or the caller's
     ``out`` (checked) and a flat view of it."""
@@ -133,17 +63,6 @@ def _out(out, n, dtype, device, name="out"):
     return flat, out
 
 
-def _seed(seed):
-    return seed_key(_int(seed, "seed"))
-
-
-def _num_buckets(d, bucket_size):
-    if d == 0:
-        return 0, 1
-    bs = d if bucket_size is None or bucket_size <= 0 or bucket_size > d else int(bucket_size)
-    return -(-d // bs), bs
-
-
 def _int(v, name):
     """Python int from an int-like (int, NumPy integer, integer 1-element tensor)."""
     if isinstance(v, bool):
@@ -154,11 +73,49 @@ def _int(v, name):
         raise TypeError(f"{name} must be an int, got {type(v).__name__}") from None
 
 
+def _seed(seed):
+    return seed_key(_int(seed, "seed"))
+
+
+def _check_d(d, name="d"):
+    d = _int(d, name)
+    if d < 0:
+        raise ValueError(f"{name} must be non-negative")
+    return d
+
+
+def _clip_k(k, d):
+    return max(0, min(_int(k, "k"), d))
+
+
 def _check_levels(levels):
     levels = _int(levels, "levels")
     if not 1 <= levels <= 127:
         raise ValueError(f"levels must be in [1, 127], got {levels}")
     return int(levels)
+
+
+def _check_bits(bits):
+    bits = _int(bits, "bits")
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in [1, 8], got {bits}")
+    return int(bits)
+
+
+def _buckets(d, bucket_size):
+    return _host.buckets(d, None if bucket_size is None else _int(bucket_size, "bucket_size"))
+
+
+def _scale_tensor(scale, device):
+    """1-element float32 tensor on ``device`` from a float or tensor."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError("scale must have exactly one element")
+        s = scale.detach().reshape(1)
+        if s.dtype != torch.float32 or s.device != device:
+            s = s.to(device=device, dtype=torch.float32)
+        return s.contiguous()
+    return torch.full((1,), float(scale), dtype=torch.float32, device=device)
 
 
 # ---------------------------------------------------------------------------
@@ -187,18 +144,11 @@ def qsgd_quantize(x, levels: int, bucket_size: int, seed: int):
     x = _flat(x, "x", torch.float32)
     key = _seed(seed)
     d = x.numel()
-    nb, bs = _num_buckets(d, None if bucket_size is None else _int(bucket_size, "bucket_size"))
+    nb, bs = _buckets(d, bucket_size)
     norms = torch.empty(nb, dtype=torch.float32, device=x.device)
     q = torch.empty(d, dtype=torch.int8, device=x.device)
-    if d == 0:
-        return norms, q
-    if x.is_cuda:
-        with _on_device(x):
-            _cuda().qsgd_quantize(
-                _dev(x), levels, bs, key, _dev(norms), _dev(q), _stream(x), _torch_alloc(x.device)
-            )
-    else:
-        _cpu.qsgd_quantize(_np(x), levels, bs, key, norms.numpy(), q.numpy())
+    if d:
+        _backend(x).qsgd_quantize(x, levels, bs, key, norms, q)
     return norms, q
 
 
@@ -210,17 +160,12 @@ def qsgd_dequantize(norms, q, levels: int, bucket_size: int, out=None):
     norms = _flat(norms, "norms", torch.float32)
     _same_device(q, norms, "norms")
     d = q.numel()
-    nb, bs = _num_buckets(d, None if bucket_size is None else _int(bucket_size, "bucket_size"))
+    nb, bs = _buckets(d, bucket_size)
     if norms.numel() != nb:
         raise ValueError(f"norms has {norms.numel()} elements, expected {nb} buckets")
     out, result = _out(out, d, torch.float32, q.device)
-    if d == 0:
-        return result
-    if q.is_cuda:
-        with _on_device(q):
-            _cuda().qsgd_dequantize(_dev(norms), _dev(q), levels, bs, _dev(out), _stream(q))
-    else:
-        _cpu.qsgd_dequantize(_np(norms), _np(q), levels, bs, _np(out))
+    if d:
+        _backend(q).qsgd_dequantize(norms, q, levels, bs, out)
     return result
 
 
@@ -237,39 +182,11 @@ def terngrad_quantize(x, seed: int):
     x = _flat(x, "x", torch.float32)
     key = _seed(seed)
     d = x.numel()
+    scale = torch.zeros(1, dtype=torch.float32, device=x.device)
     t = torch.empty(d, dtype=torch.int8, device=x.device)
-    if d == 0:
-        return torch.zeros(1, dtype=torch.float32, device=x.device), t
-    if x.is_cuda:
-        scale = torch.empty(1, dtype=torch.float32, device=x.device)
-        with _on_device(x):
-            _cuda().terngrad_quantize(_dev(x), key, _dev(scale), _dev(t), _stream(x))
-    else:
-        xn = _np(x)
-        m = _cpu.max_abs(xn.view(np.uint32))
-        _cpu.terngrad_quantize(xn, m, key, t.numpy())
-        scale = torch.tensor([m], dtype=torch.float32)
+    if d:
+        _backend(x).terngrad_quantize(x, key, scale, t)
     return scale, t
-
-
-def _scale_tensor(scale, device):
-    """1-element float32 tensor on ``device`` from a float or tensor."""
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise ValueError("scale must have exactly one element")
-        s = scale.detach().reshape(1)
-        if s.dtype != torch.float32 or s.device != device:
-            s = s.to(device=device, dtype=torch.float32)
-        return s.contiguous()
-    return torch.full((1,), float(scale), dtype=torch.float32, device=device)
-
-
-def _scale_float(scale):
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise ValueError("scale must have exactly one element")
-        return np.float32(scale.item())
-    return np.float32(scale)
 
 
 def terngrad_dequantize(scale, t, out=None):
@@ -278,14 +195,8 @@ def terngrad_dequantize(scale, t, out=None):
     t = _flat(t, "t", torch.int8)
     d = t.numel()
     out, result = _out(out, d, torch.float32, t.device)
-    if d == 0:
-        return result
-    if t.is_cuda:
-        s = _scale_tensor(scale, t.device)
-        with _on_device(t):
-            _cuda().scale_int8(_dev(t), _dev(s), _dev(out), _stream(t))
-    else:
-        _cpu.scale_int8(_np(t), _scale_float(scale), _np(out))
+    if d:
+        _backend(t).scale_int8(t, _scale_tensor(scale, t.device), out)
     return result
 
 
@@ -298,23 +209,10 @@ def sign_pack(x):
     """Pack signs: uint8 [ceil(d/8)], bit j of byte i is 1 iff
     ``x[8i+j] >= 0`` (zeros count as +, NaN as -); unused high bits are 0."""
     x = _flat(x, "x", torch.float32)
-    d = x.numel()
-    out = torch.empty((d + 7) // 8, dtype=torch.uint8, device=x.device)
-    if d == 0:
-        return out
-    if x.is_cuda:
-        with _on_device(x):
-            _cuda().sign_pack(_dev(x), _dev(out), _stream(x))
-    else:
-        _cpu.sign_pack(_np(x), out.numpy())
+    out = torch.empty(_host.sign_bytes(x.numel()), dtype=torch.uint8, device=x.device)
+    if x.numel():
+        _backend(x).sign_pack(x, out)
     return out
-
-
-def _check_d(d, name="d"):
-    d = _int(d, name)
-    if d < 0:
-        raise ValueError(f"{name} must be non-negative")
-    return d
 
 
 def sign_unpack(packed, d: int, scale=1.0, out=None):
@@ -322,17 +220,11 @@ def sign_unpack(packed, d: int, scale=1.0, out=None):
     is a Python float or a 1-element tensor."""
     packed = _flat(packed, "packed", torch.uint8)
     d = _check_d(d)
-    if packed.numel() != (d + 7) // 8:
-        raise ValueError(f"packed has {packed.numel()} bytes, expected {(d + 7) // 8}")
+    if packed.numel() != _host.sign_bytes(d):
+        raise ValueError(f"packed has {packed.numel()} bytes, expected {_host.sign_bytes(d)}")
     out, result = _out(out, d, torch.float32, packed.device)
-    if d == 0:
-        return result
-    if packed.is_cuda:
-        s = _scale_tensor(scale, packed.device)
-        with _on_device(packed):
-            _cuda().sign_unpack(_dev(packed), _dev(s), _dev(out), _stream(packed))
-    else:
-        _cpu.sign_unpack(_np(packed), d, _scale_float(scale), _np(out))
+    if d:
+        _backend(packed).sign_unpack(packed, _scale_tensor(scale, packed.device), out)
     return result
 
 
@@ -352,19 +244,15 @@ def sign_vote(packed_list_tensor, d: int, out=None):
     if p.dim() != 2:
         raise ValueError("packed_list_tensor must be [n, ceil(d/8)]")
     d = _check_d(d)
-    if p.shape[1] != (d + 7) // 8:
-        raise ValueError(f"packed rows have {p.shape[1]} bytes, expected {(d + 7) // 8}")
+    if p.shape[1] != _host.sign_bytes(d):
+        raise ValueError(f"packed rows have {p.shape[1]} bytes, expected {_host.sign_bytes(d)}")
     out, result = _out(out, d, torch.float32, p.device)
     if d == 0:
         return result
     if p.shape[0] == 0:
         out.fill_(1.0)
-        return result
-    if p.is_cuda:
-        with _on_device(p):
-            _cuda().sign_vote(_dev(p), _dev(out), _stream(p))
     else:
-        _cpu.sign_vote(_np(p), d, _np(out))
+        _backend(p).sign_vote(p, out)
     return result
 
 
@@ -376,20 +264,12 @@ def sign_vote(packed_list_tensor, d: int, out=None):
 def code_bits(levels: int) -> int:
     """Bits of the two's-complement codes in [-levels, levels]: 2 for TernGrad's {-1, 0, 1},
     6 for 16 QSGD levels, 8 for 127."""
-    levels = _check_levels(levels)
-    return levels.bit_length() + 1
-
-
-def _check_bits(bits):
-    bits = _int(bits, "bits")
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits must be in [1, 8], got {bits}")
-    return int(bits)
+    return _host.code_bits(_check_levels(levels))
 
 
 def packed_size(d: int, bits: int) -> int:
     """Bytes of ``d`` codes of ``bits`` bits: ``ceil(d * bits / 8)``."""
-    return (_check_d(d) * _check_bits(bits) + 7) // 8
+    return _host.packed_bytes(_check_d(d), _check_bits(bits))
 
 
 def pack_codes(q, bits: int):
@@ -399,14 +279,9 @@ def pack_codes(q, bits: int):
     ``bits`` bits.  ``bits`` is 1 to 8."""
     q = _flat(q, "q", torch.int8)
     bits = _check_bits(bits)
-    out = torch.empty(packed_size(q.numel(), bits), dtype=torch.uint8, device=q.device)
-    if q.numel() == 0:
-        return out
-    if q.is_cuda:
-        with _on_device(q):
-            _cuda().pack_codes(_dev(q), bits, _dev(out), _stream(q))
-    else:
-        _cpu.pack_codes(_np(q), bits, out.numpy())
+    out = torch.empty(_host.packed_bytes(q.numel(), bits), dtype=torch.uint8, device=q.device)
+    if q.numel():
+        _backend(q).pack_codes(q, bits, out)
     return out
 
 
@@ -415,26 +290,17 @@ def unpack_codes(packed, d: int, bits: int, out=None):
     packed = _flat(packed, "packed", torch.uint8)
     bits = _check_bits(bits)
     d = _check_d(d)
-    if packed.numel() != packed_size(d, bits):
-        raise ValueError(f"packed has {packed.numel()} bytes, expected {packed_size(d, bits)}")
+    if packed.numel() != _host.packed_bytes(d, bits):
+        raise ValueError(f"packed has {packed.numel()} bytes, expected {_host.packed_bytes(d, bits)}")
     out, result = _out(out, d, torch.int8, packed.device)
-    if d == 0:
-        return result
-    if packed.is_cuda:
-        with _on_device(packed):
-            _cuda().unpack_codes(_dev(packed), bits, _dev(out), _stream(packed))
-    else:
-        _cpu.unpack_codes(_np(packed), bits, _np(out))
+    if d:
+        _backend(packed).unpack_codes(packed, bits, out)
     return result
 
 
 # ---------------------------------------------------------------------------
 # sparsification
 # ---------------------------------------------------------------------------
-
-
-def _clip_k(k, d):
-    return max(0, min(_int(k, "k"), d))
 
 
 def topk(x, k: int):
@@ -456,12 +322,7 @@ def topk(x, k: int):
         torch.arange(d, out=idx)
         vals.copy_(x)
         return idx, vals
-    if x.is_cuda:
-        with _on_device(x):
-            _cuda().topk(_dev(x), k, _dev(idx), _dev(vals), _stream(x), _torch_alloc(x.device))
-    else:
-        xn = _np(x)
-        _cpu.topk(xn, xn.view(np.uint32), k, idx.numpy(), vals.numpy())
+    _backend(x).topk(x, k, idx, vals)
     return idx, vals
 
 
@@ -481,14 +342,7 @@ def randomk_indices(d: int, k: int, seed: int, device="cpu"):
     if k == d:
         torch.arange(d, out=idx)
         return idx
-    key = _seed(seed)
-    if device.type == "cuda":
-        with _on_device(idx):
-            _cuda().randomk_indices(d, k, key, _dev(idx), _stream(idx), _torch_alloc(idx.device))
-    else:
-        sh_hi, sh_lo = _cpu.randomk_shifts(d)
-        T = [np.uint64(_cpu.randomk_threshold(d, k, b)) for b in (1.0, 4.0, float("inf"))]
-        _cpu.randomk(key, d, k, sh_hi, sh_lo, T[0], T[1], T[2], idx.numpy())
+    _backend(idx).randomk_indices(d, k, _seed(seed), idx)
     return idx
 
 
@@ -502,11 +356,7 @@ def randomk(x, k: int, seed: int):
     idx = randomk_indices(d, k, seed, x.device)
     vals = torch.empty(idx.numel(), dtype=torch.float32, device=x.device)
     if idx.numel():
-        if x.is_cuda:
-            with _on_device(x):
-                _cuda().gather(_dev(x), _dev(idx), _dev(vals), _stream(x))
-        else:
-            _cpu.gather_values(_np(x), idx.numpy(), vals.numpy())
+        _backend(x).gather(x, idx, vals)
     return idx, vals
 
 
@@ -525,14 +375,8 @@ def scatter(indices, values, d: int, out=None, accumulate: bool = False):
     out, result = _out(out, d, torch.float32, indices.device)
     if fresh or not accumulate:
         out.zero_()
-    if indices.numel() == 0:
-        return result
-    if indices.is_cuda:
-        with _on_device(indices):
-            _cuda().scatter(_dev(indices), _dev(values), _dev(out), accumulate, _stream(indices))
-    else:
-        fn = _cpu.scatter_add if accumulate else _cpu.scatter_set
-        bad = fn(_np(indices), _np(values), _np(out))
+    if indices.numel():
+        bad = _backend(indices).scatter(indices, values, out, bool(accumulate))
         if bad:
             raise IndexError(f"{bad} indices out of range [0, {d})")
     return result
@@ -562,7 +406,7 @@ def weighted_sum(tensors, weights, out=None):
     out, result = _out(out, d, torch.float32, xs[0].device)
     if d == 0:
         return result
-    # an input aliasing out must be consumed by the first pass
+    # an input aliasing out must be read by the first pass (see _host.wsum_passes)
     if len(xs) > 4:
         ptr = out.data_ptr()
         for i in range(4, len(xs)):
@@ -570,27 +414,5 @@ def weighted_sum(tensors, weights, out=None):
                 xs[0], xs[i] = xs[i], xs[0]
                 weights[0], weights[i] = weights[i], weights[0]
                 break
-    if out.is_cuda:
-        with _on_device(out):
-            _cuda().weighted_sum([_dev(t) for t in xs], weights, _dev(out), _stream(out))
-        return result
-    arrs = [_np(t) for t in xs]
-    on = _np(out)
-    w = [np.float32(v) for v in weights]
-    which = 0 if d > _cpu.CHUNK else 1  # parallel / serial kernel
-    n = len(arrs)
-    first = min(4, n)
-    _cpu.WSUM[first][which](*_interleave(arrs[:first], w[:first]), on)
-    j = first
-    while j < n:
-        m = min(3, n - j)
-        _cpu.WSUM[m + 1][which](on, np.float32(1.0), *_interleave(arrs[j : j + m], w[j : j + m]), on)
-        j += m
+    _backend(out).weighted_sum(xs, weights, out)
     return result
-
-
-def _interleave(arrs, ws):
-    r = []
-    for a, w in zip(arrs, ws):
-        r += [a, w]
-    return r

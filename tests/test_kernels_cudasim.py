@@ -4,10 +4,11 @@ numba reads NUMBA_ENABLE_CUDASIM when it is imported, so the checks run in
 subprocesses with the variable set (the script is below; it runs the checks
 named on its command line): two at once, each keeping one core busy.  Each
 pytest test then reports one named check.  Under the simulator there are no
-CUDA torch tensors, so the script calls the launch helpers of
-``numba_kernels._cuda`` on NumPy arrays and compares with NumPy references and
-with the CPU kernels -- the random decisions must be bit-identical.  Sizes
-stay small: the simulator runs every GPU thread as a Python thread.
+CUDA torch tensors, so the script calls the backend functions of
+``numba_kernels._cuda`` on CPU tensors (which stand in for CUDA tensors there)
+and compares with NumPy references and with the CPU kernels -- the random
+decisions must be bit-identical.  Sizes stay small: the simulator runs every
+GPU thread as a Python thread.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 from numba import cuda
 import numba_kernels as nk
-from numba_kernels import _cpu, _random, _cuda as C
+from numba_kernels import _host, _random, _cuda as C
 
 assert C.SIM, "not running under the CUDA simulator"
 results = {}
@@ -106,12 +107,12 @@ def qsgd_matches_cpu():
         nb = -(-d // bsz)
         norms = np.empty(nb, np.float32)
         q = np.empty(d, np.int8)
-        C.qsgd_quantize(x, levels, bsz, _random.seed_key(seed), norms, q)
+        C.qsgd_quantize(T(x), levels, bsz, _random.seed_key(seed), T(norms), T(q))
         cn, cq = nk.qsgd_quantize(T(x), levels, bs, seed)
         np.testing.assert_array_equal(norms, cn.numpy())
         np.testing.assert_array_equal(q, cq.numpy())
         out = np.empty(d, np.float32)
-        C.qsgd_dequantize(norms, q, levels, bsz, out)
+        C.qsgd_dequantize(T(norms), T(q), levels, bsz, T(out))
         np.testing.assert_array_equal(out, nk.qsgd_dequantize(cn, cq, levels, bs).numpy())
 
 
@@ -121,12 +122,12 @@ def terngrad_matches_cpu():
         x = rand(d, d)
         scale = np.empty(1, np.float32)
         t = np.empty(d, np.int8)
-        C.terngrad_quantize(x, _random.seed_key(5), scale, t)
+        C.terngrad_quantize(T(x), _random.seed_key(5), T(scale), T(t))
         cs, ct = nk.terngrad_quantize(T(x), 5)
         assert scale[0] == cs.item() == np.abs(x).max()
         np.testing.assert_array_equal(t, ct.numpy())
         out = np.empty(d, np.float32)
-        C.scale_int8(t, scale, out)
+        C.scale_int8(T(t), T(scale), T(out))
         np.testing.assert_array_equal(out, scale[0] * t.astype(np.float32))
 
 
@@ -136,16 +137,16 @@ def sign_pack_unpack_vote():
         x = rand(d, d)
         x[0] = 0.0
         p = np.empty((d + 7) // 8, np.uint8)
-        C.sign_pack(x, p)
+        C.sign_pack(T(x), T(p))
         np.testing.assert_array_equal(p, np.packbits(x >= 0, bitorder="little"))
         out = np.empty(d, np.float32)
-        C.sign_unpack(p, np.array([1.5], np.float32), out)
+        C.sign_unpack(T(p), torch.tensor([1.5]), T(out))
         np.testing.assert_array_equal(out, np.where(x >= 0, 1.5, -1.5).astype(np.float32))
         for n in (1, 2, 5):
             xs = np.stack([rand(d, 100 * d + w) for w in range(n)])
             P = np.packbits(xs >= 0, axis=1, bitorder="little")
             out = np.empty(d, np.float32)
-            C.sign_vote(P, out)
+            C.sign_vote(T(P), T(out))
             ref = np.where(2 * (xs >= 0).sum(0) >= n, 1.0, -1.0).astype(np.float32)
             np.testing.assert_array_equal(out, ref)
             np.testing.assert_array_equal(out, nk.sign_vote(T(P), d).numpy())
@@ -158,10 +159,10 @@ def pack_codes_matches_cpu():
             rng = np.random.default_rng(d * 8 + bits)
             q = rng.integers(-(1 << (bits - 1)), 1 << (bits - 1), d).astype(np.int8)
             packed = np.empty((d * bits + 7) // 8, np.uint8)
-            C.pack_codes(q, bits, packed)
+            C.pack_codes(T(q), bits, T(packed))
             np.testing.assert_array_equal(packed, nk.pack_codes(T(q), bits).numpy())
             out = np.empty(d, np.int8)
-            C.unpack_codes(packed, bits, out)
+            C.unpack_codes(T(packed), bits, T(out))
             np.testing.assert_array_equal(out, q)
 
 
@@ -172,7 +173,7 @@ def scatter_gather():
     idx = rng.choice(d, 120, replace=False).astype(np.int64)
     vals = rand(120, 2)
     out = np.zeros(d, np.float32)
-    C.scatter(idx, vals, out, False)
+    C.scatter(T(idx), T(vals), T(out), False)
     ref = np.zeros(d, np.float32)
     ref[idx] = vals
     np.testing.assert_array_equal(out, ref)
@@ -180,12 +181,12 @@ def scatter_gather():
     dv = rand(dup.size, 3)
     base = rand(d, 4)
     out = base.copy()
-    C.scatter(dup, dv, out, True)  # duplicates via atomics, out-of-range skipped
+    C.scatter(T(dup), T(dv), T(out), True)  # duplicates via atomics, out-of-range skipped
     ref = base.astype(np.float64)
     np.add.at(ref, dup[:300], dv[:300])
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     g = np.empty(120, np.float32)
-    C.gather(base, idx, g)
+    C.gather(T(base), T(idx), T(g))
     np.testing.assert_array_equal(g, base[idx])
 
 
@@ -197,10 +198,10 @@ def weighted_sum():
         ws = list(np.random.default_rng(n).standard_normal(n))
         ref = sum(np.float64(w) * x for w, x in zip(ws, xs))
         out = np.empty(d, np.float32)
-        C.weighted_sum(xs, ws, out)
+        C.weighted_sum([T(x) for x in xs], ws, T(out))
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
         xs2 = [x.copy() for x in xs]
-        C.weighted_sum(xs2, ws, xs2[0])  # out aliases the first input
+        C.weighted_sum([T(x) for x in xs2], ws, T(xs2[0]))  # out aliases the first input
         np.testing.assert_allclose(xs2[0], ref, rtol=1e-5, atol=1e-5)
 
 
@@ -211,7 +212,7 @@ def ref_topk(x, k):
 def run_topk(x, k):
     idx = np.empty(k, np.int64)
     vals = np.empty(k, np.float32)
-    C.topk(x, k, idx, vals)
+    C.topk(T(x), k, T(idx), T(vals))
     return idx, vals
 
 
@@ -231,9 +232,9 @@ def topk_exact():
 
 @check
 def topk_sampled_threshold_and_retry():
-    small, sample, est = _cpu.TOPK_SMALL, _cpu.TOPK_SAMPLE, _cpu.estimate_threshold
+    small, sample, est = _host.TOPK_SMALL, _host.TOPK_SAMPLE, _host.estimate_threshold
     try:
-        _cpu.TOPK_SMALL, _cpu.TOPK_SAMPLE = 64, 128  # exercise sample/count/compact
+        _host.TOPK_SMALL, _host.TOPK_SAMPLE = 64, 128  # exercise sample/count/compact
         for d, k in ((1003, 1), (1003, 40), (2000, 700)):
             x = rand(d, k) * np.exp(rand(d, k + 1))
             idx, vals = run_topk(x, k)
@@ -245,13 +246,13 @@ def topk_sampled_threshold_and_retry():
             calls.append(boost)
             return np.uint32(0x7F000000) if len(calls) == 1 else est(sample, k, d, boost)
 
-        _cpu.estimate_threshold = too_high
+        _host.estimate_threshold = too_high
         x = rand(1003, 9)
         idx, _ = run_topk(x, 50)
         np.testing.assert_array_equal(idx, ref_topk(x, 50))
         assert len(calls) >= 2, calls
     finally:
-        _cpu.TOPK_SMALL, _cpu.TOPK_SAMPLE, _cpu.estimate_threshold = small, sample, est
+        _host.TOPK_SMALL, _host.TOPK_SAMPLE, _host.estimate_threshold = small, sample, est
 
 
 @check
@@ -259,7 +260,7 @@ def randomk_matches_cpu():
     cases = ((2, 1, 0), (9, 3, 1), (9, 8, 2), (1003, 1, 3), (1003, 300, 4), (1003, 300, 5), (1003, 1002, 6))
     for d, k, seed in cases:
         idx = np.empty(k, np.int64)
-        C.randomk_indices(d, k, _random.seed_key(seed), idx)
+        C.randomk_indices(d, k, _random.seed_key(seed), T(idx))
         cpu = nk.randomk_indices(d, k, seed, "cpu").numpy()
         np.testing.assert_array_equal(idx, cpu)
         assert len(np.unique(idx)) == k and np.all(np.diff(idx) > 0)
