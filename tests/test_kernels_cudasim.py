@@ -35,6 +35,38 @@ import numba_kernels as nk
 from numba_kernels import _host, _random, _cuda as C
 
 assert C.SIM, "not running under the CUDA simulator"
+
+
+def _shared_array_once_per_block():
+    """The simulator's `cuda.shared.array` looks up a block's array by the calling line and
+    creates it if absent, without a lock: two threads of a block that get there at once each
+    make their own, and one of them computes with memory the others never see (a NaN norm,
+    a wrong top-k). The same lookup, under a lock."""
+    import threading
+    from numba.core import types
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+
+    lock = threading.Lock()
+    simulator_array = kernelapi.FakeCUDAShared.array
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory: no lookup
+            return simulator_array(self, shape, dtype, alignment)
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        with lock:
+            arrays = self.__dict__.setdefault("arrays_by_line", {})
+            if key not in arrays:
+                arrays[key] = np.empty(shape, dtype)
+            return arrays[key]
+
+    kernelapi.FakeCUDAShared.array = array
+
+
+_shared_array_once_per_block()
 results = {}
 selected = set(sys.argv[1:])
 
