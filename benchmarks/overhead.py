@@ -4,8 +4,9 @@ Both are launched with torchrun on this machine. Throughput is samples per secon
 training loop (evaluation excluded), summed over workers, using the slowest worker's time —
 how dsgd computes its `samples_per_second`. End to end is the wall time of the whole command:
 `dsgd run` of a one-experiment spec against `torchrun` of the DDP script, which also
-evaluates on the test set after every epoch, as dsgd does. Prints both and the ratios
-dsgd / DDP.
+evaluates on the test set after every epoch, as dsgd does, and runs with the malloc settings
+dsgd gives its workers (`torchrun.MALLOC_SETTINGS`), so that the comparison is of the training
+code. Prints both and the ratios dsgd / DDP.
 
     python benchmarks/overhead.py [--workers 2] [--epochs 3] [--repeats 3]
 """
@@ -21,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from dsgd_cli.torchrun import MALLOC_SETTINGS
 
 CASES = [
     ("mnist1d_cnn", {"name": "mnist1d_cnn"}),
@@ -100,7 +103,7 @@ def run_ddp(config: dict, tmp: Path) -> tuple[float, float]:
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                              f"--nproc-per-node={config['workers']}", __file__, "--ddp-worker",
                              str(config_path), str(out_path)], capture_output=True, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **MALLOC_SETTINGS})
     wall = time.perf_counter() - started
     if result.returncode != 0:
         raise SystemExit(f"DDP run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")

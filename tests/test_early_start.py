@@ -120,3 +120,11 @@ def test_dsgd_run_with_an_early_start_records_the_run(tmp_path):
     assert result.returncode == 0, result.stderr
     (run,) = Store(str(tmp_path / "r.db")).runs()
     assert run.status == "completed"
+
+
+def test_workers_keep_large_temporaries_in_the_heap_unless_told_otherwise(monkeypatch, tmp_path):
+    env = torchrun.environment(tmp_path)
+    assert env["MALLOC_MMAP_THRESHOLD_"] == str(64 * 2**20)
+    assert env[torchrun.RUN_MARKER] == str(tmp_path) and env[torchrun.LAUNCHER_PID] == str(os.getpid())
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")  # the user's choice wins
+    assert torchrun.environment(tmp_path)["MALLOC_MMAP_THRESHOLD_"] == "131072"
