@@ -49,15 +49,17 @@ def test_operations_that_make_no_progress_fail_naming_operation_and_peer():
 
 
 def test_a_run_whose_peer_stops_answering_fails_naming_the_wait(tmp_path):
-    """Rank 1 stalls (an emulated straggler 100,000 times slower) for longer than the spec's
-    timeout: rank 0's all-reduce gives up and the run fails with that reason, not a hang."""
+    """Rank 1 stalls (an emulated straggler a million times slower) for longer than the spec's
+    timeout: rank 0's all-reduce gives up and the run fails with that reason, not a hang.
+    (A timeout of 3 s, not 1: on two loaded cores rank 0 itself can be descheduled for a
+    second, and rank 1, waiting for it, would then time out first.)"""
     spec = write_spec(tmp_path, """
         experiments:
           - name: stalls
             task: {name: logreg, samples: 256}
             steps_per_epoch: 4
-            timeout: 1
-            stragglers: {ranks: [1], slowdown: 100000}
+            timeout: 3
+            stragglers: {ranks: [1], slowdown: 1000000}
           - name: after
             task: {name: logreg, samples: 256}
             steps_per_epoch: 2
@@ -68,5 +70,5 @@ def test_a_run_whose_peer_stops_answering_fails_naming_the_wait(tmp_path):
     stalled, after = Store(str(db)).runs()
     assert (stalled.status, stalled.failed_rank) == ("failed", 0)
     assert stalled.reason == ("rank 0: CommTimeout: all_reduce over all 2 workers: "
-                              "no progress for 1 s (the spec's timeout)")
+                              "no progress for 3 s (the spec's timeout)")
     assert after.status == "completed"
