@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import dsgd, write_spec
+from conftest import write_spec
 from dsgd_cli import launcher, torchrun
 from dsgd_cli.spec import load_spec
 from dsgd_cli.store import Store
@@ -112,14 +112,6 @@ def test_waiting_workers_leave_when_their_launcher_is_killed(tmp_path):
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait()
     _wait_until_none(torchrun.RUN_MARKER, run_dir)
-
-
-def test_dsgd_run_with_an_early_start_records_the_run(tmp_path):
-    spec = write_spec(tmp_path, SPEC)
-    result = dsgd("run", str(spec), "--db", str(tmp_path / "r.db"))
-    assert result.returncode == 0, result.stderr
-    (run,) = Store(str(tmp_path / "r.db")).runs()
-    assert run.status == "completed"
 
 
 def test_workers_keep_large_temporaries_in_the_heap_unless_told_otherwise(monkeypatch, tmp_path):
