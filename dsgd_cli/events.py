@@ -10,17 +10,38 @@ left, as the launcher asked), `done`. Every number in the files is finite: JSON 
 infinity.
 
 The other way, the launcher asks the workers of a run that checkpoints to stop (it was
-interrupted) by creating the file `stop_path(launch_dir)`.
+interrupted) by creating the file `stop_path(launch_dir)`. Workers also watch that their
+launcher is alive (its pid is in $DSGD_LAUNCHER_PID): one killed outright can neither read
+their events nor stop them, so they leave.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+
+LAUNCHER_PID = "DSGD_LAUNCHER_PID"
+
+
+def launcher_gone() -> bool:
+    """Whether the `dsgd run` that started this worker has died (killed, crashed). A process
+    that took over its pid counts as alive: the worker then carries on as if it were."""
+    pid = int(os.environ.get(LAUNCHER_PID, "0"))
+    if not pid:
+        return False  # started by hand
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process under that pid
+        return False
+    return False
 
 
 def experiment_dir(launch_dir: str | Path, index: int) -> Path:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dsgd_cli.comm import DEFAULT_TIMEOUT_S
-from dsgd_cli.events import EventWriter, events_path, experiment_dir, stop_path
+from dsgd_cli.events import EventWriter, events_path, experiment_dir, launcher_gone, stop_path
 from dsgd_cli.training import Diverged, Stopped, StopRequest, Totals, TrainingLoop
 from dsgd_cli.worker import Worker, build_worker
 from dsgd_cli.worker_evaluation import all_sum
@@ -59,22 +59,11 @@ def wait_for_plan(path: Path) -> dict:
     """The launch's plan. torchrun may start before the launcher has validated the spec (so
     that starting and importing overlap the validation): the plan then appears, whole, once
     the spec is valid. A launcher that is gone will not write it."""
-    launcher = int(os.environ.get("DSGD_LAUNCHER_PID", "0"))
     while not path.exists():
-        if launcher and not _alive(launcher):
-            sys.exit(f"dsgd: the launcher (pid {launcher}) is gone")
+        if launcher_gone():
+            sys.exit("dsgd: the launcher is gone")
         time.sleep(0.01)
     return json.loads(path.read_text())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's (the pid was reused)
-        return True
-    return True
 
 
 def run_experiment(config: dict, events: EventWriter, rank: int, world_size: int,

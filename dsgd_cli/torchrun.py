@@ -23,10 +23,10 @@ from typing import Any, Callable
 
 from dsgd_cli import specfile
 from dsgd_cli.errors import SpecError
+from dsgd_cli.events import LAUNCHER_PID
 from dsgd_cli.nodes import NodePlan
 
 RUN_MARKER = "DSGD_RUN_DIR"  # set in the environment of a launch's processes
-LAUNCHER_PID = "DSGD_LAUNCHER_PID"  # workers waiting for the plan give up if it is gone
 TERMINATE_WAIT_S = 5.0  # after SIGTERM, before SIGKILL
 # glibc: allocations under 64 MiB come from the heap, which keeps up to 256 MiB free.
 MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(64 * 2**20),

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dsgd_cli import checkpoint
-from dsgd_cli.events import EventWriter
+from dsgd_cli.events import EventWriter, launcher_gone
 from dsgd_cli.schedule import Straggling
 from dsgd_cli.worker import Worker
 
@@ -25,6 +25,13 @@ class Diverged(Exception):
     def __init__(self, step: int, value: float):
         super().__init__(f"train_loss is {value} at step {step}")
         self.step, self.value = step, value
+
+
+class LauncherGone(Exception):
+    """The `dsgd run` that started this worker died without stopping it."""
+
+    def __init__(self):
+        super().__init__("the launcher (dsgd run) is gone")
 
 
 class Stopped(Exception):
@@ -122,6 +129,8 @@ class TrainingLoop:
             checkpointing = bool(every) and not done and (step % every == 0 or stopping)
             if step % config["log_interval"] == 0 or end_of_epoch or done:
                 self._flush(step, epoch)
+                if launcher_gone():  # nobody reads the metrics, nobody would stop the run
+                    raise LauncherGone()
             evaluation.after_step(step, epoch, end_of_epoch, done)
             if checkpointing:  # after the step's metrics and evaluation: resumes repeat neither
                 self._save_checkpoint(step, {

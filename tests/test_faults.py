@@ -410,6 +410,27 @@ def test_a_signal_interrupts_the_run_and_stops_its_processes(tmp_path, signum, e
     assert not Path(directory).exists()
 
 
+def test_workers_leave_when_dsgd_is_killed_outright(tmp_path):
+    """SIGKILL gives `dsgd run` no chance to stop its workers; they notice at their next
+    log step that it is gone, and leave (torchrun with them), instead of training on for
+    nobody. The run stays `running`: nothing was left to record its end."""
+    spec = write_spec(tmp_path, """
+        experiments:
+          - {name: long, task: logreg, epochs: 100000, log_interval: 1}
+    """)
+    db = tmp_path / "r.db"
+    process, workers = _start_and_wait_for_training(spec, db, tmp_path)
+    directory = workers[0][1]
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 60
+    while _alive(directory):
+        assert time.monotonic() < deadline, f"still alive: {_alive(directory)}"
+        time.sleep(0.2)
+    (run,) = Store(str(db)).runs()
+    assert run.status == "running"
+
+
 def test_a_launch_that_cannot_start_is_recorded_as_failed(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise OSError("no such program")
