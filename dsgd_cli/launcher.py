@@ -3,10 +3,11 @@ workers), events tailed into the results store.
 
 The launcher is the only writer of the database. For each run it records the configuration,
 tells the launch's workers what to run (the plan; torchrun.py starts and stops torchrun),
-stores metrics as workers flush them and draws a progress bar from rank 0's. When a worker fails, torchrun stops the others; the run is marked
-failed with the rank and reason of the first error, keeping every metric already stored. When a
-worker reports that training diverged (its loss is NaN or infinite), the launcher stops the run
-at once, as the other workers may wait for it forever, and marks it diverged.
+stores metrics as workers flush them and draws a progress bar from rank 0's. When a worker
+fails, torchrun stops the others; the run is marked failed with the rank and reason of the
+first error, keeping every metric already stored. When a worker reports that training
+diverged (its loss is NaN or infinite), the launcher stops the run at once, as the other
+workers may wait for it forever, and marks it diverged.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from dsgd_cli import registry
-from dsgd_cli.torchrun import Shape, Torchrun
+from dsgd_cli import nodes, registry
 from dsgd_cli.events import EventReader, events_path, experiment_dir, stop_path
 from dsgd_cli.spec import PLUGIN_SECTIONS, Experiment
 from dsgd_cli.store import MetricRow, Store, finite_number
+from dsgd_cli.torchrun import Shape, Torchrun
 
 POLL_SECONDS = 0.5
 GRACE_AFTER_ERROR_S = 10.0  # torchrun normally stops the other workers well before this
@@ -57,8 +58,7 @@ def launch_shape(experiment: Experiment) -> Shape:
 
 def local_workers(experiment: Experiment) -> int:
     """How many of the experiment's workers run on this machine."""
-    nodes = experiment.nodes
-    return experiment.workers if nodes is None else nodes.local_workers(experiment.workers)
+    return nodes.local_workers(experiment.nodes, experiment.workers)
 
 
 def plugin_versions(config: dict) -> list[tuple[str, str, str, str]]:
@@ -241,11 +241,11 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
     `Interrupted`)."""
     results: list[RunResult] = []
     running: _Running | None = None
-    torchrun = early
-    if early is not None and early.shape != launch_shape(experiments[0]):
+    shape = launch_shape(experiments[0])
+    if early is not None and early.shape != shape:
         early.close()
-        torchrun = None
-    torchrun = torchrun or Torchrun(launch_shape(experiments[0]))
+        early = None
+    torchrun = early or Torchrun(shape)
     tmp = torchrun.dir
 
     def finish(result: RunResult) -> None:
@@ -350,11 +350,11 @@ def _records(experiment: Experiment) -> bool:
 
 
 def _rendezvous_failure(experiment: Experiment, log: str) -> str | None:
-    nodes = experiment.nodes
-    if nodes is None or "RendezvousTimeoutError" not in log:
+    plan = experiment.nodes
+    if plan is None or "RendezvousTimeoutError" not in log:
         return None
-    return (f"rendezvous at {nodes.endpoint} timed out: not all {nodes.nnodes} nodes joined "
-            f"within {nodes.timeout:g} s")
+    return (f"rendezvous at {plan.endpoint} timed out: not all {plan.nnodes} nodes joined "
+            f"within {plan.timeout:g} s")
 
 
 def _must_stop(running: _Running) -> bool:

@@ -72,6 +72,11 @@ def parse_launch(raw: Any, overrides: dict[str, Any] | None = None) -> NodePlan 
     return NodePlan(nnodes, node_rank, endpoint, float(timeout))
 
 
+def local_workers(plan: NodePlan | None, workers: int) -> int:
+    """How many of a run's `workers` run on this machine."""
+    return workers if plan is None else plan.local_workers(workers)
+
+
 def check_split(plan: NodePlan | None, workers: int, path: str) -> None:
     if plan is not None and workers % plan.nnodes:
         raise SpecError(f"{workers} workers cannot be split evenly over {plan.nnodes} nodes",

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from dsgd_cli import specfile
 from dsgd_cli.errors import SpecError
 from dsgd_cli.events import LAUNCHER_PID
-from dsgd_cli.nodes import NodePlan
+from dsgd_cli.nodes import NodePlan, check_split, local_workers
 
 RUN_MARKER = "DSGD_RUN_DIR"  # set in the environment of a launch's processes
 TERMINATE_WAIT_S = 5.0  # after SIGTERM, before SIGKILL
@@ -53,7 +53,7 @@ class Shape:
 
     @property
     def local_workers(self) -> int:
-        return self.workers if self.nodes is None else self.nodes.local_workers(self.workers)
+        return local_workers(self.nodes, self.workers)
 
 
 def command(shape: Shape, plan_path: str | Path, run_dir: str | Path) -> list[str]:
@@ -159,11 +159,12 @@ def early_start(spec: str | Path, only: list[str] | None, workers: int | None,
         defaults, entries, nodes = specfile.sections(document, launch)
         first = next(point for point in specfile.points(defaults, entries, workers)
                      if specfile.selected(point.name, only))
+        count = first.raw.get("workers")
+        if type(count) is not int or count < 1:
+            return None  # validation refuses it
+        check_split(nodes, count, first.path)
     except (SpecError, RecursionError, StopIteration):
         return None
-    count = first.raw.get("workers")
-    if type(count) is not int or count < 1 or (nodes is not None and count % nodes.nnodes):
-        return None  # validation refuses it
     shape = Shape.of(count, nodes, text, first.name)
     if shape.local_workers > EARLY_START_MAX_WORKERS:
         return None
