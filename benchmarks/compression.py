@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dsgd_cli.store import Store
+from dsgd_cli.results import Results
 
 COMPRESSORS = {
     "none": "{name: none}",
@@ -44,7 +44,7 @@ experiments:
 """
 
 
-def per_step(store: Store, run_id: int, name: str) -> float | None:
+def per_step(store: Results, run_id: int, name: str) -> float | None:
     values = [m.value for m in store.metric_history(run_id, name)]
     return statistics.median(values) if values else None
 
@@ -66,7 +66,7 @@ def main() -> None:
                             capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"dsgd run failed:\n{result.stderr}")
-    store = Store(str(db), readonly=True)
+    store = Results(str(db))
     rows = {run.experiment: (per_step(store, run.id, "step_seconds"),
                              per_step(store, run.id, "bytes_sent"),
                              per_step(store, run.id, "compress_seconds"))

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dsgd_cli.store import Store
+from dsgd_cli.results import Results
 
 SPEC = """
 defaults:
@@ -42,7 +42,7 @@ def sweep(spec: Path, db: Path, flags: list[str]) -> tuple[float, float]:
     total = time.perf_counter() - started
     if result.returncode != 0:
         sys.exit(f"dsgd run {' '.join(flags)} failed:\n{result.stderr}")
-    store = Store(str(db), readonly=True)
+    store = Results(str(db))
     finals = store.finals([run.id for run in store.runs(details=False)])
     return total, sum(metrics.get("wall_seconds", 0.0) for metrics in finals.values())
 

@@ -10,10 +10,10 @@ from itertools import chain
 
 import numpy as np
 
-from dsgd_cli.analysis import BytesSent, curve_points, load_history
+from dsgd_cli.history import BytesSent, curve_points, load_history
 from dsgd_cli.errors import DsgdError
 from dsgd_cli.query import flat_config, run_value
-from dsgd_cli.store import Run, Store
+from dsgd_cli.results import Results, RunRecord
 
 X_AXES = {"step": "step", "epoch": "epoch", "seconds": "training time (s)",
           "bytes": "bytes sent by all workers"}
@@ -28,20 +28,20 @@ class Line:
     std: np.ndarray | None = None  # a group's sample standard deviation at each x
 
 
-def run_lines(store: Store, runs: list[Run], metric: str, x_axis: str) -> list[Line]:
+def run_lines(store: Results, runs: list[RunRecord], metric: str, x_axis: str) -> list[Line]:
     """One line per run that recorded `metric`, labelled by what differs between the runs."""
     xy = _series(store, runs, metric, x_axis)
     labels = legend_labels(runs)
     return [Line(labels[run.id], *xy[run.id]) for run in runs if run.id in xy]
 
 
-def group_lines(store: Store, runs: list[Run], keys: list[str], metric: str,
+def group_lines(store: Results, runs: list[RunRecord], keys: list[str], metric: str,
                 x_axis: str) -> list[Line]:
     """One line per group of runs with equal values of `keys`: the mean of the runs' curves,
     each interpolated at every x any of them recorded (only where it has data on both sides),
     and their sample standard deviation where at least two runs have data."""
     xy = _series(store, runs, metric, x_axis)
-    groups: dict[tuple, list[Run]] = {}
+    groups: dict[tuple, list[RunRecord]] = {}
     for run in runs:
         if run.id in xy:
             groups.setdefault(tuple(_shown(run_value(run, k)) for k in keys), []).append(run)
@@ -62,7 +62,7 @@ def group_lines(store: Store, runs: list[Run], keys: list[str], metric: str,
     return lines
 
 
-def legend_labels(runs: list[Run]) -> dict[int, str]:
+def legend_labels(runs: list[RunRecord]) -> dict[int, str]:
     """For each run, the configuration keys whose values differ between `runs` (`lr=0.1,
     aggregator=sgp`), leaving out options that differ only because the plugin does; the run
     id where nothing differs or two runs would look the same."""
@@ -104,7 +104,7 @@ def _shown(value) -> object:
     return ",".join(sorted(value)) if isinstance(value, set) else value
 
 
-def _series(store: Store, runs: list[Run], metric: str,
+def _series(store: Results, runs: list[RunRecord], metric: str,
             x_axis: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Each run's points of `metric` (`curve_points`), as x and y arrays sorted by x (then
     y); runs without a point left out."""

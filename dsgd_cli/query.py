@@ -11,7 +11,7 @@ from typing import Any, Callable
 from weakref import WeakKeyDictionary
 
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.store import Run, flatten_config
+from dsgd_cli.results import RunRecord, flatten_config
 
 # Keys that name a column of the run rather than a configuration key.
 RUN_COLUMNS = ("id", "experiment", "status", "task", "aggregator", "compressor", "optimizer",
@@ -32,7 +32,7 @@ class Condition:
     def __str__(self) -> str:
         return f"{self.key}{self.op}{self.value}"
 
-    def matches(self, run: Run) -> bool:
+    def matches(self, run: RunRecord) -> bool:
         if self.key == "tag":
             tags = run_value(run, "tag")
             return (self.value in tags) == (self.op == "=")
@@ -75,17 +75,17 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def run_value(run: Run, key: str) -> Any:
+def run_value(run: RunRecord, key: str) -> Any:
     """A run's value for `key`: a column, `tag` (its set of tags), or a dotted configuration
     key (`optimizer.lr`, `aggregator.compressor.ratio`); None when the run has none."""
     if key == "tag":
-        return {tag.tag for tag in getattr(run, "tags", [])}
+        return set(run.tag_names)
     if key in RUN_COLUMNS:
         return getattr(run, key)
     return flat_config(run).get(key)
 
 
-def flat_config(run: Run) -> dict[str, Any]:
+def flat_config(run: RunRecord) -> dict[str, Any]:
     """The run's configuration by dotted key (read, not to be changed): worked out once per
     run, as every condition, key check and label asks for it again."""
     flat = _FLAT_CONFIGS.get(run)
@@ -94,17 +94,17 @@ def flat_config(run: Run) -> dict[str, Any]:
     return flat
 
 
-_FLAT_CONFIGS: WeakKeyDictionary[Run, dict[str, Any]] = WeakKeyDictionary()
+_FLAT_CONFIGS: WeakKeyDictionary[RunRecord, dict[str, Any]] = WeakKeyDictionary()
 
 
-def known_keys(runs: list[Run]) -> set[str]:
+def known_keys(runs: list[RunRecord]) -> set[str]:
     keys = set(RUN_COLUMNS)
     for run in runs:
         keys.update(flat_config(run))
     return keys
 
 
-def check_keys(keys: list[str], runs: list[Run], option: str) -> None:
+def check_keys(keys: list[str], runs: list[RunRecord], option: str) -> None:
     """A key no run has is a typo: say so rather than select nothing."""
     if not runs:
         return
@@ -116,12 +116,12 @@ def check_keys(keys: list[str], runs: list[Run], option: str) -> None:
             raise DsgdError(f"{option}: unknown key {key!r}: no recorded run has it{hint}")
 
 
-def select_runs(runs: list[Run], conditions: list[Condition]) -> list[Run]:
+def select_runs(runs: list[RunRecord], conditions: list[Condition]) -> list[RunRecord]:
     check_keys([c.key for c in conditions], runs, "--where")
     return [run for run in runs if all(c.matches(run) for c in conditions)]
 
 
-def pick(runs: list[Run], selectors: list[str]) -> list[Run]:
+def pick(runs: list[RunRecord], selectors: list[str]) -> list[RunRecord]:
     """The runs named by `selectors`: run ids, experiment names, or a grid's base name (all
     its points); all runs when there are none. A selector naming nothing is an error."""
     if not selectors:
@@ -135,7 +135,7 @@ def pick(runs: list[Run], selectors: list[str]) -> list[Run]:
     return [run for run in runs if run.id in chosen]
 
 
-def names(run: Run, selector: str) -> bool:
+def names(run: RunRecord, selector: str) -> bool:
     """Whether `selector` (a run id, an experiment name or a grid's base name) names `run`."""
     if selector.isdigit():
         return run.id == int(selector)

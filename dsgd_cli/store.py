@@ -1,13 +1,13 @@
-"""The results database (SQLAlchemy 2.x): runs, their configuration, plugin versions, metric
-history, and a summary table holding each metric's final and best value for fast reads.
+"""Writing the results database (SQLAlchemy 2.x): runs, their configuration, plugin versions,
+metric history, and a summary table holding each metric's final and best value for fast reads.
 
 `--db` takes a path or an SQLAlchemy URL (SQLite, or PostgreSQL with the `postgres` extra:
 `postgresql+psycopg://user@host/db`); `DSGD_DB` sets the default; else `./dsgd.db`.
 The schema is created on first use and its version stored in `meta`. A writing open of a
 database of an older schema upgrades it in place, one step per version (`MIGRATIONS`), in one
 transaction under a lock, so concurrent dsgd processes neither race nor see half a migration.
-A reading open changes nothing: what an older schema lacks reads as empty (a schema-1 database
-has no tags).
+Reading is `dsgd_cli.results.Results`, which `Store` extends; a reading command opens a
+`Results`, which changes nothing.
 """
 
 from __future__ import annotations
@@ -25,20 +25,18 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from sqlalchemy import (JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, or_,
-                        create_engine, delete, event, func, insert, inspect, select, text, update)
+                        create_engine, delete, event, insert, inspect, select, text, update)
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
-from sqlalchemy.orm import (DeclarativeBase, Mapped, Session, mapped_column, relationship,
-                            selectinload)
-from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
 from dsgd_cli import __version__
 from dsgd_cli.errors import StoreError
+from dsgd_cli.results import (MAX_ID, SCHEMA_VERSION, Results, _Engine, _missing_driver,
+                              flatten_config, higher_is_better, one_line, resolve_url,
+                              schema_version, without_password)
 
-SCHEMA_VERSION = 3
-DEFAULT_DB = "dsgd.db"
-MAX_ID = 2**63 - 1  # the largest id a database integer holds
 MAX_TAG_LENGTH = 128
 SQLITE_BUSY_TIMEOUT = 30  # seconds a writer waits for another's lock
 # Key of the PostgreSQL advisory lock that serializes schema creation and migrations.
@@ -74,10 +72,7 @@ class Meta(Base):
 
 
 class Run(Base):
-    """One run of an experiment. `Store.runs` and `Store.get_run` load it with its `tags`
-    (`Tag` rows; `tag_names` is their sorted names), also from a schema-1 database read
-    without upgrading it (then none); with `details` also its `params`, `plugins` and
-    `summaries`."""
+    """One run of an experiment (read back as a `dsgd_cli.results.RunRecord`)."""
 
     __tablename__ = "runs"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -97,18 +92,10 @@ class Run(Base):
     started_at: Mapped[datetime] = mapped_column(UTCDateTime)
     ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
-    # Ordered, so that every database lists them alike.
-    params: Mapped[list["Param"]] = relationship(cascade="all, delete-orphan", order_by="Param.key")
-    plugins: Mapped[list["PluginVersion"]] = relationship(cascade="all, delete-orphan",
-                                                          order_by="PluginVersion.kind")
-    summaries: Mapped[list["Summary"]] = relationship(cascade="all, delete-orphan",
-                                                      order_by="Summary.name")
-    tags: Mapped[list["Tag"]] = relationship(cascade="all, delete-orphan", passive_deletes=True,
-                                             order_by="Tag.tag")
-
-    @property
-    def tag_names(self) -> list[str]:
-        return [tag.tag for tag in self.tags]
+    params: Mapped[list["Param"]] = relationship(cascade="all, delete-orphan")
+    plugins: Mapped[list["PluginVersion"]] = relationship(cascade="all, delete-orphan")
+    summaries: Mapped[list["Summary"]] = relationship(cascade="all, delete-orphan")
+    tags: Mapped[list["Tag"]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
 
 
 class Param(Base):
@@ -173,25 +160,6 @@ class Summary(Base):
     best: Mapped[float] = mapped_column(Float)
 
 
-def higher_is_better(name: str) -> bool:
-    return "accuracy" in name or name == "samples_per_second"
-
-
-def resolve_url(db: str | None) -> str:
-    db = db or os.environ.get("DSGD_DB") or DEFAULT_DB
-    return db if "://" in db else f"sqlite:///{Path(db).expanduser()}"
-
-
-def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(flatten_config(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 @dataclass
 class MetricRow:
     name: str
@@ -222,62 +190,26 @@ def _migrate_2_to_3(connection: Connection) -> None:
 MIGRATIONS = {2: _migrate_1_to_2, 3: _migrate_2_to_3}
 
 
-class Store:
-    """The results database. `readonly`: for the commands that only read (runs, compare,
-    show): the database must exist already, is opened read-only and is never changed, not
-    even upgraded (what an older schema lacks reads as empty). Otherwise the schema is created
-    on first use or upgraded to this version, and a database dsgd cannot write to is refused at
+class Store(Results):
+    """The results database, written (and read as a `Results` is). The schema is created on
+    first use or upgraded to this version, and a database dsgd cannot write to is refused at
     once, before anything is launched."""
 
-    def __init__(self, db: str | None = None, *, readonly: bool = False):
+    def __init__(self, db: str | None = None):
         self.url = resolve_url(db)
-        self.shown_url = _without_password(self.url)  # for messages
-        self.readonly = readonly
+        self.shown_url = without_password(self.url)  # for messages
         try:
-            self.engine = _engine(self.url, readonly)
-            if readonly:
-                tables = self._check_schema(missing_ok=False)
-                self.has_tags = "tags" in tables
-                self.has_checkpoints = "checkpoints" in tables
-            else:
-                self._check_schema(missing_ok=True)
-                self._migrate()
-                self.has_tags = self.has_checkpoints = True
+            self.engine = _engine(self.url, readonly=False)
+            self._sql = _Engine(self.engine)
+            self._check_schema(missing_ok=True)
+            self._migrate()
+            self.has_tags = self.has_checkpoints = True
         except (ArgumentError, DatabaseError, OperationalError) as error:
             reason = getattr(error, "orig", None) or error
-            verb = "write to" if not readonly and _read_only_error(error) else "open"
-            raise StoreError(f"cannot {verb} results database {self.shown_url}: {_one_line(reason)}") from None
+            verb = "write to" if _read_only_error(error) else "open"
+            raise StoreError(f"cannot {verb} results database {self.shown_url}: {one_line(reason)}") from None
         except ModuleNotFoundError as error:
-            hint = "; pip install 'dsgd[postgres]'" if self.url.startswith("postgres") else ""
-            raise StoreError(f"cannot open results database {self.shown_url}: driver not "
-                             f"installed ({error.name}{hint})") from None
-
-    def _check_schema(self, missing_ok: bool) -> set[str]:
-        """Every dsgd table already there has dsgd's columns: another program's `runs` table
-        must not be read, or written to, as if it were ours. Returns the tables there are."""
-        inspector = inspect(self.engine)
-        tables = set(inspector.get_table_names())
-        if not missing_ok and "runs" not in tables:
-            raise StoreError(f"{self.shown_url} holds no dsgd results (no table 'runs')")
-        for table in Base.metadata.sorted_tables:
-            if table.name not in tables:
-                continue
-            have = {column["name"] for column in inspector.get_columns(table.name)}
-            lacking = [column.name for column in table.columns if column.name not in have]
-            if lacking:
-                more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
-                raise StoreError(f"{self.shown_url} is not a dsgd results database: its table "
-                                 f"'{table.name}' lacks the columns "
-                                 f"{', '.join(map(repr, lacking[:3]))}{more}")
-        if "meta" in tables:
-            with self.engine.connect() as connection:
-                self._check_version(_stored_version(connection, self.shown_url))
-        return tables
-
-    def _check_version(self, version: int | None) -> None:
-        if version is not None and version > SCHEMA_VERSION:
-            raise StoreError(f"results database {self.shown_url} has schema version {version}, "
-                             f"newer than this dsgd understands ({SCHEMA_VERSION}); upgrade dsgd")
+            raise _missing_driver(self.shown_url, error) from None
 
     def _migrate(self) -> None:
         """Create the schema of a new database, or upgrade an older one one version at a time,
@@ -328,20 +260,6 @@ class Store:
             if checkpoint_dir is not None:
                 session.add(Checkpoints(run_id=run.id, directory=checkpoint_dir, resumes=[]))
             return run.id
-
-    def checkpoint_dir(self, run_id: int) -> str | None:
-        """Where the run keeps its checkpoints (None: it keeps none, or the schema predates
-        them)."""
-        if not self.has_checkpoints:
-            return None
-        with Session(self.engine) as session:
-            return session.scalar(select(Checkpoints.directory).where(Checkpoints.run_id == run_id))
-
-    def resumes(self, run_id: int) -> list[dict]:
-        if not self.has_checkpoints:
-            return []
-        with Session(self.engine) as session:
-            return session.scalar(select(Checkpoints.resumes).where(Checkpoints.run_id == run_id)) or []
 
     def resume_run(self, run_id: int, step: int) -> None:
         """Reopen an interrupted or failed run at its checkpoint of `step`: the metrics recorded
@@ -414,70 +332,6 @@ class Store:
                                 [{"run_id": run_id, "tag": tag} for tag in tags])
             return list(session.scalars(select(Tag.tag).where(Tag.run_id == run_id).order_by(Tag.tag)))
 
-    # -- reading ------------------------------------------------------------------------------
-
-    def runs(self, experiments: list[str] | None = None, last: int | None = None,
-             ids: list[int] | None = None, details: bool = True) -> list[Run]:
-        """Runs, oldest first; `last` keeps the newest N; `experiments` filters by name (a
-        grid's base name matches all its points); `ids` by run id. Each run comes with its
-        tags. `details`: load each run's summaries, plugins and parameters with it; without
-        them thousands of runs load ten times faster (`finals` gives their metrics)."""
-        query = select(Run).order_by(Run.id.desc())
-        query = _with_details(query, self.has_tags) if details else self._with_tags(query)
-        if ids is not None:
-            query = query.where(Run.id.in_(ids))
-        if experiments:
-            names = [Run.experiment == e for e in experiments]
-            grid_points = [Run.experiment.like(f"{e}[%") for e in experiments]
-            query = query.where(or_(*names, *grid_points))
-        if last:
-            query = query.limit(last)
-        with Session(self.engine) as session:
-            return self._tagless(list(reversed(session.scalars(query).all())))
-
-    def finals(self, run_ids: list[int]) -> dict[int, dict[str, float]]:
-        """The final value of every metric of the runs, by run id and metric name."""
-        query = select(Summary.run_id, Summary.name, Summary.final)
-        if len(run_ids) <= 10_000:  # beyond, reading them all beats a huge IN list
-            query = query.where(Summary.run_id.in_(run_ids))
-        wanted, finals = set(run_ids), defaultdict(dict)
-        with Session(self.engine) as session:
-            for run_id, name, final in session.execute(query):
-                if run_id in wanted:
-                    finals[run_id][name] = final
-        return finals
-
-    def get_run(self, run_id: int) -> Run | None:
-        """The run with its details, or None (also for an id no database integer can hold)."""
-        if not 0 < run_id <= MAX_ID:
-            return None
-        with Session(self.engine) as session:
-            run = session.scalars(_with_details(select(Run).where(Run.id == run_id),
-                                                self.has_tags)).first()
-            return self._tagless([run])[0] if run else None
-
-    def _with_tags(self, query):
-        return query.options(selectinload(Run.tags)) if self.has_tags else query
-
-    def _tagless(self, runs: list[Run]) -> list[Run]:
-        """A schema-1 database read without upgrading it has no tags table: its runs have none."""
-        if not self.has_tags:
-            for run in runs:
-                set_committed_value(run, "tags", [])
-        return runs
-
-    def metric_history(self, run_id: int, name: str) -> list[Metric]:
-        with Session(self.engine) as session:
-            return list(session.scalars(select(Metric).where(
-                Metric.run_id == run_id, Metric.name == name).order_by(Metric.id)))
-
-    def count_metrics(self, run_id: int) -> int:
-        """How many metric records a run holds, counted by the database. No command needs it;
-        the tests do, to check what a run recorded on SQLite and PostgreSQL alike and to poll
-        a run that is still writing, without depending on the table layout."""
-        with Session(self.engine) as session:
-            return session.scalar(select(func.count()).where(Metric.run_id == run_id))
-
 
 def _write_summaries(session: Session, run_id: int) -> None:
     session.execute(delete(Summary).where(Summary.run_id == run_id))
@@ -485,13 +339,6 @@ def _write_summaries(session: Session, run_id: int) -> None:
                               .where(Metric.run_id == run_id).order_by(Metric.id)).all()
     session.add_all(Summary(run_id=run_id, name=name, final=final, best=best)
                     for name, (final, best) in summarize(metrics).items())
-
-
-def _with_details(query, tags: bool = True):
-    """Load a run's summaries, plugins, parameters and (where the schema has them) tags with
-    it, for use after the session."""
-    options = [selectinload(Run.summaries), selectinload(Run.plugins), selectinload(Run.params)]
-    return query.options(*options, *([selectinload(Run.tags)] if tags else []))
 
 
 def check_tag(tag: str) -> str:
@@ -529,6 +376,11 @@ def summarize(metrics: Iterable[tuple[str, int | None, float]]) -> dict[str, tup
 
 def finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def read_only_engine(url: str):
+    """An engine that cannot change the database (for `Results.engine`)."""
+    return _engine(url, readonly=True)
 
 
 def _engine(url: str, readonly: bool):
@@ -587,12 +439,7 @@ def _read_only_error(error: Exception) -> bool:
 
 
 def _stored_version(connection: Connection, url: str) -> int | None:
-    value = connection.scalar(select(Meta.value).where(Meta.key == "schema_version"))
-    if value is None:
-        return None
-    if not value.strip().isdigit():
-        raise StoreError(f"{url} is not a dsgd results database: its schema version is {value!r}")
-    return int(value)
+    return schema_version(connection.scalar(select(Meta.value).where(Meta.key == "schema_version")), url)
 
 
 def _lock_for_migration(connection: Connection) -> None:
@@ -617,16 +464,3 @@ def _insert_ignoring_duplicates(dialect: str, model):
     else:
         return insert(model)
     return dialect_insert(model).on_conflict_do_nothing()
-
-
-def _without_password(url: str) -> str:
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        return url
-    return parsed.render_as_string(hide_password=True) if parsed.password else url
-
-
-def _one_line(reason: Exception | str) -> str:
-    """A driver's message on one line (PostgreSQL's add DETAIL and HINT lines)."""
-    return " ".join(str(reason).split())

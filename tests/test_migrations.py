@@ -14,6 +14,7 @@ from sqlalchemy import create_engine, inspect
 from sqlalchemy.exc import OperationalError
 
 from conftest import dsgd, dsgd_in_process
+from dsgd_cli.results import Results
 from dsgd_cli import store as store_module
 from dsgd_cli.errors import StoreError
 from dsgd_cli.store import SCHEMA_VERSION, Store
@@ -101,7 +102,7 @@ def test_an_upgraded_database_has_the_schema_of_a_new_one(old_db, tmp_path):
 
 def test_a_reading_open_reads_an_old_database_as_it_is(old_db):
     before = old_db.read_bytes()
-    store = Store(str(old_db), readonly=True)
+    store = Results(str(old_db))
     assert [run.tag_names for run in store.runs()] == [[], []]
     assert [run.tag_names for run in store.runs(details=False)] == [[], []]
     assert store.get_run(2).tag_names == []
@@ -140,10 +141,10 @@ def test_a_failed_migration_leaves_the_database_as_it_was(old_db, monkeypatch):
 def test_a_database_of_a_newer_schema_is_refused(old_db):
     with sqlite3.connect(old_db) as connection:
         connection.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
-    for readonly in (True, False):
+    for opening in (Results, Store):
         with pytest.raises(StoreError, match="has schema version 4, newer than this dsgd "
                                              r"understands \(3\); upgrade dsgd"):
-            Store(str(old_db), readonly=readonly)
+            opening(str(old_db))
     assert version(old_db) == "4" and "tags" not in tables(old_db)  # not "upgraded" to 3
 
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from conftest import dsgd_in_process as dsgd
+from dsgd_cli.results import Results
 from dsgd_cli.plotting import figure, group_lines, legend_labels, run_lines
-from dsgd_cli.store import Store
 from test_compare import db  # noqa: F401  (the fixture)
 
 
 def test_one_line_per_run_labelled_by_what_differs(db):
-    store = Store(str(db), readonly=True)
+    store = Results(str(db))
     runs = [run for run in store.runs() if run.id in (1, 3, 5)]
     labels = legend_labels(runs)
     # All three have seed 0 and lr 0.05; they differ in the aggregator and the compressor.
@@ -33,21 +33,21 @@ def test_one_line_per_run_labelled_by_what_differs(db):
 
 
 def test_runs_that_differ_in_nothing_are_told_apart_by_id(db):
-    runs = [run for run in Store(str(db), readonly=True).runs() if run.id in (1, 2)]
+    runs = [run for run in Results(str(db)).runs() if run.id in (1, 2)]
     assert legend_labels(runs) == {1: "seed=0", 2: "seed=1"}
     same = [runs[0], runs[0]]
     assert set(legend_labels(same).values()) == {"run 1"}
 
 
 def test_bytes_on_the_x_axis_are_cumulative_over_all_workers(db):
-    store = Store(str(db), readonly=True)
+    store = Results(str(db))
     (line,) = run_lines(store, [store.get_run(1)], "test_accuracy", "bytes")
     # two ranks sending 5 bytes a step: 100 bytes by step 10, 200 by 20, 300 by 30
     assert list(line.x) == [100.0, 200.0, 300.0]
 
 
 def test_groups_plot_the_mean_with_a_band_of_one_std(db):
-    store = Store(str(db), readonly=True)
+    store = Results(str(db))
     lines = group_lines(store, store.runs(), ["compressor"], "test_accuracy", "step")
     assert [line.label for line in lines] == ["compressor=none (3 runs)", "compressor=qsgd (2 runs)"]
     plain = lines[0]
@@ -99,7 +99,7 @@ def test_export_csv_is_the_long_history_with_the_columns_asked_for(db):
 
 
 def test_export_json_and_parquet_hold_every_record(db, tmp_path):
-    store = Store(str(db), readonly=True)
+    store = Results(str(db))
     total = sum(store.count_metrics(run.id) for run in store.runs())
     result = dsgd("export", "--db", str(db), "--format", "json")
     records = json.loads(result.stdout)
@@ -119,7 +119,7 @@ def test_export_json_and_parquet_hold_every_record(db, tmp_path):
 def test_plot_spec_takes_the_newest_run_of_each_experiment(db, tmp_path):
     from dsgd_cli.commands.plot import newest_of
 
-    runs = Store(str(db), readonly=True).runs()
+    runs = Results(str(db)).runs()
     assert [run.id for run in newest_of(runs, ["base", "gossip", "absent"])] == [2, 5]
     spec = tmp_path / "spec.yaml"
     spec.write_text("experiments:\n  - {name: q, task: logreg}\n  - {name: base, task: logreg}\n")

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from conftest import dsgd_in_process
+from dsgd_cli.results import Results
 from test_store import fill
 
 WRITERS = 8
@@ -192,14 +193,13 @@ def test_sqlite_and_postgresql_give_the_same_answers(tmp_path, pg_url):
 
 
 def test_times_are_utc_whatever_the_server_time_zone(tmp_path, pg_url, postgres_server):
-    from dsgd_cli.store import Store
 
     postgres_server.sql(f"ALTER DATABASE {database(pg_url)} SET timezone TO 'Asia/Kolkata'")
     for url in (f"sqlite:///{tmp_path / 'r.db'}", pg_url):
         before = datetime.now(timezone.utc).replace(microsecond=0)
         record(url)
         after = datetime.now(timezone.utc)
-        run = Store(url, readonly=True).get_run(1)
+        run = Results(url).get_run(1)
         assert run.started_at.utcoffset() == timedelta(0) == run.ended_at.utcoffset()
         assert before <= run.started_at <= run.ended_at <= after
         listed = json.loads(cli("runs", "--db", url, "-f", "json"))[0]["started"]
@@ -207,7 +207,6 @@ def test_times_are_utc_whatever_the_server_time_zone(tmp_path, pg_url, postgres_
 
 
 def test_delete_and_tag_on_postgresql(pg_url):
-    from dsgd_cli.store import Store
 
     record(pg_url)
     assert cli("runs", "tag", "2", "new", "--db", pg_url) == "run 2: tags new\n"
@@ -215,7 +214,7 @@ def test_delete_and_tag_on_postgresql(pg_url):
     assert cli("runs", "delete", "1", "2", "--db", pg_url) == "deleted runs 1, 2\n"
     result = dsgd_in_process("runs", "delete", "3", "17", "--db", pg_url)
     assert (result.returncode, result.stderr) == (2, "dsgd: error: no run with id 17; nothing deleted\n")
-    store = Store(pg_url, readonly=True)
+    store = Results(pg_url)
     assert [(r.id, r.tag_names) for r in store.runs()] == [(3, ["paper"]), (4, [])]
     with store.engine.connect() as connection:
         for table in ("metrics", "summaries", "params", "plugin_versions", "tags"):
@@ -228,9 +227,8 @@ def test_reading_commands_change_nothing_on_postgresql(pg_url):
     assert result.returncode == 2
     assert result.stderr == f"dsgd: error: {pg_url} holds no dsgd results (no table 'runs')\n"
     record(pg_url)
-    from dsgd_cli.store import Store
 
-    store = Store(pg_url, readonly=True)
+    store = Results(pg_url)
     with store.engine.connect() as connection:  # its sessions are read-only transactions
         with pytest.raises(Exception, match="read-only transaction"):
             connection.exec_driver_sql("UPDATE meta SET value = value")
@@ -249,7 +247,7 @@ def test_a_postgresql_user_who_may_only_read(pg_url, postgres_server):
     with pytest.raises(StoreError, match=r"^cannot write to results database .*permission denied "
                                          r"for table meta$"):
         Store(url)
-    assert [run.id for run in Store(url, readonly=True).runs()] == [1, 2, 3, 4]
+    assert [run.id for run in Results(url).runs()] == [1, 2, 3, 4]
 
 
 # -- migrations ----------------------------------------------------------------------------------
@@ -263,7 +261,7 @@ def test_a_schema_1_database_on_postgresql_is_upgraded(pg_url):
         connection.exec_driver_sql("DROP TABLE tags")
         connection.exec_driver_sql("DROP TABLE checkpoints")
         connection.exec_driver_sql("UPDATE meta SET value = '1'")
-    reader = Store(pg_url, readonly=True)  # reads it as it is: no tags, nothing written
+    reader = Results(pg_url)  # reads it as it is: no tags, nothing written
     assert [run.tag_names for run in reader.runs()] == [[], [], [], []]
     assert _version(pg_url) == "1"
 
@@ -338,9 +336,8 @@ def run_writers(url: str, directory: Path) -> None:
 
 
 def check_everything_written(url: str) -> None:
-    from dsgd_cli.store import Store
 
-    store = Store(url, readonly=True)
+    store = Results(url)
     runs = store.runs()
     assert sorted(run.experiment for run in runs) == sorted(
         f"w{w}-{n}" for w in range(WRITERS) for n in range(RUNS_PER_WRITER))

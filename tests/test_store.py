@@ -4,11 +4,14 @@ import csv
 import io
 import json
 import multiprocessing
+import subprocess
+import sys
 
 import pytest
 
 from conftest import dsgd, dsgd_in_process
 from dsgd_cli.errors import StoreError
+from dsgd_cli.results import TABLE_COLUMNS, Results
 from dsgd_cli.store import Meta, MetricRow, Store
 from sqlalchemy.orm import Session
 
@@ -151,11 +154,11 @@ def test_runs_delete_removes_everything_of_a_run(tmp_path):
     assert (result.returncode, result.stdout, result.stderr) == (0, "deleted run 2\n", "")
     for table in ("metrics", "summaries", "params", "plugin_versions", "tags"):
         assert (rows_of(db, table, 2), rows_of(db, table, 1) > 0) == (0, True), table
-    store = Store(str(db), readonly=True)
+    store = Results(str(db))
     assert [r.id for r in store.runs()] == [1, 3] and store.get_run(2) is None
     # --db before the subcommand means the same; several ids at once
     assert dsgd_in_process("runs", "--db", str(db), "delete", "3", "1").stdout == "deleted runs 1, 3\n"
-    assert Store(str(db), readonly=True).runs() == []
+    assert Results(str(db)).runs() == []
 
 
 @pytest.mark.parametrize("ids, message", [
@@ -169,7 +172,7 @@ def test_runs_delete_of_an_unknown_run_deletes_nothing(tmp_path, ids, message):
     fill(db)
     result = dsgd_in_process("runs", "delete", "--db", str(db), "--", *ids)
     assert (result.returncode, result.stdout, result.stderr) == (2, "", f"dsgd: error: {message}\n")
-    assert [r.id for r in Store(str(db), readonly=True).runs()] == [1, 2, 3]
+    assert [r.id for r in Results(str(db)).runs()] == [1, 2, 3]
 
 
 def test_runs_delete_spares_a_running_run_without_force(tmp_path):
@@ -181,7 +184,7 @@ def test_runs_delete_spares_a_running_run_without_force(tmp_path):
     assert result.returncode == 2
     assert result.stderr == (f"dsgd: error: run {running} still running (its `dsgd run` may still be "
                              "writing to it; --force deletes it anyway); nothing deleted\n")
-    assert len(Store(str(db), readonly=True).runs()) == 4
+    assert len(Results(str(db)).runs()) == 4
     assert dsgd_in_process("runs", "delete", "--force", str(running), "--db", str(db)).returncode == 0
     assert rows_of(db, "metrics", running) == 0
 
@@ -205,7 +208,7 @@ def test_runs_tag_adds_and_removes(tmp_path):
         assert code == 2 and message.startswith(f"dsgd: error: bad tag {bad!r}: a tag is 1 to 128 "
                                                 "printable characters"), bad
     assert tag("1")[0] == 2  # at least one tag
-    assert Store(str(db), readonly=True).get_run(1).tag_names == ["fig 3", "paper"]
+    assert Results(str(db)).get_run(1).tag_names == ["fig 3", "paper"]
     rows = json.loads(dsgd_in_process("compare", "--db", str(db), "-f", "json", "--where", "tag=paper").stdout)
     assert [r["id"] for r in rows] == [1]
 
@@ -219,7 +222,7 @@ def test_runs_subcommands_take_no_listing_options(tmp_path):
                              "`dsgd runs delete`\n")
     unknown = dsgd_in_process("runs", "purge", "--db", str(db))
     assert unknown.returncode == 2 and "No such command 'purge'" in unknown.stderr
-    assert len(Store(str(db), readonly=True).runs()) == 3
+    assert len(Results(str(db)).runs()) == 3
 
 
 def _open(url: str, barrier, results) -> None:
@@ -245,4 +248,42 @@ def test_processes_creating_one_database_at_once(tmp_path):
         for process in processes:
             process.join()
         assert outcomes == ["ok"] * 8, (trial, outcomes)
-        assert Store(url, readonly=True).runs() == []
+        assert Results(url).runs() == []
+
+
+def test_the_readers_tables_are_the_models_tables():
+    from dsgd_cli.store import Base
+
+    assert {table.name: tuple(column.name for column in table.columns)
+            for table in Base.metadata.sorted_tables} == TABLE_COLUMNS
+
+
+def test_sqlite_read_directly_gives_what_sqlalchemy_gives(tmp_path):
+    """A reading command reads an SQLite file through sqlite3; a Store reads through its
+    SQLAlchemy engine. Both give the same runs, with tags and details, and the same finals."""
+    store = fill(tmp_path / "r.db")
+    store.tag_run(2, ["paper", "fig 3"])
+    store.add_metrics(3, [MetricRow("train_loss", 0.25, step=30, epoch=1, rank=0, seconds=1.5)])
+    reader = Results(str(tmp_path / "r.db"))
+    for details in (True, False):
+        assert [vars(run) for run in reader.runs(details=details)] == [
+            vars(run) for run in store.runs(details=details)]
+    assert vars(reader.get_run(2)) == vars(store.get_run(2))
+    assert reader.get_run(2).tag_names == ["fig 3", "paper"]
+    assert reader.get_run(1).started_at.tzinfo is not None
+    assert reader.finals([1, 2, 3]) == store.finals([1, 2, 3])
+    assert reader.metric_history(3, "train_loss") == store.metric_history(3, "train_loss")
+    assert reader.metric_history(3, "train_loss")[-1] == (30, 1, 0, 1.5, 0.25)
+    assert [run.id for run in reader.runs(experiments=["sweep"], last=1)] == [3]
+
+
+@pytest.mark.parametrize("command", [["runs"], ["compare"], ["show", "2"]])
+def test_reading_commands_load_neither_sqlalchemy_nor_torch(tmp_path, command):
+    """What keeps them quick: an SQLite file is read through sqlite3."""
+    fill(tmp_path / "r.db")
+    code = ("import sys\nfrom dsgd_cli.cli import app\n"
+            f"app({[*command, '--db', str(tmp_path / 'r.db')]!r}, standalone_mode=False)\n"
+            "print(sorted({'sqlalchemy', 'torch'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"

@@ -11,7 +11,7 @@ from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption
 from dsgd_cli.output import cell, check_format, render
 
 if TYPE_CHECKING:
-    from dsgd_cli.store import Run, Store
+    from dsgd_cli.results import Results, RunRecord
 
 DEFAULT_METRICS = ["test_accuracy", "test_loss", "train_loss", "wall_seconds",
                    "samples_per_second", "total_bytes_sent"]
@@ -22,7 +22,7 @@ WhereOption = Annotated[Optional[list[str]], typer.Option(
     "workers, tag, ...) or a configuration key (optimizer.lr); OP is = != < <= > >= (repeatable)")]
 
 
-def compare_rows(store: Store, runs: list[Run],
+def compare_rows(store: Results, runs: list[RunRecord],
                  extra_metrics: list[str] | None = None) -> list[dict]:
     """The plain table: one row per run with the default metrics and `extra_metrics`."""
     from dsgd_cli.analysis import run_rows
@@ -49,18 +49,17 @@ def compare(
     fmt: FormatOption = "simple",
 ) -> None:
     """Tabulate past runs: configuration and final metrics, one row per run or per group."""
-    # SQLAlchemy loads here, not when the CLI starts (`dsgd --help` needs none of it).
     from dsgd_cli.analysis import (BASELINE_COLUMNS, TARGET_COLUMNS, add_baseline,
-                                   baseline_values, group_rows, parse_target, reach_times,
-                                   run_rows, sort_rows)
+                                   baseline_values, group_rows, parse_target, run_rows,
+                                   sort_rows)
     from dsgd_cli.query import check_keys, parse_where, select_runs
-    from dsgd_cli.store import Store
+    from dsgd_cli.results import Results
 
     check_format(fmt)
     conditions = [parse_where(text) for text in where or []]
     goal = parse_target(target) if target else None
     keys = [key.strip() for key in by.split(",") if key.strip()] if by else []
-    store = Store(db, readonly=True)
+    store = Results(db)
     recorded = store.runs(experiments=experiment, details=False)
     runs = select_runs(recorded, conditions)
     if last:
@@ -68,7 +67,11 @@ def compare(
     check_keys(keys, recorded, "--by")
 
     metrics = _metrics(metric)
-    reached = reach_times(store, [run.id for run in runs], goal) if goal else None
+    reached = None
+    if goal:
+        from dsgd_cli.history import reach_times  # SQLAlchemy, for this query only
+
+        reached = reach_times(store, [run.id for run in runs], goal)
     rows = run_rows(runs, store.finals([run.id for run in runs]), metrics, reached)
     if keys:
         values = metrics + (list(TARGET_COLUMNS) if goal else [])

@@ -16,7 +16,7 @@ from dsgd_cli.commands.compare import WhereOption
 from dsgd_cli.errors import DsgdError
 
 if TYPE_CHECKING:
-    from dsgd_cli.store import Run, Store
+    from dsgd_cli.results import Results, RunRecord
 
 FORMATS = ("csv", "json", "parquet")
 HISTORY_COLUMNS = ["metric", "step", "epoch", "rank", "seconds", "value"]
@@ -40,7 +40,7 @@ def export(
     """Export the recorded metric history: run id, experiment, the configuration columns asked
     for, metric, step, epoch, rank, seconds, value."""
     from dsgd_cli.query import check_keys, parse_where, pick, select_runs
-    from dsgd_cli.store import Store
+    from dsgd_cli.results import Results
 
     if fmt not in FORMATS:
         raise DsgdError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -48,7 +48,7 @@ def export(
         raise DsgdError("--format parquet: give the file to write with -o")
     conditions = [parse_where(text) for text in where or []]
     keys = config or []
-    store = Store(db, readonly=True)
+    store = Results(db)
     recorded = store.runs(details=False)
     chosen = select_runs(pick(recorded, runs or []), conditions)
     check_keys(keys, recorded, "--config")
@@ -70,7 +70,7 @@ def export(
         typer.echo(f"wrote {output}")
 
 
-def _rows(store: Store, runs: list[Run], keys: list[str],
+def _rows(store: Results, runs: list[RunRecord], keys: list[str],
           metrics: list[str] | None) -> Iterator[list]:
     from sqlalchemy import select
     from sqlalchemy.orm import Session

@@ -14,7 +14,7 @@ from dsgd_cli.commands.compare import WhereOption
 from dsgd_cli.errors import DsgdError
 
 if TYPE_CHECKING:
-    from dsgd_cli.store import Run
+    from dsgd_cli.results import RunRecord
 
 
 def plot(
@@ -38,13 +38,13 @@ def plot(
     # numpy, matplotlib and SQLAlchemy load here, not when the CLI starts.
     from dsgd_cli.plotting import X_AXES, figure, group_lines, run_lines, terminal_chart
     from dsgd_cli.query import check_keys, parse_where, pick, select_runs
-    from dsgd_cli.store import Store
+    from dsgd_cli.results import Results
 
     if x not in X_AXES:
         raise DsgdError(f"--x: expected one of {', '.join(X_AXES)}, got {x!r}")
     conditions = [parse_where(text) for text in where or []]
     keys = [key.strip() for key in by.split(",") if key.strip()] if by else []
-    store = Store(db, readonly=True)
+    store = Results(db)
     recorded = store.runs(details=False)
     chosen = select_runs(pick(recorded, runs or []), conditions)
     if spec is not None:
@@ -70,7 +70,7 @@ def plot(
     typer.echo(f"wrote {output}")
 
 
-def newest_of(runs: list[Run], experiments: list[str]) -> list[Run]:
+def newest_of(runs: list[RunRecord], experiments: list[str]) -> list[RunRecord]:
     """The newest of `runs` of each experiment named (runs come oldest first)."""
     newest = {run.experiment: run for run in runs if run.experiment in set(experiments)}
     return sorted(newest.values(), key=lambda run: run.id)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-import yaml
 
 from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption
 from dsgd_cli.errors import DsgdError
@@ -26,11 +25,11 @@ def runs(ctx: typer.Context, db: DbOption = None, experiment: ExperimentOption =
             raise DsgdError(f"--experiment and --format belong to the listing, not to "
                             f"`dsgd runs {ctx.invoked_subcommand}`")
         return
-    from dsgd_cli.store import Store
+    from dsgd_cli.results import Results
 
     check_format(fmt)
     rows = []
-    for run in Store(db, readonly=True).runs(experiments=experiment, details=False):
+    for run in Results(db).runs(experiments=experiment, details=False):
         duration = (run.ended_at - run.started_at).total_seconds() if run.ended_at else None
         tags = run.tag_names
         rows.append({"id": run.id, "experiment": run.experiment, "status": run.status,
@@ -83,9 +82,11 @@ def _db(ctx: typer.Context, db: str | None) -> str | None:
 def show(run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`")],
          db: DbOption = None) -> None:
     """Print one run: status, configuration, plugin versions and final metrics."""
-    from dsgd_cli.store import Store
+    import yaml
 
-    store = Store(db, readonly=True)
+    from dsgd_cli.results import Results
+
+    store = Results(db)
     run = store.get_run(run_id)
     if run is None:
         raise DsgdError(f"no run with id {run_id}")
@@ -94,7 +95,7 @@ def show(run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`")
     ended = run.ended_at.strftime("%Y-%m-%d %H:%M:%S") if run.ended_at else "-"
     typer.echo(f"started: {run.started_at:%Y-%m-%d %H:%M:%S}  ended: {ended}  host: {run.host}  "
                f"dsgd {run.dsgd_version}  spec: {run.spec_file or '-'}")
-    if run.tags:
+    if run.tag_names:
         typer.echo(f"tags: {', '.join(run.tag_names)}")
     checkpoints = store.checkpoint_dir(run.id)
     if checkpoints:

@@ -1,0 +1,418 @@
+"""Reading the results database: `Results` answers the commands that only read (runs, show,
+compare, plot, export) in plain SQL, without loading SQLAlchemy for an SQLite file.
+
+SQLAlchemy takes longer to import than such a command takes to run (0.5 s of a 1 s `dsgd runs`
+on a slow machine), so an SQLite database given as a path (or `sqlite:///PATH`) is read through
+Python's own sqlite3, opened read-only; any other URL (PostgreSQL) goes through SQLAlchemy. The
+queries are the same text on both: `:name` parameters and SQL that SQLite and PostgreSQL share.
+The writing side, with the schema's models and migrations, is `dsgd_cli.store`, whose `Store`
+is a `Results` too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sqlite3
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable, Iterator, NamedTuple
+from urllib.parse import quote
+
+from dsgd_cli.errors import StoreError
+
+SCHEMA_VERSION = 3
+DEFAULT_DB = "dsgd.db"
+MAX_ID = 2**63 - 1  # the largest id a database integer holds
+IN_LIST_LIMIT = 10_000  # beyond this many ids, reading a whole table beats a huge IN list
+
+# Every table of the newest schema with its columns, as the models in `dsgd_cli.store` define
+# them (a test holds the two together): a table of that name lacking one is not dsgd's.
+TABLE_COLUMNS = {
+    "meta": ("key", "value"),
+    "runs": ("id", "experiment", "spec_file", "status", "reason", "failed_rank", "task",
+             "aggregator", "compressor", "optimizer", "workers", "config", "dsgd_version", "host",
+             "started_at", "ended_at"),
+    "params": ("run_id", "key", "value"),
+    "plugin_versions": ("run_id", "kind", "name", "distribution", "version"),
+    "tags": ("run_id", "tag"),
+    "checkpoints": ("run_id", "directory", "resumes"),
+    "metrics": ("id", "run_id", "name", "value", "step", "epoch", "rank", "seconds"),
+    "summaries": ("run_id", "name", "final", "best"),
+}
+RUN_FIELDS = TABLE_COLUMNS["runs"]
+
+
+def resolve_url(db: str | None) -> str:
+    db = db or os.environ.get("DSGD_DB") or DEFAULT_DB
+    return db if "://" in db else f"sqlite:///{Path(db).expanduser()}"
+
+
+def higher_is_better(name: str) -> bool:
+    return "accuracy" in name or name == "samples_per_second"
+
+
+def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flatten_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+# -- what a read returns -------------------------------------------------------------------------
+
+class Record(NamedTuple):  # a tuple: hundreds of thousands may be read at once
+    """One recorded metric value (a row of the metrics table)."""
+
+    step: int | None
+    epoch: int | None
+    rank: int | None
+    seconds: float | None
+    value: float
+
+
+class SummaryRecord(NamedTuple):
+    name: str
+    final: float
+    best: float
+
+
+class PluginRecord(NamedTuple):
+    kind: str
+    name: str
+    distribution: str
+    version: str
+
+
+class ParamRecord(NamedTuple):
+    key: str
+    value: str  # JSON
+
+
+@dataclass(eq=False)  # compared and hashed by identity: `query` caches per run object
+class RunRecord:
+    """One run of an experiment with its tags (sorted names); read with `details`, also its
+    parameters, plugin versions and metric summaries (each sorted by name)."""
+
+    id: int
+    experiment: str
+    spec_file: str | None
+    status: str  # running, completed, failed, diverged, interrupted
+    reason: str | None
+    failed_rank: int | None
+    task: str
+    aggregator: str
+    compressor: str
+    optimizer: str
+    workers: int
+    config: dict
+    dsgd_version: str
+    host: str
+    started_at: datetime
+    ended_at: datetime | None
+    tag_names: list[str] = field(default_factory=list)
+    params: list[ParamRecord] = field(default_factory=list)
+    plugins: list[PluginRecord] = field(default_factory=list)
+    summaries: list[SummaryRecord] = field(default_factory=list)
+
+
+# -- the reader ----------------------------------------------------------------------------------
+
+class Results:
+    """The results database, read. The database must exist and hold dsgd's tables; it is
+    opened read-only and never changed, not even upgraded: what an older schema lacks reads as
+    empty (a schema-1 database has no tags)."""
+
+    def __init__(self, db: str | None = None):
+        self.url = resolve_url(db)
+        self.shown_url = without_password(self.url)  # for messages
+        path = sqlite_path(self.url)
+        try:
+            self._sql = _SQLite(path) if path is not None else _Engine(self.engine)
+            self._check_schema(missing_ok=False)
+        except (sqlite3.Error, *_sqlalchemy_errors()) as error:
+            reason = getattr(error, "orig", None) or error
+            raise StoreError(f"cannot open results database {self.shown_url}: "
+                             f"{one_line(reason)}") from None
+        except ModuleNotFoundError as error:
+            raise _missing_driver(self.shown_url, error) from None
+
+    @cached_property
+    def engine(self):
+        """A read-only SQLAlchemy engine, made on first use: for the queries over metric
+        histories (`dsgd_cli.history`, `dsgd export`), which are built with SQLAlchemy."""
+        from dsgd_cli.store import read_only_engine
+
+        return read_only_engine(self.url)
+
+    def _check_schema(self, missing_ok: bool) -> None:
+        """Every dsgd table already there has dsgd's columns: another program's `runs` table
+        must not be read, or written to, as if it were ours."""
+        columns = self._sql.columns()
+        if not missing_ok and "runs" not in columns:
+            raise StoreError(f"{self.shown_url} holds no dsgd results (no table 'runs')")
+        for table, expected in TABLE_COLUMNS.items():
+            if table not in columns:
+                continue
+            lacking = [column for column in expected if column not in columns[table]]
+            if lacking:
+                more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+                raise StoreError(f"{self.shown_url} is not a dsgd results database: its table "
+                                 f"'{table}' lacks the columns "
+                                 f"{', '.join(map(repr, lacking[:3]))}{more}")
+        if "meta" in columns:
+            self._check_version(self._stored_version())
+        self.has_tags = "tags" in columns
+        self.has_checkpoints = "checkpoints" in columns
+
+    def _stored_version(self) -> int | None:
+        rows = self._sql.rows("SELECT value FROM meta WHERE key = 'schema_version'")
+        return schema_version(rows[0][0] if rows else None, self.shown_url)
+
+    def _check_version(self, version: int | None) -> None:
+        if version is not None and version > SCHEMA_VERSION:
+            raise StoreError(f"results database {self.shown_url} has schema version {version}, "
+                             f"newer than this dsgd understands ({SCHEMA_VERSION}); upgrade dsgd")
+
+    # -- runs --------------------------------------------------------------------------------
+
+    def runs(self, experiments: list[str] | None = None, last: int | None = None,
+             ids: list[int] | None = None, details: bool = True) -> list[RunRecord]:
+        """Runs, oldest first; `last` keeps the newest N; `experiments` filters by name (a
+        grid's base name matches all its points); `ids` by run id. Each run comes with its
+        tags. `details`: also each run's summaries, plugins and parameters; without them
+        thousands of runs load much faster (`finals` gives their metrics)."""
+        conditions, params = [], {}
+        if ids is not None:
+            ids = [i for i in ids if 0 < i <= MAX_ID]
+            if not ids:
+                return []
+            conditions.append(_in_list("id", ids, params))
+        if experiments:
+            alternatives = []
+            for index, name in enumerate(experiments):
+                params[f"name{index}"], params[f"point{index}"] = name, f"{name}[%"
+                alternatives.append(f"experiment = :name{index} OR experiment LIKE :point{index}")
+            conditions.append(" OR ".join(f"({a})" for a in alternatives))
+        sql = f"SELECT {', '.join(RUN_FIELDS)} FROM runs"
+        if conditions:
+            sql += " WHERE " + " AND ".join(f"({c})" for c in conditions)
+        sql += " ORDER BY id DESC"
+        if last:
+            sql += " LIMIT :last"
+            params["last"] = last
+        runs = [_run(row) for row in reversed(self._sql.rows(sql, params))]
+        self._attach(runs, details)
+        return runs
+
+    def get_run(self, run_id: int) -> RunRecord | None:
+        """The run with its details, or None (also for an id no database integer can hold)."""
+        found = self.runs(ids=[run_id]) if 0 < run_id <= MAX_ID else []
+        return found[0] if found else None
+
+    def _attach(self, runs: list[RunRecord], details: bool) -> None:
+        """Give each run its tags and, with `details`, its parameters, plugins and summaries."""
+        by_id = {run.id: run for run in runs}
+        if self.has_tags:
+            for run_id, tag in self._for_runs("SELECT run_id, tag FROM tags", by_id, "tag"):
+                by_id[run_id].tag_names.append(tag)
+        if not details:
+            return
+        for run_id, key, value in self._for_runs("SELECT run_id, key, value FROM params",
+                                                 by_id, "key"):
+            by_id[run_id].params.append(ParamRecord(key, value))
+        for run_id, *plugin in self._for_runs(
+                "SELECT run_id, kind, name, distribution, version FROM plugin_versions", by_id, "kind"):
+            by_id[run_id].plugins.append(PluginRecord(*plugin))
+        for run_id, *summary in self._for_runs("SELECT run_id, name, final, best FROM summaries",
+                                               by_id, "name"):
+            by_id[run_id].summaries.append(SummaryRecord(*summary))
+
+    def _for_runs(self, select: str, run_ids: Iterable[int], order: str) -> Iterator[tuple]:
+        """The rows of `select` (whose first column is run_id) that belong to `run_ids`, in
+        order of `order` within each run."""
+        wanted = set(run_ids)
+        if not wanted:
+            return
+        params: dict[str, Any] = {}
+        where = f" WHERE {_in_list('run_id', sorted(wanted), params)}" if len(wanted) <= IN_LIST_LIMIT else ""
+        for row in self._sql.rows(f"{select}{where} ORDER BY run_id, {order}", params):
+            if row[0] in wanted:
+                yield row
+
+    def finals(self, run_ids: list[int]) -> dict[int, dict[str, float]]:
+        """The final value of every metric of the runs, by run id and metric name."""
+        finals: dict[int, dict[str, float]] = defaultdict(dict)
+        for run_id, name, final in self._for_runs("SELECT run_id, name, final FROM summaries",
+                                                  run_ids, "name"):
+            finals[run_id][name] = final
+        return finals
+
+    # -- a run's other records ----------------------------------------------------------------
+
+    def checkpoint_dir(self, run_id: int) -> str | None:
+        """Where the run keeps its checkpoints (None: it keeps none, or the schema predates
+        them)."""
+        if not self.has_checkpoints:
+            return None
+        rows = self._sql.rows("SELECT directory FROM checkpoints WHERE run_id = :run_id",
+                              {"run_id": run_id})
+        return rows[0][0] if rows else None
+
+    def resumes(self, run_id: int) -> list[dict]:
+        """When the run resumed from which step: [{"at": ISO time, "step": step}, ...]."""
+        if not self.has_checkpoints:
+            return []
+        rows = self._sql.rows("SELECT resumes FROM checkpoints WHERE run_id = :run_id",
+                              {"run_id": run_id})
+        return (_json(rows[0][0]) or []) if rows else []
+
+    def metric_history(self, run_id: int, name: str) -> list[Record]:
+        """A metric's records for the run, in the order they were recorded."""
+        rows = self._sql.rows("SELECT step, epoch, rank, seconds, value FROM metrics "
+                              "WHERE run_id = :run_id AND name = :name ORDER BY id",
+                              {"run_id": run_id, "name": name})
+        return [Record(*row) for row in rows]
+
+    def count_metrics(self, run_id: int) -> int:
+        """How many metric records a run holds, counted by the database. No command needs it;
+        the tests do, to check what a run recorded on SQLite and PostgreSQL alike and to poll
+        a run that is still writing, without depending on the table layout."""
+        return self._sql.rows("SELECT count(*) FROM metrics WHERE run_id = :run_id",
+                              {"run_id": run_id})[0][0]
+
+
+def schema_version(value: str | None, shown_url: str) -> int | None:
+    """The schema version `meta` holds (None: none yet)."""
+    if value is None:
+        return None
+    if not value.strip().isdigit():
+        raise StoreError(f"{shown_url} is not a dsgd results database: its schema version is "
+                         f"{value!r}")
+    return int(value)
+
+
+def _run(row: tuple) -> RunRecord:
+    values = dict(zip(RUN_FIELDS, row))
+    values["config"] = _json(values["config"])
+    values["started_at"] = _utc(values["started_at"])
+    values["ended_at"] = _utc(values["ended_at"])
+    return RunRecord(**values)
+
+
+def _in_list(column: str, values: list, params: dict[str, Any]) -> str:
+    """`column IN (:v0, :v1, ...)`, adding the values to `params`."""
+    start = len(params)
+    names = [f"v{start + index}" for index in range(len(values))]
+    params.update(zip(names, values))
+    return f"{column} IN ({', '.join(':' + name for name in names)})"
+
+
+def _json(value: Any) -> Any:
+    """A JSON column's value: SQLite gives its text, PostgreSQL's driver the decoded value."""
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def _utc(value: datetime | str | None) -> datetime | None:
+    """A stored time as an aware UTC datetime. SQLite holds the UTC time as text without an
+    offset; PostgreSQL's driver gives a datetime in its session's time zone."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+# -- the two ways in -----------------------------------------------------------------------------
+
+_SQLITE_FILE = re.compile(r"^sqlite:///([^?]+)$")
+
+
+def sqlite_path(url: str) -> str | None:
+    """The file of a plain `sqlite:///PATH` URL, else None (another database, an in-memory
+    one, or options that SQLAlchemy should interpret)."""
+    match = _SQLITE_FILE.match(url)
+    path = match.group(1) if match else None
+    return None if path in (None, ":memory:") else path
+
+
+class _SQLite:
+    """An SQLite file through the sqlite3 module, read-only."""
+
+    def __init__(self, path: str):
+        if not Path(path).is_file():
+            raise StoreError(f"no results database at {path} (`dsgd run` creates one)")
+        # A database in WAL mode needs its shared-memory file even to read; in a directory
+        # nobody may write to, no writer can exist either, so the file is opened as immutable.
+        mode = "mode=ro" if os.access(Path(path).parent, os.W_OK) else "immutable=1"
+        self.connection = sqlite3.connect(f"file:{quote(str(Path(path).resolve()))}?{mode}",
+                                          uri=True)
+
+    def rows(self, sql: str, params: dict[str, Any] | None = None) -> list[tuple]:
+        return self.connection.execute(sql, params or {}).fetchall()
+
+    def columns(self) -> dict[str, set[str]]:
+        tables = [name for (name,) in self.rows(
+            "SELECT name FROM sqlite_master WHERE type = 'table'")]
+        # Table names come from the database itself; quoted as SQLite identifiers.
+        return {table: {row[1] for row in self.rows(
+            'PRAGMA table_info("' + table.replace('"', '""') + '")')} for table in tables}
+
+
+class _Engine:
+    """Any database through an SQLAlchemy engine (PostgreSQL; SQLite given by another URL)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def rows(self, sql: str, params: dict[str, Any] | None = None) -> list[tuple]:
+        from sqlalchemy import text
+
+        with self.engine.connect() as connection:
+            return [tuple(row) for row in connection.execute(text(sql), params or {})]
+
+    def columns(self) -> dict[str, set[str]]:
+        from sqlalchemy import inspect
+
+        inspector = inspect(self.engine)
+        return {table: {column["name"] for column in inspector.get_columns(table)}
+                for table in inspector.get_table_names()}
+
+
+def _sqlalchemy_errors() -> tuple[type[Exception], ...]:
+    """SQLAlchemy's errors of opening a database, where SQLAlchemy is loaded (else none)."""
+    import sys
+
+    exc = sys.modules.get("sqlalchemy.exc")
+    return (exc.ArgumentError, exc.DatabaseError, exc.OperationalError) if exc else ()
+
+
+def _missing_driver(shown_url: str, error: ModuleNotFoundError) -> StoreError:
+    hint = "; pip install 'dsgd[postgres]'" if shown_url.startswith("postgres") else ""
+    return StoreError(f"cannot open results database {shown_url}: driver not installed "
+                      f"({error.name}{hint})")
+
+
+def without_password(url: str) -> str:
+    if url.startswith("sqlite"):
+        return url  # no user, no password
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return url
+    return parsed.render_as_string(hide_password=True) if parsed.password else url
+
+
+def one_line(reason: Exception | str) -> str:
+    """A driver's message on one line (PostgreSQL's add DETAIL and HINT lines)."""
+    return " ".join(str(reason).split())
