@@ -21,6 +21,7 @@ Public API
 ``sign_vote(packed_list_tensor, d, out=None) -> out``
 ``pack_codes(q, bits) -> packed``
 ``unpack_codes(packed, d, bits, out=None) -> q``
+``dequantize_add(norms, packed, bits, levels, bucket_size, out) -> out``
 ``code_bits(levels) -> bits``, ``packed_size(d, bits) -> bytes``
 ``topk(x, k) -> (indices, values)``
 ``randomk(x, k, seed) -> (indices, values)``
@@ -53,6 +54,7 @@ functions and signatures; ``_host``: host-side code both backends share
 
 from ._dispatch import (
     code_bits,
+    dequantize_add,
     pack_codes,
     packed_size,
     qsgd_dequantize,
@@ -79,6 +81,7 @@ __all__ = [
     "sign_pack",
     "sign_unpack",
     "sign_vote",
+    "dequantize_add",
     "pack_codes",
     "unpack_codes",
     "code_bits",

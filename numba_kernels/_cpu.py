@@ -424,85 +424,149 @@ def sign_vote(packed, out):
 
 _GROUPS = 8192  # groups of 8 codes per parallel work item
 
+# The packing kernels read the code width from the global BITS, which each copy made by
+# `_per_bits` fixes: numba compiles a global as a constant, so the loops over a group's bytes
+# and codes unroll into straight shifts. With the width a runtime argument they do not, and
+# unpacking 1.2M 6-bit codes took 3-5 times longer (benchmarks/RESULTS.md, 2026-11-23).
+BITS = 0  # never used as 0: every compiled copy has its own
 
-def _pack_codes_k(q, bits, out):
-    # Eight codes of `bits` bits fill exactly `bits` bytes, so each group of 8 is assembled in
-    # one int64 (two's complement truncated to `bits`) and stored as its low `bits` bytes.
-    mask = (1 << bits) - 1
+
+def _pack_codes_k(q, out):
+    # Eight codes of BITS bits fill exactly BITS bytes, so each group of 8 is assembled in
+    # one int64 (two's complement truncated to BITS) and stored as its low BITS bytes.
+    mask = (1 << BITS) - 1
     full = q.size // 8
     nch = (full + _GROUPS - 1) // _GROUPS
     for c in prange(nch):
         lo = c * _GROUPS
         hi = min(full, lo + _GROUPS)
         qs = q[8 * lo : 8 * hi]
-        os = out[bits * lo : bits * hi]
+        os = out[BITS * lo : BITS * hi]
         for g in range(hi - lo):
             word = 0
             for j in range(8):
-                word |= (np.int64(qs[8 * g + j]) & mask) << (bits * j)
-            for b in range(bits):
-                os[bits * g + b] = np.uint8((word >> (8 * b)) & 0xFF)
+                word |= (np.int64(qs[8 * g + j]) & mask) << (BITS * j)
+            for b in range(BITS):
+                os[BITS * g + b] = np.uint8((word >> (8 * b)) & 0xFF)
     rest = q[8 * full :]
     if rest.size:
         word = 0
         for j in range(rest.size):
-            word |= (np.int64(rest[j]) & mask) << (bits * j)
-        tail = out[bits * full :]
+            word |= (np.int64(rest[j]) & mask) << (BITS * j)
+        tail = out[BITS * full :]
         for b in range(tail.size):
             tail[b] = np.uint8((word >> (8 * b)) & 0xFF)
 
 
-def _unpack_codes_k(packed, bits, q):
-    # Sign extension without a branch: c - 2·(c & 2^(bits-1)) maps [0, 2^bits) back to
-    # [-2^(bits-1), 2^(bits-1)).
-    mask = (1 << bits) - 1
-    half = 1 << (bits - 1)
+def _unpack_codes_k(packed, q):
+    # Sign extension without a branch: c - 2·(c & 2^(BITS-1)) maps [0, 2^BITS) back to
+    # [-2^(BITS-1), 2^(BITS-1)).
+    mask = (1 << BITS) - 1
+    half = 1 << (BITS - 1)
     full = q.size // 8
     nch = (full + _GROUPS - 1) // _GROUPS
     for c in prange(nch):
         lo = c * _GROUPS
         hi = min(full, lo + _GROUPS)
-        ps = packed[bits * lo : bits * hi]
+        ps = packed[BITS * lo : BITS * hi]
         qs = q[8 * lo : 8 * hi]
         for g in range(hi - lo):
             word = 0
-            for b in range(bits):
-                word |= np.int64(ps[bits * g + b]) << (8 * b)
+            for b in range(BITS):
+                word |= np.int64(ps[BITS * g + b]) << (8 * b)
             for j in range(8):
-                code = (word >> (bits * j)) & mask
+                code = (word >> (BITS * j)) & mask
                 qs[8 * g + j] = np.int8(code - ((code & half) << 1))
     rest = q[8 * full :]
     if rest.size:
-        tail = packed[bits * full :]
+        tail = packed[BITS * full :]
         word = 0
         for b in range(tail.size):
             word |= np.int64(tail[b]) << (8 * b)
         for j in range(rest.size):
-            code = (word >> (bits * j)) & mask
+            code = (word >> (BITS * j)) & mask
             rest[j] = np.int8(code - ((code & half) << 1))
 
 
-_pack_codes_p, _pack_codes_s = _twins(_pack_codes_k)
-_unpack_codes_p, _unpack_codes_s = _twins(_unpack_codes_k)
+def _dequantize_add_k(norms, packed, levels, bs, nsub, sub, out):
+    # out += code * float32(norm / levels), each code unpacked where it is added: the same
+    # float32 products and sums as unpacking, dequantizing and adding in three passes, read
+    # and written once. Buckets and their pieces start at multiples of 8 elements, so a
+    # piece holds whole groups of 8 codes (BITS bytes each); only the tensor's end may cut
+    # its last group short.
+    mask = (1 << BITS) - 1
+    half = 1 << (BITS - 1)
+    d = out.size
+    flev = np.float32(levels)
+    for t in prange(norms.size * nsub):
+        b = t // nsub
+        s = t - b * nsub
+        lo = min(d, b * bs + s * sub)
+        hi = min(lo + sub, min(b * bs + bs, d))
+        sc = norms[b] / flev
+        full = (hi - lo) // 8
+        g0 = lo // 8
+        ps = packed[BITS * g0 : BITS * (g0 + full)]
+        os = out[lo : lo + 8 * full]
+        for g in range(full):
+            word = 0
+            for k in range(BITS):
+                word |= np.int64(ps[BITS * g + k]) << (8 * k)
+            for j in range(8):
+                code = (word >> (BITS * j)) & mask
+                os[8 * g + j] += np.float32(code - ((code & half) << 1)) * sc
+        rest = out[lo + 8 * full : hi]
+        if rest.size:
+            tail = packed[BITS * (g0 + full) :]
+            word = 0
+            for k in range(min(BITS, tail.size)):
+                word |= np.int64(tail[k]) << (8 * k)
+            for j in range(rest.size):
+                code = (word >> (BITS * j)) & mask
+                rest[j] += np.float32(code - ((code & half) << 1)) * sc
+
+
+def _per_bits(fn):
+    """{bits: (parallel, serial) dispatchers of `fn` with the global BITS = bits} for 1 to 8
+    bits. Each copy has its own qualified name, so that numba caches each apart."""
+    twins = {}
+    for bits in range(1, 9):
+        name = f"{fn.__name__}_{bits}bits"
+        copy = types.FunctionType(fn.__code__, {**fn.__globals__, "BITS": bits}, name,
+                                  fn.__defaults__, fn.__closure__)
+        copy.__qualname__ = f"{fn.__qualname__}_{bits}bits"
+        copy.__module__ = fn.__module__
+        twins[bits] = _twins(copy)
+    return twins
+
+
+_PACK_CODES = _per_bits(_pack_codes_k)
+_UNPACK_CODES = _per_bits(_unpack_codes_k)
+_DEQUANTIZE_ADD = _per_bits(_dequantize_add_k)
 
 
 @_entry
-@njit(cache=True)
 def pack_codes(q, bits, out):
     """out: the codes' low `bits` bits as one little-endian bit stream."""
-    if q.size > CHUNK:
-        _pack_codes_p(q, bits, out)
-    else:
-        _pack_codes_s(q, bits, out)
+    parallel, serial = _PACK_CODES[bits]
+    (parallel if q.size > CHUNK else serial)(q, out)
 
 
 @_entry
-@njit(cache=True)
 def unpack_codes(packed, bits, q):
-    if q.size > CHUNK:
-        _unpack_codes_p(packed, bits, q)
-    else:
-        _unpack_codes_s(packed, bits, q)
+    parallel, serial = _UNPACK_CODES[bits]
+    (parallel if q.size > CHUNK else serial)(packed, q)
+
+
+@_entry
+def dequantize_add(norms, packed, bits, levels, bs, out):
+    """out += unpacked code * float32(norm of its bucket / levels); ``bs`` is a multiple of 8
+    or the whole tensor."""
+    nsub, sub = split(bs, CHUNK)
+    sub = (sub + 7) // 8 * 8  # pieces of whole groups
+    nsub = (bs + sub - 1) // sub
+    parallel, serial = _DEQUANTIZE_ADD[bits]
+    (parallel if out.size > CHUNK else serial)(norms, packed, levels, bs, nsub, sub, out)
 
 
 # ---------------------------------------------------------------------------

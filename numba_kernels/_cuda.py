@@ -481,6 +481,25 @@ def _k_unpack_codes(packed, bits, q):
         g += stride
 
 
+@cuda.jit
+def _k_dequantize_add(norms, packed, bits, levels, bs, out):
+    g = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    mask = (1 << bits) - 1
+    half = 1 << (bits - 1)
+    flev = np.float32(levels)
+    ngroups = (out.size + 7) // 8
+    while g < ngroups:
+        word = 0
+        for b in range(min(bits, packed.size - bits * g)):
+            word |= np.int64(packed[bits * g + b]) << (8 * b)
+        for j in range(min(8, out.size - 8 * g)):
+            i = 8 * g + j
+            code = (word >> (bits * j)) & mask
+            out[i] += np.float32(code - ((code & half) << 1)) * (norms[i // bs] / flev)
+        g += stride
+
+
 @_entry
 def pack_codes(q, bits, out, stream, alloc):
     _k_pack_codes[_grid((q.size + 7) // 8), TPB, stream](q, bits, out)
@@ -489,6 +508,11 @@ def pack_codes(q, bits, out, stream, alloc):
 @_entry
 def unpack_codes(packed, bits, q, stream, alloc):
     _k_unpack_codes[_grid((q.size + 7) // 8), TPB, stream](packed, bits, q)
+
+
+@_entry
+def dequantize_add(norms, packed, bits, levels, bs, out, stream, alloc):
+    _k_dequantize_add[_grid((out.size + 7) // 8), TPB, stream](norms, packed, bits, levels, bs, out)
 
 
 # ---------------------------------------------------------------------------

@@ -298,6 +298,36 @@ def unpack_codes(packed, d: int, bits: int, out=None):
     return result
 
 
+def dequantize_add(norms, packed, bits: int, levels: int, bucket_size: int, out):
+    """``out += dequantized codes``, from a packed payload: ``out[k] += code_k * (norm_b /
+    levels)`` with the codes of :func:`pack_codes` (``bits`` bits) and ``norm_b`` the float32
+    scale of element k's bucket. Returns ``out``. The same float32 arithmetic as
+    ``out += qsgd_dequantize(norms, unpack_codes(packed, d, bits), levels, bucket_size)``,
+    in one pass; TernGrad's ``scale * t`` is the case of 1 level and one bucket."""
+    packed = _flat(packed, "packed", torch.uint8)
+    norms = _flat(norms, "norms", torch.float32)
+    bits = _check_bits(bits)
+    levels = _check_levels(levels)
+    if not (out.dtype == torch.float32 and out.is_contiguous()):
+        raise ValueError("out must be a contiguous float32 tensor")
+    flat_out = out.view(-1)
+    _same_device(flat_out, packed, "packed")
+    _same_device(flat_out, norms, "norms")
+    d = flat_out.numel()
+    if packed.numel() != _host.packed_bytes(d, bits):
+        raise ValueError(f"packed has {packed.numel()} bytes, expected {_host.packed_bytes(d, bits)}")
+    nb, bs = _buckets(d, bucket_size)
+    if norms.numel() != nb:
+        raise ValueError(f"norms has {norms.numel()} elements, expected {nb} buckets")
+    if not d:
+        return out
+    if nb == 1 or bs % 8 == 0:  # buckets of whole groups of 8 codes: one fused pass
+        _backend(packed).dequantize_add(norms, packed, bits, levels, bs, flat_out)
+    else:
+        flat_out += qsgd_dequantize(norms, unpack_codes(packed, d, bits), levels, bucket_size)
+    return out
+
+
 # ---------------------------------------------------------------------------
 # sparsification
 # ---------------------------------------------------------------------------

@@ -330,3 +330,20 @@ def test_stochastic_compressors_are_unbiased(name, options):
     # each coordinate's estimator has variance at most (scale·|v|)²-ish; 6 standard errors
     bound = 6 * (v.abs().max() * (50 / 12.5 if name == "randomk" else 2)) / trials**0.5
     assert float((mean - v.double()).abs().max()) < float(bound)
+
+
+@pytest.mark.parametrize("name", ["qsgd", "dqsgd", "terngrad", "topk"])
+def test_decoding_into_the_sum_is_the_sum_of_the_decompressions(name):
+    """These compressors add each gathered payload into the average where it is decoded
+    (packed codes, sparse entries) instead of decompressing it to a dense tensor first: the
+    result is bit for bit the generic `Compressor.combine`."""
+    from dsgd_cli.api import Compressor
+
+    for shape in [(300, 70), (7,), (1,)]:
+        like = torch.zeros(shape)
+        payloads = [make(name, rank=rank).compress(
+            torch.randn(shape, generator=torch.Generator().manual_seed(rank)), "w", 1)
+            for rank in range(4)]
+        combined = make(name).combine(payloads, like)
+        assert torch.equal(combined, Compressor.combine(make(name), payloads, like))
+        assert combined.shape == like.shape and combined.dtype == like.dtype

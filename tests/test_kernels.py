@@ -291,6 +291,41 @@ def test_code_bits_hold_every_quantization_level(levels, bits):
     assert torch.equal(nk.unpack_codes(nk.pack_codes(q, bits), q.numel(), bits), q)
 
 
+@pytest.mark.parametrize("d", SIZES + [70_001, 300_000])
+@pytest.mark.parametrize("bucket_size", [0, 8, 512, 70_000, 100, 7])
+@pytest.mark.parametrize("levels", [1, 3, 16, 127])
+def test_dequantize_add_is_the_three_passes_in_one(d, bucket_size, levels):
+    """out += codes · (norm / levels), decoded from the packed stream: bit for bit what
+    unpacking, dequantizing and adding give (buckets of whole groups of 8 codes take the
+    fused kernel, the others those three passes)."""
+    bits = nk.code_bits(levels)
+    x = torch.randn(d, generator=torch.Generator().manual_seed(d + levels))
+    norms, q = nk.qsgd_quantize(x, levels, bucket_size, 11)
+    base = torch.randn(d, generator=torch.Generator().manual_seed(bucket_size))
+    expected = base + nk.qsgd_dequantize(norms, q, levels, bucket_size)
+    out = base.clone()
+    assert nk.dequantize_add(norms, nk.pack_codes(q, bits), bits, levels, bucket_size, out) is out
+    assert torch.equal(out, expected)
+
+
+def test_dequantize_add_decodes_terngrad_as_one_level_one_bucket():
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(2))
+    scale, ternary = nk.terngrad_quantize(x, 9)
+    out = torch.ones(100_003)
+    nk.dequantize_add(scale, nk.pack_codes(ternary, 2), 2, 1, 0, out)
+    assert torch.equal(out, 1 + nk.terngrad_dequantize(scale, ternary))
+
+
+def test_dequantize_add_validation():
+    packed = nk.pack_codes(torch.zeros(16, dtype=torch.int8), 6)
+    with pytest.raises(ValueError, match="expected 2 buckets"):
+        nk.dequantize_add(torch.ones(3), packed, 6, 16, 8, torch.zeros(16))
+    with pytest.raises(ValueError, match="expected 9"):
+        nk.dequantize_add(torch.ones(1), packed, 6, 16, 0, torch.zeros(12))
+    with pytest.raises(ValueError, match="float32"):
+        nk.dequantize_add(torch.ones(1), packed, 6, 16, 0, torch.zeros(16, dtype=torch.float64))
+
+
 def test_pack_codes_rejects_bad_widths_and_sizes():
     with pytest.raises(ValueError, match="bits must be in"):
         nk.pack_codes(torch.zeros(3, dtype=torch.int8), 9)

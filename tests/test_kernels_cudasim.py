@@ -199,6 +199,20 @@ def pack_codes_matches_cpu():
 
 
 @check
+def dequantize_add_matches_cpu():
+    for levels, d, bs in ((16, 1003, 512), (16, 100, 8), (3, 77, 0), (127, 530, 104), (1, 45, 0)):
+        bits = nk.code_bits(levels)
+        norms, q = nk.qsgd_quantize(T(rand(d, levels)), levels, bs, 7)
+        packed = nk.pack_codes(q, bits)
+        base = rand(d, d)
+        cpu = nk.dequantize_add(norms, packed, bits, levels, bs, T(base.copy())).numpy()
+        nb, size = _host.buckets(d, bs)
+        out = base.copy()
+        C.dequantize_add(norms, packed, bits, levels, size, T(out))
+        np.testing.assert_array_equal(out, cpu)
+
+
+@check
 def scatter_gather():
     rng = np.random.default_rng(1)
     d = 500
@@ -307,6 +321,7 @@ CHECKS = [
     "terngrad_matches_cpu",
     "sign_pack_unpack_vote",
     "pack_codes_matches_cpu",
+    "dequantize_add_matches_cpu",
     "scatter_gather",
     "weighted_sum",
     "topk_exact",
@@ -318,7 +333,7 @@ GROUPS = [
     ["qsgd_matches_cpu", "topk_exact", "sign_pack_unpack_vote", "pack_codes_matches_cpu",
      "terngrad_matches_cpu", "scatter_gather"],
     ["randomk_matches_cpu", "topk_sampled_threshold_and_retry", "rng_bit_identical",
-     "weighted_sum"],
+     "weighted_sum", "dequantize_add_matches_cpu"],
 ]
 assert sorted(sum(GROUPS, [])) == sorted(CHECKS)
 

@@ -29,13 +29,29 @@ def warm_up_kernels() -> None:
     x = torch.linspace(-1, 1, 16)
     nk.qsgd_dequantize(*nk.qsgd_quantize(x, 4, 8, 0), 4, 8)
     nk.terngrad_dequantize(*nk.terngrad_quantize(x, 0))
-    nk.unpack_codes(nk.pack_codes(torch.zeros(16, dtype=torch.int8), 2), 16, 2)
     packed = nk.sign_pack(x)
     nk.sign_unpack(packed, 16)
     nk.sign_vote(torch.stack([packed, packed]), 16)
     indices, values = nk.topk(x, 3)
     nk.scatter(indices, values, 16)
     nk.randomk(x, 3, 0)
+
+
+@cache
+def warm_up_codes(bits: int) -> None:
+    """Load the packing kernels of one code width (each width is compiled on its own)."""
+    packed = nk.pack_codes(torch.zeros(16, dtype=torch.int8), bits)
+    nk.unpack_codes(packed, 16, bits)
+    nk.dequantize_add(torch.ones(2), packed, bits, 1, 8, torch.zeros(16))
+
+
+def sum_of_codes(payloads, like: torch.Tensor, decode) -> torch.Tensor:
+    """The average of packed-code payloads: `decode(payload, total)` adds one payload's
+    values into the float32 `total`, unpacking its codes where they are added."""
+    total = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+    for payload in payloads:
+        decode(payload, total)
+    return total.div_(len(payloads)).to(like.dtype)
 
 
 class KernelCompressor(Compressor):

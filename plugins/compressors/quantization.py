@@ -14,7 +14,7 @@ import torch
 
 import numba_kernels as nk
 from dsgd_cli.api import Payload, option
-from plugins.compressors._common import KernelCompressor, tensor_seed
+from plugins.compressors._common import KernelCompressor, sum_of_codes, tensor_seed, warm_up_codes
 
 
 @dataclass
@@ -30,6 +30,10 @@ class QSGD(KernelCompressor):
     Options = QSGDOptions
     summable = False
 
+    def setup(self, ctx) -> None:
+        super().setup(ctx)
+        warm_up_codes(nk.code_bits(self.options.levels))
+
     def compress(self, tensor, key, step):
         seed = tensor_seed(self.ctx, key, step, per_worker=True)
         levels = self.options.levels
@@ -41,6 +45,15 @@ class QSGD(KernelCompressor):
         levels = self.options.levels
         q = nk.unpack_codes(packed, like.numel(), nk.code_bits(levels))
         return nk.qsgd_dequantize(norms, q, levels, self.options.bucket_size).view(like.shape)
+
+    def combine(self, payloads, like):
+        levels, bucket_size = self.options.levels, self.options.bucket_size
+
+        def decode(payload, total):
+            norms, packed = payload.tensors
+            nk.dequantize_add(norms, packed, nk.code_bits(levels), levels, bucket_size, total)
+
+        return sum_of_codes(payloads, like, decode)
 
 
 @dataclass
@@ -96,6 +109,15 @@ class DQSGD(KernelCompressor):
         q = nk.unpack_codes(packed, like.numel(), nk.code_bits(levels))
         return nk.qsgd_dequantize(norms, q, levels, self.options.bucket_size).view(like.shape)
 
+    def combine(self, payloads, like):
+        def decode(payload, total):
+            levels_tensor, norms, packed = payload.tensors
+            levels = int(levels_tensor[0])
+            nk.dequantize_add(norms, packed, nk.code_bits(levels), levels,
+                              self.options.bucket_size, total)
+
+        return sum_of_codes(payloads, like, decode)
+
 
 TERNARY_BITS = 2  # {-1, 0, 1} as 2-bit two's complement
 
@@ -104,6 +126,10 @@ class TernGrad(KernelCompressor):
     """`terngrad` (Wen et al., 2017): values in {−1, 0, 1} · max|v|, stochastic, unbiased."""
 
     summable = False
+
+    def setup(self, ctx) -> None:
+        super().setup(ctx)
+        warm_up_codes(TERNARY_BITS)
 
     def compress(self, tensor, key, step):
         seed = tensor_seed(self.ctx, key, step, per_worker=True)
@@ -114,3 +140,11 @@ class TernGrad(KernelCompressor):
         scale, packed = payload.tensors
         t = nk.unpack_codes(packed, like.numel(), TERNARY_BITS)
         return nk.terngrad_dequantize(scale, t).view(like.shape)
+
+    def combine(self, payloads, like):
+        # scale · t is QSGD's decoding with one level and one bucket
+        def decode(payload, total):
+            scale, packed = payload.tensors
+            nk.dequantize_add(scale, packed, TERNARY_BITS, 1, 0, total)
+
+        return sum_of_codes(payloads, like, decode)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 import numba_kernels as nk
 from dsgd_cli.api import Payload, option
 from plugins.compressors._common import KernelCompressor, tensor_seed
@@ -37,6 +39,14 @@ class TopK(KernelCompressor):
     def decompress(self, payload, like):
         indices, values = payload.tensors
         return nk.scatter(indices.long(), values, like.numel()).view(like.shape)
+
+    def combine(self, payloads, like):
+        # Each worker's k entries are added where they belong, not as a dense tensor each.
+        total = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
+        for payload in payloads:
+            indices, values = payload.tensors
+            nk.scatter(indices.long(), values, like.numel(), out=total, accumulate=True)
+        return total.div_(len(payloads)).view(like.shape).to(like.dtype)
 
 
 @dataclass
