@@ -106,7 +106,7 @@ def known_keys(runs: list[RunRecord]) -> set[str]:
 
 def check_keys(keys: list[str], runs: list[RunRecord], option: str) -> None:
     """A key no run has is a typo: say so rather than select nothing."""
-    if not runs:
+    if not runs or not keys:
         return
     known = known_keys(runs)
     for key in keys:

@@ -112,7 +112,7 @@ class RunRecord:
     compressor: str
     optimizer: str
     workers: int
-    config: dict
+    config_json: str | dict  # as stored: SQLite gives the text, PostgreSQL's driver a dict
     dsgd_version: str
     host: str
     started_at: datetime
@@ -121,6 +121,12 @@ class RunRecord:
     params: list[ParamRecord] = field(default_factory=list)
     plugins: list[PluginRecord] = field(default_factory=list)
     summaries: list[SummaryRecord] = field(default_factory=list)
+
+    @cached_property
+    def config(self) -> dict:
+        """The run's whole configuration, decoded when first asked for (a table of thousands
+        of runs that shows no configuration key never decodes it)."""
+        return _json(self.config_json)
 
 
 # -- the reader ----------------------------------------------------------------------------------
@@ -301,7 +307,7 @@ def schema_version(value: str | None, shown_url: str) -> int | None:
 
 def _run(row: tuple) -> RunRecord:
     values = dict(zip(RUN_FIELDS, row))
-    values["config"] = _json(values["config"])
+    values["config_json"] = values.pop("config")
     values["started_at"] = _utc(values["started_at"])
     values["ended_at"] = _utc(values["ended_at"])
     return RunRecord(**values)

@@ -77,7 +77,9 @@ def compare(
         values = metrics + (list(TARGET_COLUMNS) if goal else [])
         rows = group_rows(runs, rows, keys, values)
     if baseline:
-        add_baseline(rows, baseline_values(store, store.runs(details=False), baseline))
+        # The baseline may be a run that --experiment left out.
+        candidates = store.runs(details=False) if experiment else recorded
+        add_baseline(rows, baseline_values(store, candidates, baseline))
     if sort:
         rows = sort_rows(rows, sort)
 
