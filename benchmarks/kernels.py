@@ -147,7 +147,9 @@ def cases(d, device):
     shifts = torch.arange(8, dtype=torch.uint8, device=device)
     byte_shifts = torch.arange(8, dtype=torch.int64, device=device)
     # codes as TernGrad (2 bits) and 16-level QSGD (6 bits) send them
-    code_cases = [(t, 2), (nk.qsgd_quantize(x, 16, BUCKET, 2)[1], nk.code_bits(16))]
+    # (codes, bits, their scales, levels, bucket size); TernGrad: one level, one bucket
+    qsgd16_norms, qsgd16 = nk.qsgd_quantize(x, 16, BUCKET, 2)
+    code_cases = [(t, 2, scale, 1, 0), (qsgd16, nk.code_bits(16), qsgd16_norms, 16, BUCKET)]
     out = torch.empty(d, device=device)
     idx, vals = nk.topk(x, k)
     xs = [torch.randn(d, device=device) for _ in range(N_AVG)]
@@ -190,15 +192,16 @@ def cases(d, device):
          lambda: nk.weighted_sum(xs, ws, out=out),
          lambda: torch_wsum(xs, ws)),
     ]
-    for codes, bits in code_cases:
-        rows += _code_cases(codes, bits, byte_shifts)
+    for codes in code_cases:
+        rows += _code_cases(*codes, byte_shifts, out)
     return rows
 
 
-def _code_cases(q, bits, byte_shifts):
+def _code_cases(q, bits, norms, levels, bucket, byte_shifts, out):
     d = q.numel()
     packed = nk.pack_codes(q, bits)
     q_out = torch.empty_like(q)
+    torch_bucket = bucket or d
     return [
         (f"pack_codes({bits} bit)", d, packed.numel(),
          lambda: nk.pack_codes(q, bits),
@@ -206,6 +209,11 @@ def _code_cases(q, bits, byte_shifts):
         (f"unpack_codes({bits} bit)", packed.numel(), d,
          lambda: nk.unpack_codes(packed, d, bits, out=q_out),
          lambda: torch_unpack_codes(packed, bits, byte_shifts)),
+        # out += decoded payload, as averaging gathered payloads does for each worker
+        (f"dequantize_add({bits} bit)", packed.numel() + 4 * d, 4 * d,
+         lambda: nk.dequantize_add(norms, packed, bits, levels, bucket, out),
+         lambda: out.add_(torch_qsgd_dequant(norms, torch_unpack_codes(packed, bits, byte_shifts),
+                                             levels, torch_bucket))),
     ]
 
 
