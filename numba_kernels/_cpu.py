@@ -85,6 +85,15 @@ def _exclusive_cumsum(counts):
 # ---------------------------------------------------------------------------
 
 
+@njit(cache=True, inline="always")
+def _piece(t, nsub, sub, bs, d):
+    """Piece ``t`` of the buckets of ``bs`` elements, each cut in ``nsub`` pieces of ``sub``:
+    its bucket and its element range [lo, hi)."""
+    b = t // nsub
+    lo = min(d, b * bs + (t - b * nsub) * sub)
+    return b, lo, min(lo + sub, min(b * bs + bs, d))
+
+
 @njit(cache=True, fastmath=True)
 def _sumsq(xs):
     acc = 0.0
@@ -136,20 +145,14 @@ def _qsgd_fused_k(x, levels, bs, key, norms, q):
 def _sqsums_k(x, bs, nsub, sub, partial):
     d = x.size
     for t in prange(partial.size):
-        b = t // nsub
-        s = t - b * nsub
-        lo = min(d, b * bs + s * sub)
-        hi = min(lo + sub, min(b * bs + bs, d))
+        b, lo, hi = _piece(t, nsub, sub, bs, d)
         partial[t] = _sumsq(x[lo:hi])
 
 
 def _qsgd_tasks_k(x, norms, levels, bs, nsub, sub, key, q):
     d = x.size
     for t in prange(norms.size * nsub):
-        b = t // nsub
-        s = t - b * nsub
-        lo = min(d, b * bs + s * sub)
-        hi = min(lo + sub, min(b * bs + bs, d))
+        b, lo, hi = _piece(t, nsub, sub, bs, d)
         _quantize_run(x[lo:hi], q[lo:hi], lo, _qscale(norms[b], levels), levels, key)
 
 
@@ -157,10 +160,7 @@ def _qsgd_dequant_k(norms, q, levels, bs, nsub, sub, out):
     d = q.size
     flev = np.float32(levels)
     for t in prange(norms.size * nsub):
-        b = t // nsub
-        s = t - b * nsub
-        lo = min(d, b * bs + s * sub)
-        hi = min(lo + sub, min(b * bs + bs, d))
+        b, lo, hi = _piece(t, nsub, sub, bs, d)
         sc = norms[b] / flev
         qs = q[lo:hi]
         os = out[lo:hi]
@@ -499,10 +499,7 @@ def _dequantize_add_k(norms, packed, levels, bs, nsub, sub, out):
     d = out.size
     flev = np.float32(levels)
     for t in prange(norms.size * nsub):
-        b = t // nsub
-        s = t - b * nsub
-        lo = min(d, b * bs + s * sub)
-        hi = min(lo + sub, min(b * bs + bs, d))
+        b, lo, hi = _piece(t, nsub, sub, bs, d)
         sc = norms[b] / flev
         full = (hi - lo) // 8
         g0 = lo // 8
