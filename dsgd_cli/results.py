@@ -141,14 +141,14 @@ class Results:
         self.shown_url = without_password(self.url)  # for messages
         path = sqlite_path(self.url)
         try:
-            self._sql = _SQLite(path) if path is not None else _Engine(self.engine)
+            self._sql = SQLiteReader(path) if path is not None else EngineReader(self.engine)
             self._check_schema(missing_ok=False)
         except (sqlite3.Error, *_sqlalchemy_errors()) as error:
             reason = getattr(error, "orig", None) or error
             raise StoreError(f"cannot open results database {self.shown_url}: "
                              f"{one_line(reason)}") from None
         except ModuleNotFoundError as error:
-            raise _missing_driver(self.shown_url, error) from None
+            raise missing_driver_error(self.shown_url, error) from None
 
     @cached_property
     def engine(self):
@@ -349,7 +349,7 @@ def sqlite_path(url: str) -> str | None:
     return None if path in (None, ":memory:") else path
 
 
-class _SQLite:
+class SQLiteReader:
     """An SQLite file through the sqlite3 module, read-only."""
 
     def __init__(self, path: str):
@@ -372,7 +372,7 @@ class _SQLite:
             'PRAGMA table_info("' + table.replace('"', '""') + '")')} for table in tables}
 
 
-class _Engine:
+class EngineReader:
     """Any database through an SQLAlchemy engine (PostgreSQL; SQLite given by another URL)."""
 
     def __init__(self, engine):
@@ -400,7 +400,7 @@ def _sqlalchemy_errors() -> tuple[type[Exception], ...]:
     return (exc.ArgumentError, exc.DatabaseError, exc.OperationalError) if exc else ()
 
 
-def _missing_driver(shown_url: str, error: ModuleNotFoundError) -> StoreError:
+def missing_driver_error(shown_url: str, error: ModuleNotFoundError) -> StoreError:
     hint = "; pip install 'dsgd[postgres]'" if shown_url.startswith("postgres") else ""
     return StoreError(f"cannot open results database {shown_url}: driver not installed "
                       f"({error.name}{hint})")

@@ -33,8 +33,8 @@ from sqlalchemy.types import TypeDecorator
 
 from dsgd_cli import __version__
 from dsgd_cli.errors import StoreError
-from dsgd_cli.results import (MAX_ID, SCHEMA_VERSION, Results, _Engine, _missing_driver,
-                              flatten_config, higher_is_better, one_line, resolve_url,
+from dsgd_cli.results import (MAX_ID, SCHEMA_VERSION, EngineReader, Results, flatten_config,
+                              higher_is_better, missing_driver_error, one_line, resolve_url,
                               schema_version, without_password)
 
 MAX_TAG_LENGTH = 128
@@ -200,7 +200,7 @@ class Store(Results):
         self.shown_url = without_password(self.url)  # for messages
         try:
             self.engine = _engine(self.url, readonly=False)
-            self._sql = _Engine(self.engine)
+            self._sql = EngineReader(self.engine)
             self._check_schema(missing_ok=True)
             self._migrate()
             self.has_tags = self.has_checkpoints = True
@@ -209,7 +209,7 @@ class Store(Results):
             verb = "write to" if _read_only_error(error) else "open"
             raise StoreError(f"cannot {verb} results database {self.shown_url}: {one_line(reason)}") from None
         except ModuleNotFoundError as error:
-            raise _missing_driver(self.shown_url, error) from None
+            raise missing_driver_error(self.shown_url, error) from None
 
     def _migrate(self) -> None:
         """Create the schema of a new database, or upgrade an older one one version at a time,
