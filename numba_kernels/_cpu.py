@@ -422,12 +422,14 @@ def sign_vote(packed, out):
 # bit packing of small signed codes
 # ---------------------------------------------------------------------------
 
-_GROUPS = 8192  # groups of 8 codes per parallel work item
+_GROUPS = 8192  # groups of 8 codes per slice (slices start at 0: see the module notes)
 
 # The packing kernels read the code width from the global BITS, which each copy made by
 # `_per_bits` fixes: numba compiles a global as a constant, so the loops over a group's bytes
 # and codes unroll into straight shifts. With the width a runtime argument they do not, and
-# unpacking 1.2M 6-bit codes took 3-5 times longer (benchmarks/RESULTS.md, 2026-11-23).
+# unpacking 1.2M 6-bit codes took twice as long (benchmarks/RESULTS.md, 2026-11-23). Eight
+# widths make eight copies of each kernel, so these run serially, without a parallel twin
+# each: workers run one numba thread anyway, and every copy is compiled on first use.
 BITS = 0  # never used as 0: every compiled copy has its own
 
 
@@ -437,7 +439,7 @@ def _pack_codes_k(q, out):
     mask = (1 << BITS) - 1
     full = q.size // 8
     nch = (full + _GROUPS - 1) // _GROUPS
-    for c in prange(nch):
+    for c in range(nch):
         lo = c * _GROUPS
         hi = min(full, lo + _GROUPS)
         qs = q[8 * lo : 8 * hi]
@@ -465,7 +467,7 @@ def _unpack_codes_k(packed, q):
     half = 1 << (BITS - 1)
     full = q.size // 8
     nch = (full + _GROUPS - 1) // _GROUPS
-    for c in prange(nch):
+    for c in range(nch):
         lo = c * _GROUPS
         hi = min(full, lo + _GROUPS)
         ps = packed[BITS * lo : BITS * hi]
@@ -498,7 +500,7 @@ def _dequantize_add_k(norms, packed, levels, bs, nsub, sub, out):
     half = 1 << (BITS - 1)
     d = out.size
     flev = np.float32(levels)
-    for t in prange(norms.size * nsub):
+    for t in range(norms.size * nsub):
         b, lo, hi = _piece(t, nsub, sub, bs, d)
         sc = norms[b] / flev
         full = (hi - lo) // 8
@@ -524,17 +526,17 @@ def _dequantize_add_k(norms, packed, levels, bs, nsub, sub, out):
 
 
 def _per_bits(fn):
-    """{bits: (parallel, serial) dispatchers of `fn` with the global BITS = bits} for 1 to 8
-    bits. Each copy has its own qualified name, so that numba caches each apart."""
-    twins = {}
+    """{bits: numba dispatcher of `fn` with the global BITS = bits} for 1 to 8 bits. Each copy
+    has its own qualified name, so that numba caches each apart."""
+    copies = {}
     for bits in range(1, 9):
         name = f"{fn.__name__}_{bits}bits"
         copy = types.FunctionType(fn.__code__, {**fn.__globals__, "BITS": bits}, name,
                                   fn.__defaults__, fn.__closure__)
         copy.__qualname__ = f"{fn.__qualname__}_{bits}bits"
         copy.__module__ = fn.__module__
-        twins[bits] = _twins(copy)
-    return twins
+        copies[bits] = njit(cache=True)(copy)
+    return copies
 
 
 _PACK_CODES = _per_bits(_pack_codes_k)
@@ -545,14 +547,12 @@ _DEQUANTIZE_ADD = _per_bits(_dequantize_add_k)
 @_entry
 def pack_codes(q, bits, out):
     """out: the codes' low `bits` bits as one little-endian bit stream."""
-    parallel, serial = _PACK_CODES[bits]
-    (parallel if q.size > CHUNK else serial)(q, out)
+    _PACK_CODES[bits](q, out)
 
 
 @_entry
 def unpack_codes(packed, bits, q):
-    parallel, serial = _UNPACK_CODES[bits]
-    (parallel if q.size > CHUNK else serial)(packed, q)
+    _UNPACK_CODES[bits](packed, q)
 
 
 @_entry
@@ -562,8 +562,7 @@ def dequantize_add(norms, packed, bits, levels, bs, out):
     nsub, sub = split(bs, CHUNK)
     sub = (sub + 7) // 8 * 8  # pieces of whole groups
     nsub = (bs + sub - 1) // sub
-    parallel, serial = _DEQUANTIZE_ADD[bits]
-    (parallel if out.size > CHUNK else serial)(norms, packed, levels, bs, nsub, sub, out)
+    _DEQUANTIZE_ADD[bits](norms, packed, levels, bs, nsub, sub, out)
 
 
 # ---------------------------------------------------------------------------
