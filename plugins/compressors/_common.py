@@ -22,16 +22,29 @@ def tensor_seed(ctx, key: str, step: int, per_worker: bool) -> int:
     return derive_seed(*parts)
 
 
+# Warm-ups: each compressor loads the kernels it uses once per process (compiling them where
+# numba's cache is empty), so that its first training step's time is not numba's start-up.
+
 @cache
-def warm_up_kernels() -> None:
-    """Load the compiled kernels once per process, so the first training step's time is not
-    numba's start-up."""
-    x = torch.linspace(-1, 1, 16)
-    nk.qsgd_dequantize(*nk.qsgd_quantize(x, 4, 8, 0), 4, 8)
-    nk.terngrad_dequantize(*nk.terngrad_quantize(x, 0))
-    packed = nk.sign_pack(x)
+def warm_up_quantization() -> None:
+    nk.qsgd_dequantize(*nk.qsgd_quantize(torch.linspace(-1, 1, 16), 4, 8, 0), 4, 8)
+
+
+@cache
+def warm_up_terngrad() -> None:
+    nk.terngrad_dequantize(*nk.terngrad_quantize(torch.linspace(-1, 1, 16), 0))
+
+
+@cache
+def warm_up_signs() -> None:
+    packed = nk.sign_pack(torch.linspace(-1, 1, 16))
     nk.sign_unpack(packed, 16)
     nk.sign_vote(torch.stack([packed, packed]), 16)
+
+
+@cache
+def warm_up_sparsification() -> None:
+    x = torch.linspace(-1, 1, 16)
     indices, values = nk.topk(x, 3)
     nk.scatter(indices, values, 16)
     nk.randomk(x, 3, 0)
@@ -59,4 +72,7 @@ class KernelCompressor(Compressor):
 
     def setup(self, ctx) -> None:
         super().setup(ctx)
-        warm_up_kernels()
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Load the kernels this compressor uses (the `warm_up_*` functions above)."""

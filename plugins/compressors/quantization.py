@@ -14,7 +14,8 @@ import torch
 
 import numba_kernels as nk
 from dsgd_cli.api import Payload, option
-from plugins.compressors._common import KernelCompressor, sum_of_codes, tensor_seed, warm_up_codes
+from plugins.compressors._common import (KernelCompressor, sum_of_codes, tensor_seed, warm_up_codes,
+                                        warm_up_quantization, warm_up_terngrad)
 
 
 @dataclass
@@ -30,8 +31,8 @@ class QSGD(KernelCompressor):
     Options = QSGDOptions
     summable = False
 
-    def setup(self, ctx) -> None:
-        super().setup(ctx)
+    def warm_up(self) -> None:
+        warm_up_quantization()
         warm_up_codes(nk.code_bits(self.options.levels))
 
     def compress(self, tensor, key, step):
@@ -86,6 +87,9 @@ class DQSGD(KernelCompressor):
     summable = False
     uniform_payload = False  # the packed codes' length follows each worker's levels
 
+    def warm_up(self) -> None:
+        warm_up_quantization()  # the packing kernels load per width, at a width's first use
+
     def choose_levels(self, v: torch.Tensor) -> int:
         budget = self.options.variance_budget * float(v.double().pow(2).sum())
         candidates = [2**i for i in range(int(math.log2(self.options.max_levels)) + 1)]
@@ -127,8 +131,8 @@ class TernGrad(KernelCompressor):
 
     summable = False
 
-    def setup(self, ctx) -> None:
-        super().setup(ctx)
+    def warm_up(self) -> None:
+        warm_up_terngrad()
         warm_up_codes(TERNARY_BITS)
 
     def compress(self, tensor, key, step):

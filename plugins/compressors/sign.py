@@ -9,7 +9,7 @@ import torch
 
 import numba_kernels as nk
 from dsgd_cli.api import Payload
-from plugins.compressors._common import KernelCompressor
+from plugins.compressors._common import KernelCompressor, warm_up_signs
 
 
 class Sign(KernelCompressor):
@@ -17,6 +17,9 @@ class Sign(KernelCompressor):
     majority vote, sign(Σ_i sign(v_i)), with magnitude 1 per element (use a small lr)."""
 
     summable = False
+
+    def warm_up(self) -> None:
+        warm_up_signs()
 
     def compress(self, tensor, key, step):
         return Payload([nk.sign_pack(tensor.reshape(-1))])
@@ -33,6 +36,9 @@ class EFSign(KernelCompressor):
     """`ef_sign` (Karimireddy et al., 2019): (‖v‖₁/d) · sign(v), always with error feedback."""
 
     summable = False
+
+    def warm_up(self) -> None:
+        warm_up_signs()
     requires_error_feedback = True
 
     def compress(self, tensor, key, step):
@@ -50,6 +56,9 @@ class OneBit(KernelCompressor):
     non-negative entries or the mean of the negative ones, by its sign; error feedback."""
 
     summable = False
+
+    def warm_up(self) -> None:
+        warm_up_signs()
     requires_error_feedback = True
 
     def compress(self, tensor, key, step):

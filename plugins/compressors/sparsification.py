@@ -9,7 +9,7 @@ import torch
 
 import numba_kernels as nk
 from dsgd_cli.api import Payload, option
-from plugins.compressors._common import KernelCompressor, tensor_seed
+from plugins.compressors._common import KernelCompressor, tensor_seed, warm_up_sparsification
 
 
 @dataclass
@@ -31,6 +31,9 @@ class TopK(KernelCompressor):
 
     Options = SparsityOptions
     summable = False
+
+    def warm_up(self) -> None:
+        warm_up_sparsification()
 
     def compress(self, tensor, key, step):
         indices, values = nk.topk(tensor.reshape(-1), kept(self.options.ratio, tensor.numel()))
@@ -62,6 +65,9 @@ class RandomK(KernelCompressor):
 
     Options = RandomKOptions
     summable = True
+
+    def warm_up(self) -> None:
+        warm_up_sparsification()
 
     def compress(self, tensor, key, step):
         flat = tensor.reshape(-1)
