@@ -220,7 +220,7 @@ class Results:
 
     def get_run(self, run_id: int) -> RunRecord | None:
         """The run with its details, or None (also for an id no database integer can hold)."""
-        found = self.runs(ids=[run_id]) if 0 < run_id <= MAX_ID else []
+        found = self.runs(ids=[run_id])
         return found[0] if found else None
 
     def _attach(self, runs: list[RunRecord], details: bool) -> None:
@@ -349,17 +349,22 @@ def sqlite_path(url: str) -> str | None:
     return None if path in (None, ":memory:") else path
 
 
+def read_only_uri(path: str) -> str:
+    """The SQLite URI filename that opens the database file at `path` read-only (for
+    `sqlite3.connect(..., uri=True)`); a StoreError when there is no such file."""
+    if not Path(path).is_file():
+        raise StoreError(f"no results database at {path} (`dsgd run` creates one)")
+    # A database in WAL mode needs its shared-memory file even to read; in a directory
+    # nobody may write to, no writer can exist either, so the file is opened as immutable.
+    mode = "mode=ro" if os.access(Path(path).parent, os.W_OK) else "immutable=1"
+    return f"file:{quote(str(Path(path).resolve()))}?{mode}"
+
+
 class SQLiteReader:
     """An SQLite file through the sqlite3 module, read-only."""
 
     def __init__(self, path: str):
-        if not Path(path).is_file():
-            raise StoreError(f"no results database at {path} (`dsgd run` creates one)")
-        # A database in WAL mode needs its shared-memory file even to read; in a directory
-        # nobody may write to, no writer can exist either, so the file is opened as immutable.
-        mode = "mode=ro" if os.access(Path(path).parent, os.W_OK) else "immutable=1"
-        self.connection = sqlite3.connect(f"file:{quote(str(Path(path).resolve()))}?{mode}",
-                                          uri=True)
+        self.connection = sqlite3.connect(read_only_uri(path), uri=True)
 
     def rows(self, sql: str, params: dict[str, Any] | None = None) -> list[tuple]:
         return self.connection.execute(sql, params or {}).fetchall()

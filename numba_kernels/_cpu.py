@@ -490,18 +490,19 @@ def _unpack_codes_k(packed, q):
             rest[j] = np.int8(code - ((code & half) << 1))
 
 
-def _dequantize_add_k(norms, packed, levels, bs, nsub, sub, out):
+def _dequantize_add_k(norms, packed, levels, bs, out):
     # out += code * float32(norm / levels), each code unpacked where it is added: the same
     # float32 products and sums as unpacking, dequantizing and adding in three passes, read
-    # and written once. Buckets and their pieces start at multiples of 8 elements, so a
-    # piece holds whole groups of 8 codes (BITS bytes each); only the tensor's end may cut
+    # and written once. Buckets start at multiples of 8 elements (or there is one), so a
+    # bucket holds whole groups of 8 codes (BITS bytes each); only the tensor's end may cut
     # its last group short.
     mask = (1 << BITS) - 1
     half = 1 << (BITS - 1)
     d = out.size
     flev = np.float32(levels)
-    for t in range(norms.size * nsub):
-        b, lo, hi = _piece(t, nsub, sub, bs, d)
+    for b in range(norms.size):
+        lo = b * bs
+        hi = min(d, lo + bs)
         sc = norms[b] / flev
         full = (hi - lo) // 8
         g0 = lo // 8
@@ -559,10 +560,7 @@ def unpack_codes(packed, bits, q):
 def dequantize_add(norms, packed, bits, levels, bs, out):
     """out += unpacked code * float32(norm of its bucket / levels); ``bs`` is a multiple of 8
     or the whole tensor."""
-    nsub, sub = split(bs, CHUNK)
-    sub = (sub + 7) // 8 * 8  # pieces of whole groups
-    nsub = (bs + sub - 1) // sub
-    _DEQUANTIZE_ADD[bits](norms, packed, levels, bs, nsub, sub, out)
+    _DEQUANTIZE_ADD[bits](norms, packed, levels, bs, out)
 
 
 # ---------------------------------------------------------------------------

@@ -58,13 +58,14 @@ def warm_up_codes(bits: int) -> None:
     nk.dequantize_add(torch.ones(2), packed, bits, 1, 8, torch.zeros(16))
 
 
-def sum_of_codes(payloads, like: torch.Tensor, decode) -> torch.Tensor:
-    """The average of packed-code payloads: `decode(payload, total)` adds one payload's
-    values into the float32 `total`, unpacking its codes where they are added."""
-    total = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+def decoded_average(payloads, like: torch.Tensor, add) -> torch.Tensor:
+    """The average of gathered payloads, each added into a flat float32 `total` by
+    `add(payload, total)` where it is decoded (packed codes, sparse entries), never first
+    decompressed to a dense tensor of its own."""
+    total = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
     for payload in payloads:
-        decode(payload, total)
-    return total.div_(len(payloads)).to(like.dtype)
+        add(payload, total)
+    return total.div_(len(payloads)).view(like.shape).to(like.dtype)
 
 
 class KernelCompressor(Compressor):

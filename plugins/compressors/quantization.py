@@ -14,7 +14,7 @@ import torch
 
 import numba_kernels as nk
 from dsgd_cli.api import Payload, option
-from plugins.compressors._common import (KernelCompressor, sum_of_codes, tensor_seed, warm_up_codes,
+from plugins.compressors._common import (KernelCompressor, decoded_average, tensor_seed, warm_up_codes,
                                         warm_up_quantization, warm_up_terngrad)
 
 
@@ -54,7 +54,7 @@ class QSGD(KernelCompressor):
             norms, packed = payload.tensors
             nk.dequantize_add(norms, packed, nk.code_bits(levels), levels, bucket_size, total)
 
-        return sum_of_codes(payloads, like, decode)
+        return decoded_average(payloads, like, decode)
 
 
 @dataclass
@@ -120,7 +120,7 @@ class DQSGD(KernelCompressor):
             nk.dequantize_add(norms, packed, nk.code_bits(levels), levels,
                               self.options.bucket_size, total)
 
-        return sum_of_codes(payloads, like, decode)
+        return decoded_average(payloads, like, decode)
 
 
 TERNARY_BITS = 2  # {-1, 0, 1} as 2-bit two's complement
@@ -151,4 +151,4 @@ class TernGrad(KernelCompressor):
             scale, packed = payload.tensors
             nk.dequantize_add(scale, packed, TERNARY_BITS, 1, 0, total)
 
-        return sum_of_codes(payloads, like, decode)
+        return decoded_average(payloads, like, decode)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 import numba_kernels as nk
 from dsgd_cli.api import Payload, option
-from plugins.compressors._common import KernelCompressor, tensor_seed, warm_up_sparsification
+from plugins.compressors._common import (KernelCompressor, decoded_average, tensor_seed,
+                                        warm_up_sparsification)
 
 
 @dataclass
@@ -44,12 +43,11 @@ class TopK(KernelCompressor):
         return nk.scatter(indices.long(), values, like.numel()).view(like.shape)
 
     def combine(self, payloads, like):
-        # Each worker's k entries are added where they belong, not as a dense tensor each.
-        total = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
-        for payload in payloads:
+        def add(payload, total):
             indices, values = payload.tensors
             nk.scatter(indices.long(), values, like.numel(), out=total, accumulate=True)
-        return total.div_(len(payloads)).view(like.shape).to(like.dtype)
+
+        return decoded_average(payloads, like, add)
 
 
 @dataclass
