@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket
 import sqlite3
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Iterable
 
 from sqlalchemy import (JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, or_,
@@ -34,8 +32,8 @@ from sqlalchemy.types import TypeDecorator
 from dsgd_cli import __version__
 from dsgd_cli.errors import StoreError
 from dsgd_cli.results import (MAX_ID, SCHEMA_VERSION, EngineReader, Results, flatten_config,
-                              higher_is_better, missing_driver_error, one_line, resolve_url,
-                              schema_version, without_password)
+                              higher_is_better, missing_driver_error, one_line, read_only_uri,
+                              resolve_url, schema_version, without_password)
 
 MAX_TAG_LENGTH = 128
 SQLITE_BUSY_TIMEOUT = 30  # seconds a writer waits for another's lock
@@ -393,13 +391,12 @@ def _engine(url: str, readonly: bool):
     path = make_url(url).database
     in_memory = path in (None, "", ":memory:")
     if readonly and not in_memory:
-        if not Path(path).is_file():
-            raise StoreError(f"no results database at {path} (`dsgd run` creates one)")
-        # SQLite's URI form opens the file read-only. A database in WAL mode needs its
-        # shared-memory file even to read; in a directory nobody may write to, no writer can
-        # exist either, so the file is opened as immutable instead.
-        mode = "mode=ro" if os.access(Path(path).parent, os.W_OK) else "immutable=1"
-        url = f"sqlite:///file:{Path(path).resolve()}?{mode}&uri=true"
+        # The reader's own read-only connection: an SQLite URI inside an SQLAlchemy URL would
+        # be decoded twice, and a file name with `#`, `?` or `%` would open another file.
+        uri = read_only_uri(path)
+        engine = create_engine("sqlite://", creator=lambda: sqlite3.connect(uri, uri=True))
+        event.listen(engine, "connect", _sqlite_pragmas(journal=False))
+        return engine
     # A writer waits up to 30 s for another's lock instead of failing at once.
     engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT})
     event.listen(engine, "connect", _sqlite_pragmas(journal=not readonly))

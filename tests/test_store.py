@@ -287,3 +287,19 @@ def test_reading_commands_load_neither_sqlalchemy_nor_torch(tmp_path, command):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "[]"
+
+
+def test_a_database_whose_file_name_looks_like_uri_syntax_is_read_as_it_is(tmp_path):
+    """`#`, `%` and `?` in the path are file name, not SQLite URI syntax, for the sqlite3 reader
+    and for the SQLAlchemy engine of the history queries alike."""
+    directory = tmp_path / "odd #1"
+    directory.mkdir()
+    db = directory / "r%41 ?.db"
+    fill(db)
+    assert [run.id for run in Results(str(db)).runs()] == [1, 2, 3]
+    target = dsgd("compare", "--db", str(db), "--target", "train_loss=0.9", "-f", "json")
+    assert target.returncode == 0, target.stderr
+    assert [row["steps_to_target"] for row in json.loads(target.stdout)] == [20, 20, 20]
+    export = dsgd("export", "1", "--db", str(db), "-m", "train_loss")
+    assert export.returncode == 0, export.stderr
+    assert len(export.stdout.splitlines()) == 1 + 4
