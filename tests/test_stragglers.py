@@ -154,11 +154,43 @@ def _scenario_dasgd(rank, n):
     return {"initial": initial, "models": models, "final": _flat(ctx.model)}
 
 
+DASGD_GRID = [(period, delay) for period in range(1, 5) for delay in range(6)]
+DASGD_GRID_STEPS = 16
+
+
+def _dasgd_accepts(period: int, delay: int) -> bool:
+    try:
+        DaSGD.Options(period=period, delay=delay)
+    except ValueError:
+        return False
+    return True
+
+
+def _scenario_dasgd_zero_gradients(rank, n):
+    """Every (period, delay) of DASGD_GRID that the options accept, run with zero gradients
+    from models that differ: only the averages move them."""
+    runs = {}
+    for period, delay in DASGD_GRID:
+        if not _dasgd_accepts(period, delay):
+            continue
+        ctx = _context(rank, n, lr=0.1)
+        aggregator = DaSGD(DaSGD.Options(period=period, delay=delay))
+        aggregator.setup(ctx)
+        models = [_flat(ctx.model)]
+        for step in range(DASGD_GRID_STEPS):
+            _step(aggregator, ctx, step, torch.zeros(3, dtype=torch.float64))
+            models.append(_flat(ctx.model))
+        aggregator.finish()
+        runs[period, delay] = models
+    return runs
+
+
 def _all_scenarios(rank, n):
     torch.set_num_threads(1)
     results = {}
     for name, scenario in [("backup", _scenario_backup), ("wagma", _scenario_wagma),
                            ("dasgd", _scenario_dasgd),
+                           ("dasgd_zero_gradients", _scenario_dasgd_zero_gradients),
                            ("lsgd_independent", _scenario_lsgd_independent)]:
         results[name] = scenario(rank, n)
         torch.distributed.barrier()
@@ -310,6 +342,47 @@ def test_dasgd_applies_the_average_from_delay_steps_before(spawned):
     for rank in range(WORKERS):
         torch.testing.assert_close(spawned[rank]["dasgd"]["final"], models[rank],
                                    rtol=1e-12, atol=1e-12)
+
+
+def _spread(models: list[torch.Tensor]) -> float:
+    """The largest difference between two workers' values of one parameter."""
+    stacked = torch.stack(models)
+    return float((stacked.max(dim=0).values - stacked.min(dim=0).values).max())
+
+
+def test_dasgd_accepts_exactly_the_delays_within_a_period():
+    accepted = {(period, delay) for period, delay in DASGD_GRID if _dasgd_accepts(period, delay)}
+    assert accepted == {(period, delay) for period, delay in DASGD_GRID if delay < period}
+    assert {(1, 0), (4, 0), (4, 3)} <= accepted  # the edges of the admissible range
+
+
+def test_dasgd_models_contract_for_every_accepted_period_and_delay(spawned):
+    """With zero gradients the spread between workers never grows, and the first applied
+    average (after step period - 1 + delay) makes the models agree."""
+    runs = [r["dasgd_zero_gradients"] for r in spawned]
+    assert set(runs[0]) == {(p, d) for p, d in DASGD_GRID if _dasgd_accepts(p, d)}
+    for (period, delay), _ in runs[0].items():
+        spreads = [_spread([r[period, delay][i] for r in runs])
+                   for i in range(DASGD_GRID_STEPS + 1)]
+        assert spreads[0] > 0.1
+        first_applied = period + delay  # models[i] is the model after step i - 1
+        for before, after in zip(spreads, spreads[1:]):
+            assert after <= before + 1e-12, (period, delay, spreads)
+        assert max(spreads[first_applied:]) < 1e-12, (period, delay, spreads)
+
+
+@pytest.mark.parametrize("period,delay", [(4, 4), (4, 5), (1, 1), (1, 2)])
+def test_dasgd_rejects_a_delay_of_a_period_or_more(tmp_path, period, delay):
+    spec = write_spec(tmp_path, f"""
+        experiments:
+          - {{name: a, task: logreg, aggregator: {{name: dasgd, period: {period}, delay: {delay}}}}}
+    """)
+    result = dsgd_in_process("run", str(spec), "--db", str(tmp_path / "r.db"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"dsgd: error: {spec}: experiments[0].aggregator: delay: expected a value < period "
+        f"({period}): an average is applied within its period, got {delay}")
+    assert not (tmp_path / "r.db").exists()
 
 
 # -- random stragglers ------------------------------------------------------------------------

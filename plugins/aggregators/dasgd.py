@@ -9,6 +9,12 @@ snapshot's part of the model, keeping the local progress made since:
 so communication hides behind `delay` steps of computation. With `delay: 0` the average is
 applied at once, which is `local_sgd` with the same period. Averages still in flight at the end
 of training are applied in `finish()`.
+
+As in the DaSGD paper, an average is applied within the period that started it: `delay <
+period`. The next snapshot then already contains the previous average, so the workers' models
+contract towards each other. With `delay >= period` averages would overlap, each one undoing
+corrections made after its snapshot, and the models stop agreeing (they swing or diverge even
+with zero gradients); the options reject it.
 """
 
 from __future__ import annotations
@@ -24,7 +30,13 @@ from dsgd_cli.api import Aggregator, AggregatorOptions, Handle, flatten, option,
 @dataclass
 class DaSGDOptions(AggregatorOptions):
     period: int = option(4, min=1, help="local steps between the starts of two averages (H)")
-    delay: int = option(1, min=0, help="steps between starting an average and applying it (d)")
+    delay: int = option(1, min=0, help="steps between starting an average and applying it "
+                                       "(d, less than period)")
+
+    def __post_init__(self):
+        if self.delay >= self.period:
+            raise ValueError(f"delay: expected a value < period ({self.period}): an average is "
+                             f"applied within its period, got {self.delay}")
 
 
 @dataclass
