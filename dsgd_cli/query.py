@@ -54,6 +54,12 @@ def parse_where(expression: str) -> Condition:
                         f"{', '.join(OPERATORS)} (e.g. workers>=4)")
     key, op, text = match.groups()
     op = "=" if op == "==" else op
+    if text[0] in "<>=!":  # `workers>>2`, `workers=>2`: not an operator this knows
+        raise DsgdError(f"--where {expression!r}: expected KEY OP VALUE with one OP, one of "
+                        f"{', '.join(OPERATORS)}, got {op!r} followed by {text[0]!r}")
+    if op in ("<", "<=", ">", ">=") and key != "tag" and not _is_number(parse_value(text)):
+        raise DsgdError(f"--where {expression!r}: {op} compares numbers: expected a number "
+                        f"after {op!r}, got {text!r}")
     if key == "tag":  # a tag is text, whatever it looks like (`tag=4`, `tag=true`)
         if op not in ("=", "!="):
             raise DsgdError(f"--where {expression!r}: a tag can only be compared with = or !=")

@@ -88,6 +88,26 @@ def test_malformed_questions_exit_2_in_one_line(db, args, message):
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("command", ["compare", "plot", "export"])
+@pytest.mark.parametrize("condition, message", [
+    ("workers>>2", "expected KEY OP VALUE with one OP, one of >=, <=, !=, =, >, <, got '>' "
+                   "followed by '>'"),
+    ("workers=>2", "got '=' followed by '>'"),
+    ("workers<>2", "got '<' followed by '>'"),
+    ("workers!==2", "got '!=' followed by '='"),
+    ("workers>two", "> compares numbers: expected a number after '>', got 'two'"),
+    ("optimizer.lr<=x", "<= compares numbers: expected a number after '<=', got 'x'"),
+])
+def test_a_malformed_where_exits_2_naming_the_condition(db, tmp_path, command, condition, message):
+    extra = {"plot": ["-o", str(tmp_path / "p.png")], "export": ["-o", str(tmp_path / "e.csv")]}
+    result = dsgd(command, "--db", str(db), "--where", condition, *extra.get(command, []))
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"dsgd: error: --where {condition!r}: "), result.stderr
+    assert message in result.stderr, result.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_groups_give_mean_and_sample_std_over_their_runs(db):
     rows = compare(db, "--by", "aggregator,compressor")
     assert [(r["aggregator"], r["compressor"], r["runs"]) for r in rows] == [
