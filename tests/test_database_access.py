@@ -4,11 +4,10 @@ refuses in one line before it launches anything."""
 
 from __future__ import annotations
 
-import importlib
+import ctypes
 import os
 import sqlite3
 import stat
-import tempfile
 import traceback
 from pathlib import Path
 
@@ -17,27 +16,12 @@ import pytest
 from conftest import dsgd, dsgd_in_process, write_spec
 from dsgd_cli.store import MetricRow, Store
 
-NOBODY = 65534
 SPEC = """
 experiments:
   - name: tiny
     task: {name: logreg}
     steps_per_epoch: 2
 """
-
-
-@pytest.fixture
-def shared_dir():
-    """A directory other users may enter (pytest's tmp_path is private to its owner)."""
-    directory = Path(tempfile.mkdtemp(prefix="dsgd-access-"))
-    directory.chmod(0o755)
-    yield directory
-    for path in directory.rglob("*"):
-        path.chmod(0o777)
-    directory.chmod(0o777)
-    for path in sorted(directory.rglob("*"), reverse=True):
-        path.unlink() if path.is_file() else path.rmdir()
-    directory.rmdir()
 
 
 def recorded_db(path: Path) -> Path:
@@ -53,22 +37,18 @@ def recorded_db(path: Path) -> Path:
 
 
 def dsgd_as_user_without_write_access(*args: str) -> tuple[int, str, str]:
-    """`dsgd ARGS` run in-process by a user who may not write where root could: as root
-    (CI), in a forked child that drops to `nobody`; otherwise as this user."""
+    """`dsgd ARGS` run in-process by a user whom file permissions stop from writing: as root
+    (CI), in a forked child that gives up the capability to override them; otherwise as this
+    user. The child stays root and keeps the capability to read and search every directory,
+    so it imports dsgd and its libraries wherever the checkout lives (a clone in a private
+    0700 directory too), and write permission bits bind it as they bind any user."""
     if os.geteuid() != 0:
         return _run_main(args)
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report (code, stdout, stderr) through the pipe, then leave
         try:
-            # Import what the command needs while it may: Python's own library may lie in a
-            # directory `nobody` cannot read (/root), and commands import lazily.
-            _run_main([args[0], "--help"])
-            for module in ("ctypes", "statistics", "dsgd_cli.analysis", "dsgd_cli.query",
-                           "dsgd_cli.launcher", "dsgd_cli.spec"):
-                importlib.import_module(module)
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            _drop_capability(CAP_DAC_OVERRIDE)
             code, out, err = _run_main(args)
         except BaseException:
             code, out, err = -1, "", traceback.format_exc()
@@ -84,6 +64,34 @@ def dsgd_as_user_without_write_access(*args: str) -> tuple[int, str, str]:
     return int(code), out, err
 
 
+CAP_DAC_OVERRIDE = 1  # linux/capability.h: bypass file read, write and execute permission checks
+_CAPABILITY_VERSION_3 = 0x20080522
+
+
+class _CapabilityHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapabilityData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+def _drop_capability(capability: int) -> None:
+    """Remove `capability` from this process's effective, permitted and inheritable sets
+    (capget/capset, version 3: two 32-bit words per set)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = _CapabilityHeader(_CAPABILITY_VERSION_3, 0)
+    data = (_CapabilityData * 2)()
+    if libc.capget(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget failed")
+    word, bit = divmod(capability, 32)
+    for name in ("effective", "permitted", "inheritable"):
+        setattr(data[word], name, getattr(data[word], name) & ~(1 << bit))
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset failed")
+
+
 def _run_main(args) -> tuple[int, str, str]:
     result = dsgd_in_process(*args)
     return result.returncode, result.stdout, result.stderr
@@ -94,18 +102,17 @@ def read_only(path: Path) -> None:
 
 
 @pytest.mark.parametrize("where", ["file", "directory"])
-def test_a_database_that_cannot_be_written(shared_dir, where):
-    directory = shared_dir / "results"
+def test_a_database_that_cannot_be_written(tmp_path, where):
+    directory = tmp_path / "results"
     directory.mkdir()
     db = recorded_db(directory / "r.db")
-    spec = write_spec(shared_dir, SPEC)
-    spec.chmod(0o644)
+    spec = write_spec(tmp_path, SPEC)
     if where == "file":
         directory.chmod(0o777)
         read_only(db)
     else:  # the file could be written, but not its journal next to it
         db.chmod(0o666)
-        directory.chmod(0o755)
+        directory.chmod(0o555)
     before = db.read_bytes()
 
     code, out, err = dsgd_as_user_without_write_access("run", str(spec), "--db", str(db))
