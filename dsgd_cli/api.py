@@ -364,6 +364,11 @@ class Aggregator(Plugin):
     def finish(self) -> None:
         """Complete outstanding communication; called once after the last step."""
 
+    def run_totals(self) -> dict[str, float]:
+        """Whole-run values for the run's summary (name -> value), asked for after `finish()`;
+        rank 0's are recorded."""
+        return {}
+
     def evaluation_model(self) -> nn.Module:
         """The model this worker would report (push-sum reports its de-biased copy)."""
         return self.ctx.model

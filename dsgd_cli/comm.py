@@ -353,6 +353,14 @@ class Comm:
     def send(self, tensor: torch.Tensor, dst: int, group: Group | None = None) -> None:
         self.isend(tensor, dst, group).wait()
 
+    def send_within_process(self, tensor: torch.Tensor) -> None:
+        """What `send` would cost, for a message whose receiver is a thread of this process
+        (rank 0's coordinator beside its training loop): counts the bytes sent and received
+        and blocks for the emulated transfer time, so that the local rank is not favoured."""
+        size = _nbytes(tensor)
+        self._issue(lambda: None, sent=size, received=size, messages=1, async_op=False,
+                    operation="send within this process")
+
     def recv(self, tensor: torch.Tensor, src: int | None = None,
              group: Group | None = None) -> torch.Tensor:
         return self.irecv(tensor, src, group).wait()

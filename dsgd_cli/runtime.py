@@ -121,6 +121,8 @@ def report_run(worker: Worker, events: EventWriter, totals: Totals) -> None:
         events.metric("total_bytes_sent", total_sent, per_rank=False)
         if reached_by_all != math.inf:
             events.metric("time_to_accuracy", reached_by_all, per_rank=False)
+        for name, value in worker.aggregator.run_totals().items():
+            events.metric(name, value, per_rank=False)
 
 
 def save_model(worker: Worker, directory: Path) -> None:

@@ -77,21 +77,29 @@ def _gradient(rank: int, step: int) -> torch.Tensor:
     return torch.tensor([rank + 1.0, -0.5 * step, 0.25 * (rank - step)], dtype=torch.float64)
 
 
-def _scenario_backup(rank, n):
-    """Rank 3 is a straggler; backups: 1; the run is 12 updates long."""
+BACKUP_UPDATES = 12
+
+
+def _scenario_backup(rank, n, late: int):
+    """Rank `late` is the straggler (backups: 1; the run is 12 updates long). Deterministic:
+    before each step it waits until the update for its model version is out, so its gradient
+    is always stale; the other three are the first three every time."""
     ctx = _context(rank, n, lr=0.1, model_seed=0)
-    ctx.length = RunLength(steps=12)
+    ctx.length = RunLength(steps=BACKUP_UPDATES)
     aggregator = Backup(Backup.Options(backups=1))
     aggregator.setup(ctx)
     local_steps = 0
     while not aggregator.finished():
-        if rank == 3:
-            time.sleep(0.05)
+        if rank == late:
+            while aggregator._published_count() <= aggregator.applied:
+                time.sleep(0.001)
         version = aggregator.applied
         _step(aggregator, ctx, local_steps, _gradient(rank, version))
         local_steps += 1
     aggregator.finish()
-    return {"steps": local_steps, "model": _flat(ctx.model), "metrics": ctx.metrics.values}
+    return {"steps": local_steps, "model": _flat(ctx.model), "metrics": ctx.metrics.values,
+            "totals": aggregator.run_totals(), "sent": ctx.comm.take_traffic().bytes_sent,
+            "numel": aggregator.numel}
 
 
 def _scenario_wagma(rank, n):
@@ -188,7 +196,10 @@ def _scenario_dasgd_zero_gradients(rank, n):
 def _all_scenarios(rank, n):
     torch.set_num_threads(1)
     results = {}
-    for name, scenario in [("backup", _scenario_backup), ("wagma", _scenario_wagma),
+    for late in (3, 0):
+        results[f"backup_late{late}"] = _scenario_backup(rank, n, late)
+        torch.distributed.barrier()
+    for name, scenario in [("wagma", _scenario_wagma),
                            ("dasgd", _scenario_dasgd),
                            ("dasgd_zero_gradients", _scenario_dasgd_zero_gradients),
                            ("lsgd_independent", _scenario_lsgd_independent)]:
@@ -207,30 +218,51 @@ def spawned() -> list[dict]:
 
 # -- backup ---------------------------------------------------------------------------------
 
-def test_backup_drops_the_stragglers_gradients_and_never_waits_for_it(spawned):
-    runs = [r["backup"] for r in spawned]
-    fast, straggler = runs[:3], runs[3]
-    # The fast workers did every one of the 12 updates; the straggler skipped most of them,
-    # so no update can have waited for it.
-    assert [r["steps"] for r in fast] == [12, 12, 12]
-    assert straggler["steps"] <= 6
+@pytest.mark.parametrize("late", [3, 0])
+def test_backup_drops_the_stragglers_gradients_and_never_waits_for_it(spawned, late):
+    runs = [r[f"backup_late{late}"] for r in spawned]
+    fast = [r for rank, r in enumerate(runs) if rank != late]
+    straggler = runs[late]
+    # The fast workers did every one of the 12 updates, each of them in all 12 (the straggler
+    # never was): no update waited for the straggler, rank 0's coordinator included.
+    assert [r["steps"] for r in fast] == [BACKUP_UPDATES] * 3
     for r in fast:
-        assert r["metrics"]["dropped_own"] == [0.0] * 12
-        assert r["metrics"]["dropped"] == [1.0] * 12
+        assert r["metrics"]["dropped_own"] == [0.0] * BACKUP_UPDATES
     assert straggler["metrics"]["dropped_own"] == [1.0] * straggler["steps"]
-    assert sum(straggler["metrics"]["updates_applied"]) == 12  # it caught up
+    assert sum(straggler["metrics"]["updates_applied"]) == BACKUP_UPDATES  # it caught up
+    # Per-rank counts over the run, as every worker saw them: the straggler was left out of
+    # all 12 updates, the others of none (b = 1 dropped per update).
+    expected = {f"dropped_rank{rank}": float(BACKUP_UPDATES if rank == late else 0)
+                for rank in range(WORKERS)}
+    for r in runs:
+        assert r["totals"] == expected
     # Every worker applied the same 12 updates: identical models.
     for r in runs[1:]:
         assert torch.equal(r["model"], runs[0]["model"])
 
 
-def test_backup_updates_average_the_first_gradients(spawned):
+@pytest.mark.parametrize("late", [3, 0])
+def test_backup_updates_average_the_first_gradients(spawned, late):
     """Update s is the average of the fast ranks' gradients for version s."""
     expected = _context(0, WORKERS, lr=0.1, model_seed=0)
     model = _flat(expected.model)
-    for version in range(12):
-        model = model - 0.1 * sum(_gradient(rank, version) for rank in range(3)) / 3
-    torch.testing.assert_close(spawned[0]["backup"]["model"], model, rtol=1e-12, atol=1e-12)
+    fast = [rank for rank in range(WORKERS) if rank != late]
+    for version in range(BACKUP_UPDATES):
+        model = model - 0.1 * sum(_gradient(rank, version) for rank in fast) / 3
+    torch.testing.assert_close(spawned[0][f"backup_late{late}"]["model"], model,
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_backup_counts_rank_0s_gradients_as_sent_over_the_network(spawned):
+    """Rank 0's gradient message costs what any rank's does: with rank 3 late, ranks 0, 1
+    and 2 each sent 12 gradient messages and one goodbye of 3 + d values; rank 0 also sent
+    every update (2 + n + d values) to the 3 others."""
+    runs = [r["backup_late3"] for r in spawned]
+    d, value = runs[0]["numel"], 8  # float64
+    request = (3 + d) * value
+    assert [r["sent"] for r in runs[1:3]] == [(BACKUP_UPDATES + 1) * request] * 2
+    assert runs[0]["sent"] == (BACKUP_UPDATES + 1) * request + \
+        BACKUP_UPDATES * 3 * (2 + WORKERS + d) * value
 
 
 # -- wagma ----------------------------------------------------------------------------------
@@ -486,6 +518,8 @@ def launched(tmp_path_factory):
             aggregator: {{name: allreduce}}
           - name: backup-0
             aggregator: {{name: backup, backups: 0}}
+          - name: backup-1
+            aggregator: {{name: backup, backups: 1}}
           - name: local-1
             aggregator: {{name: local_sgd, period: 1}}
           - name: local-2
@@ -549,6 +583,16 @@ def test_equivalences_to_synchronous_algorithms(launched):
         for name in ("wagma-tau-1", "wagma-patient"):
             assert torch.equal(weights(name, rank), weights("local-1", 0)), name
     assert not torch.equal(weights("local-2", 0), weights("local-1", 0))
+
+
+def test_backup_summaries_count_the_drops_per_rank(launched):
+    runs, _, _ = launched
+    none = {s.name: s.final for s in runs["backup-0"].summaries}
+    assert (none["dropped_rank0"], none["dropped_rank1"]) == (0.0, 0.0)
+    one = {s.name: s.final for s in runs["backup-1"].summaries}
+    # 2 epochs of 8 updates, each made without one of the two gradients.
+    assert one["dropped_rank0"] + one["dropped_rank1"] == 16.0
+    assert "dropped" not in one
 
 
 def test_random_straggler_delays_follow_the_seed(launched):

@@ -21,10 +21,15 @@ The coordinator closes step s when N gradients for s have arrived: it sends thei
 is counted in updates: the coordinator marks the update that ends the run (the epochs' step
 count, or the budget spent), and each worker stops once it has applied that one.
 
-Per step each worker logs `dropped` (gradients left out of the update its gradient was meant
-for: b), `dropped_own` (1 when its own gradient was dropped or skipped as stale) and
-`updates_applied` (more than 1 when it caught up). With `backups: 0` it is synchronous SGD:
-every update averages all n gradients, as `allreduce` does.
+Rank 0's own gradient reaches the coordinator at the same emulated network cost as any
+other rank's (its bytes counted, the send taking the emulated time), so sitting beside the
+coordinator does not put it among the first N.
+
+Per step each worker logs `dropped_own` (1 when its own gradient was dropped or skipped as
+stale) and `updates_applied` (more than 1 when it caught up). The run's summary has, per rank
+r, `dropped_rank{r}`: how many of the run's updates were made without r's gradient (together
+b per update). With `backups: 0` it is synchronous SGD: every update averages all n
+gradients, as `allreduce` does.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class Backup(Aggregator):
         self.published = ctx.comm.counter(
             f"{ctx.config.get('name', '')}/backup{Backup.instances}/published")
         self.applied = 0  # updates applied: this worker's model version
+        self.dropped = [0] * n  # per rank: the applied updates made without its gradient
         self._finished = False
         self.coordinator = None
         if ctx.rank == 0:
@@ -105,20 +111,26 @@ class Backup(Aggregator):
         self._set_grads(updates[-1].average)  # the runtime's optimizer step applies it
         self.applied += len(updates)
         self._finished = any(update.final for update in updates)
+        for update in updates:
+            for rank in set(range(self.ctx.world_size)) - set(update.contributors):
+                self.dropped[rank] += 1
         own = updates[0]  # the update this worker's gradient was meant for
-        self.ctx.metrics.log("dropped", self.ctx.world_size - len(own.contributors))
         self.ctx.metrics.log("dropped_own", 0.0 if sent and self.ctx.rank in own.contributors
                              else 1.0)
         self.ctx.metrics.log("updates_applied", len(updates))
 
+    def run_totals(self) -> dict[str, float]:
+        return {f"dropped_rank{rank}": float(count) for rank, count in enumerate(self.dropped)}
+
     def state_dict(self) -> dict:
-        return {"applied": self.applied}
+        return {"applied": self.applied, "dropped": list(self.dropped)}
 
     def load_state_dict(self, state: dict) -> None:
         """Go on from update `applied`. Every worker must have applied the same updates: the
         updates between two versions are not in any checkpoint, so a worker behind could not
         catch up (with no gradient dropped before the checkpoint, versions agree)."""
         self.applied = state["applied"]
+        self.dropped = list(state.get("dropped", [0] * self.ctx.world_size))
         versions = torch.tensor([self.applied, -self.applied], dtype=torch.float64)
         with self.ctx.comm.untracked():
             self.ctx.comm.all_reduce(versions, "max", group=self.group)
@@ -144,14 +156,16 @@ class Backup(Aggregator):
         return self.published.value()
 
     def _send(self, kind: float, step: int, grad: torch.Tensor | None) -> None:
-        if self.coordinator is not None:
-            self.coordinator.inbox.put((kind, 0, step, grad))
-            return
         message = torch.zeros(REQUEST_HEADER + self.numel, dtype=self.dtype)
         message[:REQUEST_HEADER] = torch.tensor([kind, self.ctx.rank, step])
         if grad is not None:
             message[REQUEST_HEADER:] = grad
-        self.ctx.comm.send(message, 0, self.group)
+        if self.coordinator is None:
+            self.ctx.comm.send(message, 0, self.group)
+            return
+        # The same message and emulated cost as a remote rank's, handed over in-process.
+        self.ctx.comm.send_within_process(message)
+        self.coordinator.inbox.put((kind, 0, step, message[REQUEST_HEADER:]))
 
     def _receive(self) -> _Update:
         if self.coordinator is not None:
