@@ -17,9 +17,14 @@ wait. Each worker runs a background thread that takes part in rounds on its beha
 * when a peer's model for a round arrives first, the thread joins that round at once with the
   worker's latest published model (stale by `staleness` rounds).
 
-Every member of a group averages the same S models, so they leave the round with the same
-average A; a member that contributed P applies A + (x - P) to its current model x, keeping
-the local progress made since P was published. Every `tau` rounds the average is global and
+A group averages its S models with an all-reduce inside the group, shaped as the paper's
+group allreduce: a reduce-scatter by recursive halving, then an all-gather by recursive
+doubling (log2 S exchanges each, with the member whose group index differs in one bit).
+Each member sends, and receives, 2(S - 1)/S of a model per round, plus a 4-number header per
+message (2 log2 S messages). Each part of the average is summed and divided once, by the member
+that owns it, so every member leaves the round with the same average A; a member that
+contributed P applies A + (x - P) to its current model x, keeping the local progress made
+since P was published. Every `tau` rounds the average is global and
 synchronous (every worker contributes a fresh model), which bounds staleness by tau - 1.
 
 `patience` (seconds, default 0: the paper's behaviour) lets a member drawn into a round by a
@@ -43,7 +48,7 @@ from dsgd_cli.api import Aggregator, AggregatorOptions, option
 
 from plugins.aggregators.gossip.vector import ModelVector, to_wire
 
-HEADER = 3  # round, sender, staleness; a negative round says goodbye
+HEADER = 4  # round, sender, exchange, length of the part; a negative round says goodbye
 
 
 @dataclass
@@ -197,7 +202,8 @@ class _Rounds:
         self.wagma = wagma
         self.comm = wagma.ctx.comm
         self.rank, self.n = wagma.ctx.rank, wagma.ctx.world_size
-        self.inbox: dict[int, dict[int, torch.Tensor]] = {}  # round -> sender -> model
+        # round -> (sender, exchange) -> part of a model
+        self.inbox: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
         self.last_fresh_round = 0
         self.arrival: int | None = None
         self.receiver = threading.Thread(target=self._receive, daemon=True,
@@ -228,12 +234,14 @@ class _Rounds:
             with self.comm.background():
                 while True:
                     buffer = wagma.vector.empty(HEADER, device="cpu")
-                    self.comm.irecv(buffer, None, wagma.peers_group).wait()
-                    round_index, sender = int(buffer[0]), int(buffer[1])
+                    self.comm.irecv(buffer, None, wagma.peers_group,
+                                    length=lambda message: HEADER + int(message[3])).wait()
+                    round_index, sender, exchange, length = (int(v) for v in buffer[:HEADER])
                     if round_index < 0:
                         return
                     with wagma.lock:
-                        self.inbox.setdefault(round_index, {})[sender] = buffer[HEADER:]
+                        parts = self.inbox.setdefault(round_index, {})
+                        parts[sender, exchange] = buffer[HEADER: HEADER + length]
                         wagma.lock.notify_all()
         except BaseException as error:
             with wagma.lock:
@@ -276,26 +284,70 @@ class _Rounds:
         return model, staleness
 
     def _group_round(self, round_index: int) -> None:
+        mine, _ = self._contribute(round_index)
+        members = group_of(self.rank, round_index, self.n, self.wagma.group_size)
+        average = self._group_average(round_index, members, to_wire(mine))
+        self._complete(mine, average.to(mine.device))
+
+    def _group_average(self, round_index: int, members: tuple[int, ...],
+                       model: torch.Tensor) -> torch.Tensor:
+        """The average of the members' models: reduce-scatter by recursive halving, then
+        all-gather by recursive doubling. The model is cut into S parts; part c ends up summed
+        (in a fixed tree order) and divided by S at member c, which sends it to the others."""
+        size, me = len(members), members.index(self.rank)
+        exchanges = size.bit_length() - 1
+        bounds = [model.numel() * c // size for c in range(size + 1)]  # part c: [bounds[c], bounds[c+1])
+        total = model.clone()
+        lo, hi = 0, size  # the parts this member is responsible for
+        sends = []
+        for k in range(exchanges):  # after exchange k: the sum over 2^(k+1) members
+            half = size >> (k + 1)
+            partner = members[me ^ half]
+            mid = lo + half
+            (keep_lo, keep_hi), (give_lo, give_hi) = (
+                ((mid, hi), (lo, mid)) if me & half else ((lo, mid), (mid, hi)))
+            sends.append(self._send_part(round_index, k, partner,
+                                         total[bounds[give_lo]: bounds[give_hi]]))
+            theirs = self._receive_part(round_index, k, partner)
+            total[bounds[keep_lo]: bounds[keep_hi]] += theirs
+            lo, hi = keep_lo, keep_hi
+        total[bounds[lo]: bounds[hi]] /= size  # lo == me: this member's part, complete
+        for k in reversed(range(exchanges)):  # gather the parts back, in the opposite order
+            half = size >> (k + 1)
+            partner = members[me ^ half]
+            exchange = 2 * exchanges - 1 - k
+            sends.append(self._send_part(round_index, exchange, partner,
+                                         total[bounds[lo]: bounds[hi]]))
+            theirs = self._receive_part(round_index, exchange, partner)
+            # The partner holds as many parts as this member, just before or after them.
+            if me & half:
+                their_lo, their_hi, lo = lo - half, lo, lo - half
+            else:
+                their_lo, their_hi, hi = hi, hi + half, hi + half
+            total[bounds[their_lo]: bounds[their_hi]] = theirs
+        for handle in sends:
+            handle.wait()
+        return total
+
+    def _send_part(self, round_index: int, exchange: int, peer: int, part: torch.Tensor):
+        message = torch.empty(HEADER + part.numel(), dtype=part.dtype)
+        message[:HEADER] = torch.tensor([round_index, self.rank, exchange, part.numel()])
+        message[HEADER:] = part
+        return self.comm.isend(message, peer, self.wagma.peers_group)
+
+    def _receive_part(self, round_index: int, exchange: int, peer: int) -> torch.Tensor:
         wagma = self.wagma
-        mine, staleness = self._contribute(round_index)
-        members = group_of(self.rank, round_index, self.n, wagma.group_size)
-        peers = [r for r in members if r != self.rank]
-        message = wagma.vector.empty(HEADER, device="cpu")
-        message[:HEADER] = torch.tensor([round_index, self.rank, staleness])
-        message[HEADER:] = to_wire(mine)
-        sends = [self.comm.isend(message, peer, wagma.peers_group) for peer in peers]
+        key = (peer, exchange)
         with wagma.lock:
-            while len(self.inbox.get(round_index, {})) < len(peers) and wagma.error is None:
+            while key not in self.inbox.get(round_index, {}) and wagma.error is None:
                 wagma.lock.wait()
             if wagma.error is not None:
                 raise RuntimeError("wagma receiver failed") from wagma.error
-            theirs = self.inbox.pop(round_index)
-        for handle in sends:
-            handle.wait()
-        # Every member sums the same models in rank order, so all get the same average.
-        models = {self.rank: to_wire(mine), **theirs}
-        average = sum(models[r] for r in members) / len(members)
-        self._complete(mine, average.to(mine.device))
+            parts = self.inbox[round_index]
+            part = parts.pop(key)
+            if not parts:
+                del self.inbox[round_index]
+        return part
 
     def _global_round(self, round_index: int) -> bool:
         """The synchronous average of everyone; True when every worker's training is over."""
@@ -324,7 +376,6 @@ class _Rounds:
     def _goodbye(self) -> None:
         """Every worker sends one goodbye to rank + 1, which ends that rank's receiver. No
         round message is in flight: every worker has completed the same last round."""
-        bye = self.wagma.vector.empty(HEADER, device="cpu").zero_()
-        bye[0] = -1
+        bye = torch.tensor([-1, self.rank, 0, 0], dtype=self.wagma.vector.dtype)
         self.comm.isend(bye, (self.rank + 1) % self.n, self.wagma.peers_group).wait()
         self.receiver.join()
