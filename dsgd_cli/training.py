@@ -97,12 +97,15 @@ class TrainingLoop:
             step, samples, total_sent = (resumed[k] for k in ("step", "samples", "total_sent"))
             train_seconds, elapsed = resumed["train_seconds"], resumed["elapsed"]
             evaluation.reached_at = resumed["reached_at"]
-            events.continue_from(resumed["seconds"])
             interval.restore(resumed["interval"])
         with worker.comm.untracked():
             worker.comm.barrier()  # a common start: budgets in seconds count from here
         started = time.perf_counter() - elapsed
         worker.ctx.length.started_at = started
+        # Recorded `seconds` count from this common start too, as `wall_seconds` does: what
+        # came before it (joining the process group, building the worker and its warm-up
+        # step) is not the run's training time.
+        events.continue_from(resumed["seconds"] if resumed is not None else 0.0)
         done = worker.stop_rule.after_resume(step) if resumed is not None else False
         order_epoch = None
         while not done:

@@ -16,6 +16,7 @@ from dsgd_cli.interval_metrics import IntervalMetrics
 from dsgd_cli.schedule import StopRule, Straggling, run_length
 from dsgd_cli.spec import build_plugin, network_model
 from dsgd_cli.training_data import Shard, load_data, steps_per_epoch
+from dsgd_cli.warmup import warm_up
 from dsgd_cli.worker_evaluation import WorkerEvaluation
 
 
@@ -65,6 +66,9 @@ def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
         resumed = checkpoint.load(checkpoint_dir, config["resume_step"], rank)
         model.load_state_dict(resumed["model"])
         optimizer.load_state_dict(resumed["optimizer"])
+    # Before the plugins hook into the model; outside every clock (see warmup.py).
+    warm_up(task, model, config["optimizer"], train_x[:config["batch_size"]],
+            train_y[:config["batch_size"]])
     comm = Comm(rank, world_size, network_model(config), device,
                 timeout_s=config.get("timeout", DEFAULT_TIMEOUT_S), namespace=namespace)
     interval = IntervalMetrics()

@@ -114,3 +114,38 @@ def test_dry_run_shows_the_launch_plan(tmp_path, flags):
     assert lines == (["launch 1: 2 experiments on 2 workers (cpu)"] if not flags else
                      ["launch 1: 1 experiment on 2 workers (cpu)",
                       "launch 2: 1 experiment on 2 workers (cpu)"])
+
+
+def test_the_first_experiment_of_a_launch_is_timed_as_the_others(tmp_path):
+    """What only a launch's first experiment pays (joining the process group, first-use
+    imports and warm-up) stays out of every clock: two identical experiments record their
+    evaluations at comparable `seconds`, and no metric of a run is later than its own
+    `wall_seconds`, which counts from the same common start."""
+    spec = write_spec(tmp_path, """
+        defaults:
+          task: {name: mnist1d_mlp}
+          workers: 2
+          epochs: 4
+          steps_per_epoch: 25
+          log_interval: 25
+          optimizer: {name: sgd, lr: 0.05}
+        experiments:
+          - {name: first}
+          - {name: second}
+    """)
+    db = tmp_path / "r.db"
+    result = dsgd("run", str(spec), "--db", str(db))
+    assert result.returncode == 0, result.stdout + result.stderr
+    store = Store(str(db))
+    runs = {run.experiment: run for run in store.runs()}
+    evaluations = {}
+    for name, run in runs.items():
+        history = store.metric_history(run.id, "test_accuracy")
+        assert [point.step for point in history] == [25, 50, 75, 100]
+        evaluations[name] = [point.seconds for point in history]
+        wall = {s.name: s.final for s in run.summaries}["wall_seconds"]
+        latest = max(m.seconds for m in store.metric_history(run.id, "train_loss"))
+        assert max(evaluations[name]) <= wall and latest <= wall, (name, evaluations, wall)
+    # The same step at comparable times (a wide margin: the machine may be busy).
+    for first, second in zip(evaluations["first"], evaluations["second"]):
+        assert 1 / 4 < first / second < 4, evaluations
