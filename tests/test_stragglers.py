@@ -208,6 +208,31 @@ def _scenario_lsgd(rank, n, pull: float):
     return {"models": models, "metrics": ctx.metrics.values}
 
 
+LSGD_WINDOW = {"period": 2, "global_period": 4, "steps": 8, "pull": 0.5, "global_pull": 0.25}
+
+
+def _lsgd_losses() -> list[list[float]]:
+    """Each rank's training loss at each step, changing from step to step (seeded)."""
+    generator = torch.Generator().manual_seed(4)
+    return (torch.rand(WORKERS, LSGD_WINDOW["steps"], generator=generator, dtype=torch.float64)
+            * 4).round(decimals=2).tolist()
+
+
+def _scenario_lsgd_window(rank, n):
+    """No gradient (lr 0): losses that change every step, local elections in {0, 1} and
+    {2, 3} every 2 steps, global ones every 4."""
+    ctx = _context(rank, n, lr=0.0)
+    options = {k: v for k, v in LSGD_WINDOW.items() if k != "steps"}
+    aggregator = LSGD(LSGD.Options(group_size=2, **options))
+    aggregator.setup(ctx)
+    losses = _lsgd_losses()[rank]
+    models = [_flat(ctx.model)]
+    for step in range(LSGD_WINDOW["steps"]):
+        _step(aggregator, ctx, step, torch.zeros(3, dtype=torch.float64), losses[step])
+        models.append(_flat(ctx.model))
+    return {"models": models, "metrics": ctx.metrics.values}
+
+
 def _scenario_lsgd_independent(rank, n):
     """pull: 0 and global_pull: 0 with real gradient steps: each worker runs its own SGD."""
     ctx = _context(rank, n, lr=0.1)
@@ -279,7 +304,8 @@ def _all_scenarios(rank, n):
     for name, scenario in [("wagma", _scenario_wagma),
                            ("dasgd", _scenario_dasgd),
                            ("dasgd_zero_gradients", _scenario_dasgd_zero_gradients),
-                           ("lsgd_independent", _scenario_lsgd_independent)]:
+                           ("lsgd_independent", _scenario_lsgd_independent),
+                           ("lsgd_window", _scenario_lsgd_window)]:
         results[name] = scenario(rank, n)
         torch.distributed.barrier()
     for pull in (0.0, 0.5, 1.0):
@@ -512,6 +538,72 @@ def test_lsgd_pull_1_copies_the_leader_and_pull_0_is_independent_sgd(spawned):
         assert torch.equal(r["lsgd_0.0"]["models"][2], r["lsgd_0.0"]["models"][0])
         torch.testing.assert_close(r["lsgd_independent"]["model"],
                                    r["lsgd_independent"]["reference"], rtol=0, atol=1e-14)
+
+
+def _elect(losses, ranks, steps) -> int:
+    """The rank of `ranks` with the lowest mean loss over `steps` (ties: the lowest rank)."""
+    means = [sum(losses[r][s] for s in steps) / len(steps) for r in ranks]
+    return ranks[min(range(len(ranks)), key=lambda i: (means[i], i))]
+
+
+def test_lsgd_elects_by_the_mean_loss_since_the_levels_last_election(spawned):
+    losses, steps = _lsgd_losses(), LSGD_WINDOW["steps"]
+    period, global_period = LSGD_WINDOW["period"], LSGD_WINDOW["global_period"]
+    groups = {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}
+    local_ends = [t for t in range(steps) if (t + 1) % period == 0]
+    global_ends = [t for t in range(steps) if (t + 1) % global_period == 0]
+
+    def window(end, length):
+        return list(range(end - length + 1, end + 1))
+    for rank, r in enumerate(spawned):
+        metrics = r["lsgd_window"]["metrics"]
+        assert metrics["leader_rank"] == [_elect(losses, groups[rank], window(t, period))
+                                          for t in local_ends]
+        assert metrics["global_leader_rank"] == [
+            _elect(losses, tuple(range(WORKERS)), window(t, global_period)) for t in global_ends]
+    # The losses tell the window apart from the last step's loss, from the mean since the
+    # start and, for the global level, from the local level's shorter window.
+    def leaders(ranks, ends, steps_of):
+        return [_elect(losses, ranks, steps_of(t)) for t in ends]
+
+    def last(t):
+        return [t]
+
+    def since_start(t):
+        return list(range(t + 1))
+    local = {g: leaders(g, local_ends, lambda t: window(t, period)) for g in ((0, 1), (2, 3))}
+    assert any(local[g] != leaders(g, local_ends, last) for g in local)
+    assert any(local[g] != leaders(g, local_ends, since_start) for g in local)
+    everyone = tuple(range(WORKERS))
+    expected = leaders(everyone, global_ends, lambda t: window(t, global_period))
+    assert expected != leaders(everyone, global_ends, last)
+    assert expected != leaders(everyone, global_ends, since_start)
+    assert expected != leaders(everyone, global_ends, lambda t: window(t, period))
+
+
+def test_lsgd_applies_the_local_pull_then_the_global_pull(spawned):
+    """Where both levels elect, the global pull acts on the model the local pull made (the
+    authors' order): x' = x − λ(x − x_l), then x'' = x' − λ_G(x' − x'_g), which differs from
+    the paper's sum x − λ(x − x_l) − λ_G(x − x_g) by λ·λ_G·(x − x_l)."""
+    losses, pull, global_pull = _lsgd_losses(), LSGD_WINDOW["pull"], LSGD_WINDOW["global_pull"]
+    groups = [(0, 1), (2, 3)]
+    models = [r["lsgd_window"]["models"][0] for r in spawned]
+    for t in range(LSGD_WINDOW["steps"]):
+        if (t + 1) % LSGD_WINDOW["period"] == 0:
+            pulled = list(models)
+            for group in groups:
+                leader = _elect(losses, group, [t - 1, t])
+                for rank in group:
+                    if rank != leader:
+                        pulled[rank] = torch.lerp(models[rank], models[leader], pull)
+            models = pulled
+        if (t + 1) % LSGD_WINDOW["global_period"] == 0:
+            leader = _elect(losses, (0, 1, 2, 3), list(range(t - 3, t + 1)))
+            models = [m if rank == leader else torch.lerp(m, models[leader], global_pull)
+                      for rank, m in enumerate(models)]
+        for rank, r in enumerate(spawned):
+            torch.testing.assert_close(r["lsgd_window"]["models"][t + 1], models[rank],
+                                       rtol=1e-12, atol=1e-12)
 
 
 # -- dasgd ----------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ itself). "Recent training loss" is the mean training loss of a worker's steps si
 level's previous election; losses are exchanged with an all-gather and the leader's model
 reaches its followers with a broadcast.
 
+Where both levels elect at the same step the pulls apply in order, local then global, as in
+the authors' code: x' = x - λ (x - x_l), then x'' = x' - λ_G (x' - x'_g). The paper writes the
+sum x - λ (x - x_l) - λ_G (x - x_g); the two differ by λ·λ_G·(x - x_l).
+
 `pull: 0` is independent SGD; `pull: 1` copies the leader. Logs `leader_rank` (the local
 leader of this worker's group) and `global_leader_rank` at the steps where they are elected.
 """
