@@ -26,7 +26,6 @@ $(STAMP): pyproject.toml Makefile
 
 run: $(STAMP)
 	$(VENV)/bin/dsgd run experiments.yaml
-	$(VENV)/bin/dsgd compare --last 20
 	$(VENV)/bin/dsgd plot --spec experiments.yaml --x seconds -o results.png
 
 test: $(STAMP)

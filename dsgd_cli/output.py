@@ -1,10 +1,14 @@
-"""Tables for the terminal or for scripts: any tabulate format, plus csv and json."""
+"""Tables for the terminal or for scripts: any tabulate format, plus csv and json.
+
+Tables are for people: bytes in kB, MB, GB (powers of 1000), seconds to three significant
+digits, samples per second without decimals. csv and json keep the raw values."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+import math
 from itertools import chain
 from typing import Any
 
@@ -34,7 +38,7 @@ def render(rows: list[dict[str, Any]], fmt: str = "simple", columns: list[str] |
         writer.writeheader()
         writer.writerows(rows)
         return buffer.getvalue().rstrip("\n")
-    table = [[cell(row.get(c)) for c in columns] for row in rows]
+    table = [[readable(row.get(c), c) for c in columns] for row in rows]
     if fmt == "simple":
         simple = simple_table(table, columns)
         if simple is not None:
@@ -58,6 +62,38 @@ def simple_table(table: list[list[str]], headers: list[str]) -> str | None:
     lines = [headers, ["-" * width for width in widths], *table]
     return "\n".join("  ".join(text.ljust(width) for text, width in zip(line, widths)).rstrip()
                      for line in lines)
+
+
+BYTE_UNITS = ("B", "kB", "MB", "GB", "TB", "PB")
+
+
+def readable(value: Any, column: str) -> str:
+    """`value` for a table, by what its column holds: bytes, seconds, a rate or anything."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return cell(value)
+    if "bytes" in column and not column.endswith("_ratio"):
+        return readable_bytes(value)
+    if column.endswith("seconds") or column.startswith("time_to_"):
+        return readable_seconds(value)
+    if column.endswith("_per_second"):
+        return f"{value:.0f}"
+    return cell(value)
+
+
+def readable_bytes(value: float) -> str:
+    """`21902400` -> `21.9 MB`, `512` -> `512 B`."""
+    size, unit = abs(value), 0
+    while size >= 1000 and unit < len(BYTE_UNITS) - 1:
+        size, unit = size / 1000, unit + 1
+    sign = "-" if value < 0 else ""
+    if unit == 0:
+        return f"{sign}{size:.0f} B"
+    return f"{sign}{size:.3g} {BYTE_UNITS[unit]}"
+
+
+def readable_seconds(value: float) -> str:
+    """Three significant digits (`0.394`, `2.77`, `12.3`), whole seconds from 100 on."""
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
 def cell(value: Any) -> str:

@@ -9,6 +9,7 @@ import statistics
 import pytest
 
 from conftest import dsgd_in_process as dsgd
+from dsgd_cli.output import readable
 from dsgd_cli.store import MetricRow, Store
 
 
@@ -127,7 +128,30 @@ def test_a_table_shows_group_means_with_their_spread(db):
     none_row = next(line for line in result.stdout.splitlines() if line.startswith("none"))
     # runs 1, 2 and 5: final test accuracy 0.80, 0.84 and 0.70, samples/s 100, 120 and 200
     assert none_row.split()[:5] == ["none", "3", "0.7800", "±", "0.0721"], none_row
-    assert "140 ± 52.9150" in none_row
+    assert "140 ± 53" in none_row  # samples per second: no decimals
+
+
+def test_tables_show_bytes_and_seconds_for_people_and_csv_keeps_raw_values(db):
+    result = dsgd("compare", "--db", str(db), "--where", "id<=2")
+    assert result.returncode == 0, result.stderr
+    header, _, first, second = result.stdout.splitlines()
+    assert header.split()[-3:] == ["wall_seconds", "samples_per_second", "total_bytes_sent"]
+    # runs 1 and 2: 10 and 8 s, 100 and 120 samples/s, 1000 bytes each
+    assert first.split()[-4:] == ["10", "100", "1", "kB"]
+    assert second.split()[-4:] == ["8", "120", "1", "kB"]
+    rows = compare(db, "--where", "id<=2")
+    assert [(r["wall_seconds"], r["total_bytes_sent"]) for r in rows] == [(10.0, 1000.0), (8.0, 1000.0)]
+
+
+@pytest.mark.parametrize("value, column, shown", [
+    (21902400.0, "total_bytes_sent", "21.9 MB"), (512.0, "bytes_sent", "512 B"),
+    (1.5e9, "bytes_to_target", "1.5 GB"), (2.5, "bytes_ratio", "2.5000"),
+    (0.39374, "wall_seconds", "0.394"), (12.345, "time_to_target", "12.3"),
+    (1234.5, "wall_seconds", "1234"), (20298.43, "samples_per_second", "20298"),
+    (0.8812, "test_accuracy", "0.8812"), (None, "wall_seconds", ""),
+])
+def test_readable_numbers_by_column(value, column, shown):
+    assert readable(value, column) == shown
 
 
 def test_baseline_ratios_per_run_and_per_group(db):

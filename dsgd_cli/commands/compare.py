@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption
-from dsgd_cli.output import cell, check_format, render
+from dsgd_cli.output import check_format, readable, render
 
 if TYPE_CHECKING:
     from dsgd_cli.results import Results, RunRecord
@@ -105,7 +105,7 @@ def _with_spread(row: dict[str, Any], names: list[str]) -> dict[str, Any]:
     for name in names:
         mean, std = row.get(name), row.get(f"{name}_std")
         if mean is not None and std is not None:
-            shown[name] = f"{cell(mean)} ± {cell(std)}"
+            shown[name] = f"{readable(mean, name)} ± {readable(std, name)}"
     return shown
 
 
