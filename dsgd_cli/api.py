@@ -26,6 +26,7 @@ The worker loop (dsgd_cli/training.py) owns the order; the aggregator owns the a
         optimizer.step()
         aggregator.after_step(step)         # e.g. average or gossip the models
     aggregator.finish()
+    aggregator.run_totals()                 # whole-run values for the summary (rank 0's)
 """
 
 from __future__ import annotations

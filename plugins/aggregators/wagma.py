@@ -12,10 +12,11 @@ member still computing contributes its latest published model instead of making 
 wait. Each worker runs a background thread that takes part in rounds on its behalf:
 
 * when its training loop finishes a step, the worker publishes its model and the thread
-  starts the next round with it: it sends the model to the round's group peers and waits for
-  theirs (the training loop waits for that round only: `wait_seconds`);
-* when a peer's model for a round arrives first, the thread joins that round at once with the
-  worker's latest published model (stale by `staleness` rounds).
+  starts the next round with it (the training loop waits for that round only:
+  `wait_seconds`);
+* when a peer's first message of a round arrives first, the thread joins that round at once
+  with the worker's latest published model (stale by `staleness` rounds). Every member sends
+  before it waits, so a member that started a round draws each partner in.
 
 A group averages its S models with an all-reduce inside the group, shaped as the paper's
 group allreduce: a reduce-scatter by recursive halving, then an all-gather by recursive
@@ -24,8 +25,8 @@ Each member sends, and receives, 2(S - 1)/S of a model per round, plus a 4-numbe
 message (2 log2 S messages). Each part of the average is summed and divided once, by the member
 that owns it, so every member leaves the round with the same average A; a member that
 contributed P applies A + (x - P) to its current model x, keeping the local progress made
-since P was published. Every `tau` rounds the average is global and
-synchronous (every worker contributes a fresh model), which bounds staleness by tau - 1.
+since P was published. Every `tau` rounds the average is global and synchronous (every worker
+contributes a fresh model), which bounds staleness by tau - 1.
 
 `patience` (seconds, default 0: the paper's behaviour) lets a member drawn into a round by a
 peer wait that long for its own fresh model before contributing a stale one; with a large
