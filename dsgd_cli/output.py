@@ -83,7 +83,8 @@ def readable(value: Any, column: str) -> str:
 def readable_bytes(value: float) -> str:
     """`21902400` -> `21.9 MB`, `512` -> `512 B`."""
     size, unit = abs(value), 0
-    while size >= 1000 and unit < len(BYTE_UNITS) - 1:
+    # Compare what will be shown: 999,999 bytes are `1 MB`, not `1e+03 kB`.
+    while float(f"{size:.3g}") >= 1000 and unit < len(BYTE_UNITS) - 1:
         size, unit = size / 1000, unit + 1
     sign = "-" if value < 0 else ""
     if unit == 0:

@@ -145,7 +145,8 @@ def test_tables_show_bytes_and_seconds_for_people_and_csv_keeps_raw_values(db):
 
 @pytest.mark.parametrize("value, column, shown", [
     (21902400.0, "total_bytes_sent", "21.9 MB"), (512.0, "bytes_sent", "512 B"),
-    (1.5e9, "bytes_to_target", "1.5 GB"), (2.5, "bytes_ratio", "2.5000"),
+    (1.5e9, "bytes_to_target", "1.5 GB"), (999_999.0, "total_bytes_sent", "1 MB"),
+    (999.7, "bytes_sent", "1 kB"), (2.5, "bytes_ratio", "2.5000"),
     (0.39374, "wall_seconds", "0.394"), (12.345, "time_to_target", "12.3"),
     (1234.5, "wall_seconds", "1234"), (20298.43, "samples_per_second", "20298"),
     (0.8812, "test_accuracy", "0.8812"), (None, "wall_seconds", ""),
