@@ -357,14 +357,15 @@ _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 
-def parse_network(raw: Any, path: str) -> dict[str, float] | None:
-    """`{bandwidth: 1Gbit, latency: 100us}` → bytes per second and seconds."""
+def parse_network(raw: Any, path: str) -> dict[str, float | None] | None:
+    """`{bandwidth: 1Gbit, latency: 100us}` → bytes per second (None: no limit, which JSON can
+    hold, unlike infinity) and seconds."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
         raise SpecError("expected a mapping with keys bandwidth, latency", path=path)
     check_keys(raw, path, {"bandwidth", "latency"})
-    result = {"bytes_per_second": float("inf"), "latency_s": 0.0}
+    result: dict[str, float | None] = {"bytes_per_second": None, "latency_s": 0.0}
     if "bandwidth" in raw:
         value = raw["bandwidth"]
         match = _BANDWIDTH.match(str(value)) if isinstance(value, str) else None
@@ -404,7 +405,11 @@ def _as_float(value: Any) -> float | None:
 
 def network_model(config: dict[str, Any]) -> NetworkModel | None:
     network = config.get("network")
-    return None if network is None else NetworkModel(network["latency_s"], network["bytes_per_second"])
+    if network is None:
+        return None
+    # No bandwidth: unlimited (an older run's stored configuration may say infinity).
+    bytes_per_second = network["bytes_per_second"]
+    return NetworkModel(network["latency_s"], math.inf if bytes_per_second is None else bytes_per_second)
 
 
 def _number(raw: dict, key: str, path: str, *, low: float, high: float | None = None,

@@ -12,7 +12,6 @@ Reading is `dsgd_cli.results.Results`, which `Store` extends; a reading command 
 
 from __future__ import annotations
 
-import json
 import math
 import socket
 import sqlite3
@@ -29,7 +28,7 @@ from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
-from dsgd_cli import __version__
+from dsgd_cli import __version__, strictjson
 from dsgd_cli.errors import StoreError
 from dsgd_cli.results import (MAX_ID, SCHEMA_VERSION, EngineReader, Results, flatten_config,
                               higher_is_better, missing_driver_error, one_line, read_only_uri,
@@ -250,7 +249,7 @@ class Store(Results):
                       compressor=config["compressor"]["name"], optimizer=config["optimizer"]["name"],
                       workers=config["workers"], config=config, dsgd_version=__version__,
                       host=socket.gethostname(), started_at=datetime.now(timezone.utc))
-            run.params = [Param(key=k, value=json.dumps(v)) for k, v in flatten_config(config).items()]
+            run.params = [Param(key=k, value=strictjson.dumps(v)) for k, v in flatten_config(config).items()]
             run.plugins = [PluginVersion(kind=k, name=n, distribution=d, version=v)
                            for k, n, d, v in plugins]
             session.add(run)
@@ -385,9 +384,9 @@ def _engine(url: str, readonly: bool):
     if make_url(url).get_backend_name() == "postgresql":
         # A reading command's sessions are read-only transactions: it cannot change anything.
         options = {"options": "-c default_transaction_read_only=on"} if readonly else {}
-        return create_engine(url, connect_args=options)
+        return create_engine(url, connect_args=options, json_serializer=strictjson.dumps)
     if not url.startswith("sqlite"):
-        return create_engine(url)
+        return create_engine(url, json_serializer=strictjson.dumps)
     path = make_url(url).database
     in_memory = path in (None, "", ":memory:")
     if readonly and not in_memory:
@@ -398,7 +397,8 @@ def _engine(url: str, readonly: bool):
         event.listen(engine, "connect", _sqlite_pragmas(journal=False))
         return engine
     # A writer waits up to 30 s for another's lock instead of failing at once.
-    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT})
+    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT},
+                           json_serializer=strictjson.dumps)
     event.listen(engine, "connect", _sqlite_pragmas(journal=not readonly))
     return engine
 

@@ -4,13 +4,13 @@ pandas, polars or a spreadsheet."""
 from __future__ import annotations
 
 import csv
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Iterator, Optional
 
 import typer
 
+from dsgd_cli import strictjson
 from dsgd_cli.commands.common import DbOption
 from dsgd_cli.commands.compare import WhereOption
 from dsgd_cli.errors import DsgdError
@@ -96,7 +96,7 @@ def _plain(value):
     if isinstance(value, set):
         return ",".join(sorted(value))
     if isinstance(value, (list, dict)):
-        return json.dumps(value)
+        return strictjson.dumps(value)
     return value
 
 
@@ -109,7 +109,7 @@ def _write_text(rows: Iterator[list], columns: list[str], fmt: str, file) -> Non
     # A JSON array of records, written as it is read: pandas.read_json(path) loads it.
     file.write("[")
     for index, row in enumerate(rows):
-        file.write(("," if index else "") + "\n" + json.dumps(dict(zip(columns, row))))
+        file.write(("," if index else "") + "\n" + strictjson.dumps(dict(zip(columns, row))))
     file.write("\n]\n")
 
 
