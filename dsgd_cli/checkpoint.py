@@ -25,10 +25,11 @@ _STEP = re.compile(r"^step-(\d+)$")
 
 def default_root(db_url: str) -> Path:
     """`dsgd-checkpoints` beside an SQLite file; in the working directory for a server."""
-    if db_url.startswith("sqlite:///"):
-        path = db_url[len("sqlite:///"):]
-        if path and path != ":memory:" and not path.startswith("file:"):
-            return Path(path).resolve().parent / "dsgd-checkpoints"
+    from dsgd_cli.results import sqlite_path
+
+    path = sqlite_path(db_url)
+    if path and not path.startswith("file:"):
+        return Path(path).resolve().parent / "dsgd-checkpoints"
     return Path.cwd() / "dsgd-checkpoints"
 
 

@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Iterable
 
 from sqlalchemy import (JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, or_,
@@ -30,9 +31,9 @@ from sqlalchemy.types import TypeDecorator
 
 from dsgd_cli import __version__, strictjson
 from dsgd_cli.errors import StoreError
-from dsgd_cli.results import (MAX_ID, SCHEMA_VERSION, EngineReader, Results, flatten_config,
-                              higher_is_better, missing_driver_error, one_line, read_only_uri,
-                              resolve_url, schema_version, without_password)
+from dsgd_cli.results import (MAX_ID, SCHEMA_VERSION, EngineReader, Results, Unreadable,
+                              flatten_config, higher_is_better, missing_driver_error, one_line,
+                              read_only_uri, resolve_url, schema_version, shown_db, sqlite_path)
 
 MAX_TAG_LENGTH = 128
 SQLITE_BUSY_TIMEOUT = 30  # seconds a writer waits for another's lock
@@ -192,15 +193,23 @@ class Store(Results):
     first use or upgraded to this version, and a database dsgd cannot write to is refused at
     once, before anything is launched."""
 
-    def __init__(self, db: str | None = None):
+    def __init__(self, db: str | None = None, create: bool = True):
+        """`create`: make a new database where there is none (`dsgd run` recording runs);
+        without it, a command that only changes recorded runs refuses a missing database, or
+        one without dsgd's tables, and creates nothing."""
         self.url = resolve_url(db)
-        self.shown_url = without_password(self.url)  # for messages
+        self.shown_url = shown_db(db)  # for messages
+        path = sqlite_path(self.url)
+        if not create and path is not None and not Path(path).is_file():
+            raise StoreError(f"no results database at {path} (`dsgd run` creates one)")
         try:
             self.engine = _engine(self.url, readonly=False)
-            self._sql = EngineReader(self.engine)
-            self._check_schema(missing_ok=True)
+            self._sql = EngineReader(self.engine, self.shown_url)
+            self._check_schema(missing_ok=create)
             self._migrate()
             self.has_tags = self.has_checkpoints = True
+        except Unreadable as error:
+            raise StoreError(f"cannot open results database {self.shown_url}: {error.reason}") from None
         except (ArgumentError, DatabaseError, OperationalError) as error:
             reason = getattr(error, "orig", None) or error
             verb = "write to" if _read_only_error(error) else "open"

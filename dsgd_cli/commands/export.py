@@ -73,7 +73,6 @@ def export(
 def _rows(store: Results, runs: list[RunRecord], keys: list[str],
           metrics: list[str] | None) -> Iterator[list]:
     from sqlalchemy import select
-    from sqlalchemy.orm import Session
 
     from dsgd_cli.query import run_value
     from dsgd_cli.store import Metric
@@ -86,8 +85,8 @@ def _rows(store: Results, runs: list[RunRecord], keys: list[str],
              .where(Metric.run_id.in_(list(by_id))).order_by(Metric.run_id, Metric.id))
     if metrics:
         query = query.where(Metric.name.in_(metrics))
-    with Session(store.engine) as session:
-        for run_id, *history in session.execute(query).yield_per(10_000):
+    with store.connect() as connection:
+        for run_id, *history in connection.execute(query).yield_per(10_000):
             yield fixed[run_id] + history
 
 

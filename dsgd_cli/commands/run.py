@@ -79,7 +79,7 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
         if experiment or workers is not None:
             raise DsgdError("--resume continues a run with its own configuration: "
                             "without --experiment or --workers")
-        store = Store(db)
+        store = Store(db, create=False)  # a run is looked up: no database is made for it
         experiments = [resumable(store, resume)]
     else:
         # Validate everything before anything is written or any worker is told what to run.

@@ -52,7 +52,7 @@ def delete(ctx: typer.Context, run_ids: RunIds, db: DbOption = None,
 
     from dsgd_cli.store import MAX_ID, Store
 
-    store = Store(_db(ctx, db))
+    store = Store(_db(ctx, db), create=False)
     checkpoints = [store.checkpoint_dir(run_id) for run_id in run_ids if 0 < run_id <= MAX_ID]
     deleted = store.delete_runs(run_ids, force=force)
     for directory in filter(None, checkpoints):
@@ -70,7 +70,7 @@ def tag(ctx: typer.Context,
     """Tag a run (`dsgd compare --where tag=TAG` selects by tag); --remove untags it."""
     from dsgd_cli.store import Store
 
-    now = Store(_db(ctx, db)).tag_run(run_id, tags, remove=remove)
+    now = Store(_db(ctx, db), create=False).tag_run(run_id, tags, remove=remove)
     typer.echo(f"run {run_id}: " + (f"tags {', '.join(now)}" if now else "no tags"))
 
 
