@@ -416,3 +416,17 @@ def test_a_network_without_bandwidth_runs_on_postgresql(tmp_path, pg_url):
     exported = cli("export", "1", "--db", pg_url, "-f", "json", "-c", "network.bytes_per_second",
                    "-m", "test_accuracy")
     assert [row["network.bytes_per_second"] for row in strict_loads(exported)] == [None]
+
+
+def test_commands_that_look_up_a_run_create_no_tables_on_postgresql(pg_url):
+    """An empty database is not made a dsgd one by a command that only looks a run up."""
+    import psycopg
+
+    for args in (["runs", "tag", "1", "x"], ["runs", "delete", "1"], ["run", "--resume", "1"]):
+        result = dsgd_in_process(*args, "--db", pg_url)
+        assert (result.returncode, result.stderr) == (
+            2, f"dsgd: error: {pg_url} holds no dsgd results (no table 'runs')\n"), args
+    with psycopg.connect(host=pg_url.split("host=")[1], user="dsgd",
+                         dbname=database(pg_url)) as connection:
+        tables = connection.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+        assert tables.fetchall() == []
