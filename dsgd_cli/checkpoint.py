@@ -19,6 +19,9 @@ import re
 import uuid
 from pathlib import Path
 
+from dsgd_cli.directories import problem_creating
+from dsgd_cli.errors import DsgdError
+
 ENV_ROOT = "DSGD_CHECKPOINTS"
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -33,11 +36,28 @@ def default_root(db_url: str) -> Path:
     return Path.cwd() / "dsgd-checkpoints"
 
 
-def run_directory(root: str | Path | None, db_url: str, experiment: str) -> str:
-    """A new, unique directory for one run's checkpoints (created by the workers)."""
-    root = Path(root or os.environ.get(ENV_ROOT) or default_root(db_url)).expanduser()
+def usable_root(option: str | Path | None, db_url: str) -> Path:
+    """The directory that holds runs' checkpoint directories: `--checkpoint-dir` (`option`),
+    else $DSGD_CHECKPOINTS, else the default; made now and checked that files can be written in
+    it, so that a bad one is a DsgdError naming it before anything launches."""
+    if option:
+        root, source = Path(option), "--checkpoint-dir"
+    elif os.environ.get(ENV_ROOT):
+        root, source = Path(os.environ[ENV_ROOT]), f"${ENV_ROOT}"
+    else:
+        root, source = default_root(db_url), "checkpoint directory"
+    root = root.expanduser().resolve()
+    problem = problem_creating(root)
+    if problem is not None:
+        raise DsgdError(f"{source} {root}: {problem}")
+    return root
+
+
+def run_directory(root: Path, experiment: str) -> str:
+    """A new, unique directory under `root` for one run's checkpoints (created by the
+    workers)."""
     safe = re.sub(r"[^A-Za-z0-9._=-]+", "_", experiment)[:80]
-    return str(root.resolve() / f"{safe}-{uuid.uuid4().hex[:12]}")
+    return str(root / f"{safe}-{uuid.uuid4().hex[:12]}")
 
 
 def step_directory(directory: str | Path, step: int) -> Path:

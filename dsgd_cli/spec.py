@@ -17,6 +17,7 @@ from typing import Any
 
 from dsgd_cli import registry, specfile
 from dsgd_cli.comm import NetworkModel
+from dsgd_cli.directories import problem_without_creating
 from dsgd_cli.errors import PluginError, SpecError
 from dsgd_cli.nodes import NodePlan, check_split
 from dsgd_cli.options import options_to_dict, parse_options, show
@@ -166,9 +167,13 @@ def _directory(value: Any, path: str) -> str | None:
     if not isinstance(value, str) or not value:
         raise SpecError(f"expected a directory path, got {show(value)}", path=path)
     try:
-        return str(Path(value).resolve())
+        directory = Path(value).resolve()
     except (OSError, ValueError) as error:  # ValueError: a NUL character in the path
         raise SpecError(f"expected a directory path, got {show(value)} ({error})", path=path) from None
+    problem = problem_without_creating(directory)
+    if problem is not None:
+        raise SpecError(f"cannot save models in {directory}: {problem}", path=path)
+    return str(directory)
 
 
 def _int(raw: dict, key: str, path: str, low: int | None = None, high: int | None = None) -> int:

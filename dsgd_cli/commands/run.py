@@ -71,6 +71,7 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
 
     from dsgd_cli import checkpoint
     from dsgd_cli.launcher import Callbacks, plan_launches, run_all
+    from dsgd_cli.results import resolve_url
     from dsgd_cli.resume import reopen, resumable
     from dsgd_cli.spec import load_spec
     from dsgd_cli.store import Store
@@ -93,10 +94,13 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
     if resume is not None:
         reopen(store, experiments[0])
     else:
+        if any(exp.config.get("checkpoint_every") for exp in experiments):
+            # Checked (and made) before the database is opened: a bad one writes nothing.
+            root = checkpoint.usable_root(checkpoint_dir, resolve_url(db))
+            for exp in experiments:
+                if exp.config.get("checkpoint_every"):
+                    exp.checkpoint_dir = checkpoint.run_directory(root, exp.name)
         store = Store(db)
-        for exp in experiments:
-            if exp.config.get("checkpoint_every"):
-                exp.checkpoint_dir = checkpoint.run_directory(checkpoint_dir, store.url, exp.name)
     # Experiment names and failure reasons are plain text, never rich markup: a gloo error
     # holds "[/127.0.0.1]:port", and a grid point's name "[key=value]".
     columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
