@@ -439,12 +439,12 @@ def _update_progress(progress: Progress, event: dict) -> None:
 
 
 class _Interrupts:
-    """While a run is on, SIGINT and SIGTERM are noted in `caught` instead of going to their
-    handlers (the CLI's raises, and an exception at an arbitrary point could cut a database
-    write or the cleanup short); the launcher polls `caught`. On leaving, the first signal
-    caught is raised again, for its own handler."""
+    """While a run is on, SIGINT, SIGTERM and SIGHUP are noted in `caught` instead of going
+    to their handlers (the CLI's raises, and an exception at an arbitrary point could cut a
+    database write or the cleanup short); the launcher polls `caught`. On leaving, the first
+    signal caught is raised again, for its own handler."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self):
         self.caught: list[signal.Signals] = []
