@@ -267,10 +267,11 @@ class Store(Results):
                 session.add(Checkpoints(run_id=run.id, directory=checkpoint_dir, resumes=[]))
             return run.id
 
-    def resume_run(self, run_id: int, step: int) -> None:
+    def resume_run(self, run_id: int, step: int, directory: str | None = None) -> None:
         """Reopen an interrupted or failed run at its checkpoint of `step`: the metrics recorded
         after that step (and the run-level ones, written at its end) go, as the resumed
-        workers record them again; the run is `running` and the resume is noted."""
+        workers record them again; the run is `running` and the resume is noted, with the
+        checkpoints' `directory` when they were moved."""
         with Session(self.engine) as session, session.begin():
             session.execute(delete(Metric).where(
                 Metric.run_id == run_id, or_(Metric.step > step, Metric.step.is_(None))))
@@ -280,6 +281,8 @@ class Store(Results):
             record = session.get(Checkpoints, run_id)
             at = datetime.now(timezone.utc).isoformat(timespec="seconds")
             record.resumes = [*(record.resumes or []), {"at": at, "step": step}]
+            if directory is not None:
+                record.directory = directory
 
     def add_metrics(self, run_id: int, rows: list[MetricRow]) -> None:
         """Store `rows`, dropping any whose value is not a finite number (NaN is no value)."""

@@ -44,7 +44,8 @@ def run(
         "--rdzv-timeout", help="Seconds to wait for every machine to join [spec: launch.rdzv_timeout, 600]")] = None,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(
         "--checkpoint-dir", help="Where runs that set checkpoint_every keep their checkpoints "
-                                 "[default: $DSGD_CHECKPOINTS or dsgd-checkpoints/ beside the database]")] = None,
+                                 "[default: $DSGD_CHECKPOINTS or dsgd-checkpoints/ beside the database]; "
+                                 "with --resume, where the run's checkpoints are now")] = None,
 ) -> None:
     """Run every experiment in SPEC (default ./experiments.yaml) and record it in the database."""
     from dsgd_cli.torchrun import early_start
@@ -81,7 +82,7 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
             raise DsgdError("--resume continues a run with its own configuration: "
                             "without --experiment or --workers")
         store = Store(db, create=False)  # a run is looked up: no database is made for it
-        experiments = [resumable(store, resume)]
+        experiments = [resumable(store, resume, checkpoint_dir)]
     else:
         # Validate everything before anything is written or any worker is told what to run.
         experiments = load_spec(spec, only=experiment, workers=workers, launch=launch)
