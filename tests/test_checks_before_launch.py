@@ -138,3 +138,38 @@ def test_a_save_dir_that_is_a_file_is_refused_before_launch(tmp_path):
     assert run_refused(tmp_path, spec) == (
         f"dsgd: error: {spec}: experiments[0].save_dir: cannot save models in {file}: "
         f"{file} is a file, not a directory")
+
+
+# -- duplicate keys -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("experiments:\n  - {name: a, task: logreg}\nexperiments:\n  - {name: b, task: logreg}\n",
+     "experiments: key 'experiments' given twice, on lines 1 and 3"),
+    ("defaults:\n  task: logreg\n  workers: 2\n  workers: 3\nexperiments:\n  - name: a\n",
+     "defaults.workers: key 'workers' given twice, on lines 3 and 4"),
+    ("experiments:\n  - name: a\n    task: logreg\n    optimizer: {name: sgd, lr: 0.1, lr: 0.2}\n",
+     "experiments[0].optimizer.lr: key 'lr' given twice, on lines 4 and 4"),
+], ids=["experiments", "workers", "flow mapping"])
+def test_a_key_given_twice_is_a_spec_error(tmp_path, text, expected):
+    spec = tmp_path / "dup.yaml"
+    spec.write_text(text)
+    with pytest.raises(SpecError) as caught:
+        load_spec(spec)
+    assert str(caught.value) == f"{spec}: {expected}"
+
+
+def test_merge_keys_and_aliases_are_not_duplicates(tmp_path):
+    spec = tmp_path / "merge.yaml"
+    spec.write_text("defaults:\n  optimizer: &sgd {name: sgd, lr: 0.1}\nexperiments:\n"
+                    "  - {name: a, task: logreg, optimizer: {<<: *sgd, lr: 0.2}}\n"
+                    "  - {name: b, task: logreg, optimizer: *sgd}\n")
+    assert [(e.name, e.config["optimizer"]["lr"]) for e in load_spec(spec)] == [("a", 0.2), ("b", 0.1)]
+    spec.write_text("experiments:\n  - &a {name: a, task: logreg, optimizer: {name: sgd, lr: 0.2}}\n"
+                    "  - {<<: *a, name: b}\n")
+    assert [(e.name, e.config["optimizer"]["lr"]) for e in load_spec(spec)] == [("a", 0.2), ("b", 0.2)]
+
+
+def test_dsgd_run_refuses_a_duplicate_key_before_launch(tmp_path):
+    spec = write_spec(tmp_path, SPEC + "experiments:\n  - name: b\n")
+    assert run_refused(tmp_path, spec) == (
+        f"dsgd: error: {spec}: experiments: key 'experiments' given twice, on lines 7 and 9")
