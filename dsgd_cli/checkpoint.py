@@ -45,8 +45,8 @@ def default_root(db_url: str) -> Path:
 
 def usable_root(option: str | Path | None, db_url: str) -> Path:
     """The directory that holds runs' checkpoint directories: `--checkpoint-dir` (`option`),
-    else $DSGD_CHECKPOINTS, else the default; made now and checked that files can be written in
-    it, so that a bad one is a DsgdError naming it before anything launches."""
+    else $DSGD_CHECKPOINTS, else the default; checked, by trying, that it can be made and
+    written in, so that a bad one is a DsgdError naming it before anything launches."""
     if option:
         root, source = Path(option), "--checkpoint-dir"
     elif os.environ.get(ENV_ROOT):

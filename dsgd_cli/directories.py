@@ -19,21 +19,27 @@ def blocking_file(directory: Path) -> Path | None:
 
 
 def problem_creating(directory: Path) -> str | None:
-    """Why files cannot be written in `directory` (None: they can), found by making it (with
-    its parents) and a temporary file in it, which is removed."""
+    """Why files cannot be written in `directory` (None: they can), found by trying: making
+    it (with its parents) and a temporary file in it. What the trial made is removed again
+    (the workers make the directory when they write)."""
     blocker = blocking_file(directory)
     if blocker is not None:
         return (f"{blocker} is a file, not a directory" if blocker == directory
                 else f"{blocker} is a file, so no directory can be made under it")
+    missing = [path for path in (directory, *directory.parents) if not path.exists()]
     try:
         directory.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        return f"cannot create it: {error.strerror or error}"
-    try:
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as error:
-        return f"cannot write in it: {error.strerror or error}"
+        made = not missing or directory.exists()
+        return f"cannot {'write in' if made else 'create'} it: {error.strerror or error}"
+    finally:
+        for path in missing:  # deepest first; only what is still empty
+            try:
+                path.rmdir()
+            except OSError:
+                break
     return None
 
 
