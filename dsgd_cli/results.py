@@ -232,7 +232,7 @@ class Results:
             with self.engine.connect() as connection:
                 yield connection
         except DBAPIError as error:
-            raise unreadable(self.shown_url, error) from None
+            raise Unreadable(self.shown_url, error) from None
 
     def _stored_version(self) -> int | None:
         rows = self._sql.rows("SELECT value FROM meta WHERE key = 'schema_version'")
@@ -424,10 +424,6 @@ class Unreadable(StoreError):
         super().__init__(f"cannot read results database {shown_url}: {self.reason}")
 
 
-def unreadable(shown_url: str, error: Exception) -> Unreadable:
-    return Unreadable(shown_url, error)
-
-
 class SQLiteReader:
     """An SQLite file through the sqlite3 module, read-only."""
 
@@ -439,7 +435,7 @@ class SQLiteReader:
         try:
             return self.connection.execute(sql, params or {}).fetchall()
         except sqlite3.Error as error:
-            raise unreadable(self.shown_url, error) from None
+            raise Unreadable(self.shown_url, error) from None
 
     def columns(self) -> dict[str, set[str]]:
         tables = [name for (name,) in self.rows(
@@ -464,7 +460,7 @@ class EngineReader:
             with self.engine.connect() as connection:
                 return [tuple(row) for row in connection.execute(text(sql), params or {})]
         except DBAPIError as error:
-            raise unreadable(self.shown_url, error) from None
+            raise Unreadable(self.shown_url, error) from None
 
     def columns(self) -> dict[str, set[str]]:
         from sqlalchemy import inspect

@@ -96,7 +96,7 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
         reopen(store, experiments[0])
     else:
         if any(exp.config.get("checkpoint_every") for exp in experiments):
-            # Checked (and made) before the database is opened: a bad one writes nothing.
+            # Checked before the database is opened: a bad one writes nothing.
             root = checkpoint.usable_root(checkpoint_dir, resolve_url(db))
             for exp in experiments:
                 if exp.config.get("checkpoint_every"):
