@@ -92,3 +92,62 @@ def test_a_database_that_stops_taking_writes_mid_run(tmp_path, immutable_files):
     steps = [r.step for r in Results(str(db)).metric_history(1, "train_loss") if r.rank == 0]
     assert steps == list(range(1, len(steps) + 1))  # every step recorded once
     assert not kept.exists()
+
+
+# -- what is kept, and what recovery stores (no root needed) -------------------------------------
+
+def _write_steps(events_dir: Path, steps: range, done: bool = False) -> None:
+    from dsgd_cli.events import EventWriter, events_path
+
+    for rank in (0, 1):
+        writer = EventWriter(events_path(events_dir, rank), rank)
+        for step in steps:
+            writer.metric("train_loss", 1.0 / step, step=step, epoch=0)
+        if done:
+            writer.write("done")
+        writer.close()
+
+
+@pytest.mark.parametrize("finished, status", [(True, "completed"), (False, "interrupted")])
+def test_recovery_stores_each_record_once_and_ends_the_run(tmp_path, monkeypatch, finished, status):
+    from sqlalchemy.exc import OperationalError
+
+    from dsgd_cli import unrecorded
+    from dsgd_cli.launcher import Callbacks, _Running
+    from dsgd_cli.spec import Experiment
+    from dsgd_cli.store import Store
+    from test_store import config
+
+    db, events_dir = tmp_path / "r.db", tmp_path / "events"
+    events_dir.mkdir()
+    store = Store(str(db))
+    run_id = store.create_run("x", config(), None, [])
+    running = _Running(0, Experiment("x", config()), run_id, events_dir)
+    _write_steps(events_dir, range(1, 4))
+    running.ingest(store, Callbacks())  # steps 1-3 stored
+    _write_steps(events_dir, range(4, 6), done=finished)
+
+    def lost(*args):
+        raise OperationalError("INSERT", {}, Exception("disk I/O error"))
+
+    monkeypatch.setattr(store, "add_metrics", lost)
+    with pytest.raises(OperationalError):
+        running.ingest(store, Callbacks())  # steps 4-5 read, not stored
+    _write_steps(events_dir, range(6, 7))  # what the workers wrote before they were stopped
+    kept = unrecorded.keep(running, "disk I/O error", where=tmp_path)
+    monkeypatch.undo()
+
+    result = dsgd_in_process("runs", "recover", str(kept), "--db", str(db))
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert result.stdout == f"run {run_id}: 6 records recovered; {status}\n"  # steps 4-6, 2 ranks
+    run = Results(str(db)).get_run(run_id)
+    assert run.status == status
+    if not finished:
+        assert run.reason == "stopped: the results database could not be written (disk I/O error)"
+    history = Results(str(db)).metric_history(run_id, "train_loss")
+    assert sorted((r.rank, r.step) for r in history) == [(rank, step) for rank in (0, 1)
+                                                         for step in range(1, 7)]
+    assert not kept.exists()
+    again = dsgd_in_process("runs", "recover", str(kept), "--db", str(db))
+    assert (again.returncode, again.stderr) == (
+        2, f"dsgd: error: {kept}: not a directory of unrecorded records (no unrecorded.json)\n")
