@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import dsgd, write_spec
-from dsgd_cli.errors import SpecError
+from dsgd_cli import checkpoint
+from dsgd_cli.errors import DsgdError, SpecError
 from dsgd_cli.spec import load_spec
 
 SPEC = """
@@ -103,10 +104,11 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused_before_launch(tmp_path):
     file.write_text("x")
     assert run_refused(tmp_path, spec, "--checkpoint-dir", str(file)) == (
         f"dsgd: error: --checkpoint-dir {file}: {file} is a file, not a directory")
-    assert run_refused(tmp_path, spec, "--checkpoint-dir", str(file / "below")) == (
-        f"dsgd: error: --checkpoint-dir {file / 'below'}: {file} is a file, so no directory can "
-        "be made under it")
     assert file.read_text() == "x"
+    with pytest.raises(DsgdError) as caught:
+        checkpoint.usable_root(file / "below", "sqlite:///r.db")
+    assert str(caught.value) == (f"--checkpoint-dir {file / 'below'}: {file} is a file, so no "
+                                 "directory can be made under it")
 
 
 def test_an_unwritable_checkpoint_dir_is_refused_before_launch(tmp_path):
@@ -119,9 +121,6 @@ def test_an_unwritable_checkpoint_dir_is_refused_before_launch(tmp_path):
 
 
 def test_dsgd_checkpoints_that_is_a_file_is_named(tmp_path, monkeypatch):
-    from dsgd_cli import checkpoint
-    from dsgd_cli.errors import DsgdError
-
     file = tmp_path / "f"
     file.write_text("")
     monkeypatch.setenv("DSGD_CHECKPOINTS", str(file))
