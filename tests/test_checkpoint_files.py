@@ -6,7 +6,6 @@ none to fall back to, `--resume` refuses on one line naming the file and changes
 from __future__ import annotations
 
 import sqlite3
-import textwrap
 from pathlib import Path
 
 import pytest
