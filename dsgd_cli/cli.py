@@ -15,6 +15,8 @@ from dsgd_cli.commands.run import run
 from dsgd_cli.commands.runs import runs_app, show
 from dsgd_cli.errors import DsgdError, Interrupted
 
+INTERRUPTING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
 app = typer.Typer(help="Run, record and compare distributed data-parallel SGD algorithms.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 app.command()(run)
@@ -32,15 +34,19 @@ def _interrupt(signum, _frame) -> None:
 
 
 def main() -> None:
-    # SIGINT and SIGTERM become one exception that a running launch turns into an
-    # `interrupted` run (it stops the run's processes first), and that click does not swallow.
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    # SIGINT, SIGTERM and SIGHUP (the terminal or SSH session went away) become one exception
+    # that a running launch turns into an `interrupted` run (it stops the run's processes
+    # first), and that click does not swallow.
+    for signum in INTERRUPTING:
+        signal.signal(signum, _interrupt)
     # Typer reports usage errors itself (exit 2); our own errors of user input come here.
     try:
         app()
     except Interrupted as interrupted:
-        print("dsgd: interrupted", file=sys.stderr)
+        try:
+            print("dsgd: interrupted", file=sys.stderr)
+        except OSError:  # after SIGHUP the terminal may be gone
+            pass
         sys.exit(interrupted.exit_code)
     except DsgdError as error:
         print(f"dsgd: error: {error}", file=sys.stderr)

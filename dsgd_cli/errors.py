@@ -33,7 +33,8 @@ class RunFailed(DsgdError):
 
 
 class Interrupted(DsgdError):
-    """SIGINT (Ctrl-C) or SIGTERM (timeout, SLURM, schedulers) stopped dsgd."""
+    """SIGINT (Ctrl-C), SIGTERM (timeout, SLURM, schedulers) or SIGHUP (a dropped SSH
+    session) stopped dsgd."""
 
     def __init__(self, signal_name: str, exit_code: int):
         super().__init__(f"interrupted by {signal_name}")

@@ -108,10 +108,15 @@ def _finite(value: Any) -> Any:
 class EventReader:
     """Reads the complete lines appended to a file since the last call."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, offset: int = 0):
         self.path = Path(path)
-        self._offset = 0
+        self._offset = offset
         self._partial = b""
+
+    @property
+    def offset(self) -> int:
+        """Where the lines read so far end: a reader made with it goes on from there."""
+        return self._offset - len(self._partial)
 
     def read(self) -> list[dict[str, Any]]:
         try:

@@ -49,7 +49,7 @@ def reach_times(store: Results, run_ids: list[int], target: Target) -> dict[int,
                  Metric.step.is_not(None), Metric.step <= firsts.c.step)))
              .order_by(firsts.c.run_id, Metric.rank, Metric.step, Metric.id))
     reached: dict[int, Reached] = {}
-    with store.engine.connect() as connection:
+    with store.connect() as connection:
         # The driver's rows as they are: thousands of them, and no type needs converting.
         rows = connection.execute(query).cursor.fetchall()
     # Each run's rows: its bytes_sent records up to the step it reached the target, rank by
@@ -104,7 +104,7 @@ def load_history(store: Results, run_ids: list[int],
     query = (select(Metric.run_id, Metric.name, Metric.step, Metric.epoch, Metric.rank,
                     Metric.seconds, Metric.value)
              .where(Metric.run_id.in_(run_ids), Metric.name.in_(names)).order_by(Metric.id))
-    with store.engine.connect() as connection:
+    with store.connect() as connection:
         for run_id, name, *fields in connection.execute(query).all():
             by_run[(run_id, name)].append(Record(*fields))
     return by_run

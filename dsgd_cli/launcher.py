@@ -13,6 +13,7 @@ workers may wait for it forever, and marks it diverged.
 from __future__ import annotations
 
 import re
+import shlex
 import signal
 import subprocess
 import threading
@@ -21,11 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from dsgd_cli import nodes, registry
+from sqlalchemy.exc import DBAPIError
+
+from dsgd_cli import nodes, registry, unrecorded
 from dsgd_cli.events import EventReader, events_path, experiment_dir, stop_path
+from dsgd_cli.results import one_line, sqlite_path
 from dsgd_cli.spec import PLUGIN_SECTIONS, Experiment
 from dsgd_cli.store import MetricRow, Store, finite_number
 from dsgd_cli.torchrun import Shape, Torchrun
+from dsgd_cli.unrecorded import RecordingLost
 
 POLL_SECONDS = 0.5
 GRACE_AFTER_ERROR_S = 10.0  # torchrun normally stops the other workers well before this
@@ -335,6 +340,8 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
                                       running.done_ranks, process.returncode,
                                       _last_line(log_text), failures,
                                       _rendezvous_failure(running.experiment, log_text)))
+        except DBAPIError as error:  # the database cannot be written: nothing more is recorded
+            raise recording_lost(error, running, store) from None
         except BaseException as error:
             if running is not None and _records(running.experiment) and running.run_id is not None:
                 store.finish_run(running.run_id, "failed", f"dsgd failed: {error!r}")
@@ -342,6 +349,26 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
         finally:
             torchrun.close()
     return results
+
+
+def recording_lost(error: DBAPIError, running: _Running | None, store: Store) -> RecordingLost:
+    """The one-line error of a database that stopped taking writes during a launch (whose
+    processes are stopped by then), with the running experiment's records kept for
+    `dsgd runs recover`."""
+    reason = one_line(getattr(error, "orig", None) or error)
+    message = f"cannot write to results database {store.shown_url}: {reason}"
+    if running is not None and running.run_id is not None and _records(running.experiment):
+        message += f"; run {running.run_id} ({running.experiment.name}) was stopped and is left 'running'"
+        try:
+            kept = unrecorded.keep(running, reason)
+        except OSError as keep_error:
+            message += f"; its workers' records could not be kept ({keep_error})"
+        else:
+            db = sqlite_path(store.url) or store.shown_url
+            message += (f"; once the database can be written, `dsgd runs recover "
+                        f"{shlex.quote(str(kept))} --db {shlex.quote(db)}` records what its "
+                        "workers recorded (kept there) and ends it")
+    return RecordingLost(message + "; later experiments were not run")
 
 
 def _records(experiment: Experiment) -> bool:
@@ -439,12 +466,12 @@ def _update_progress(progress: Progress, event: dict) -> None:
 
 
 class _Interrupts:
-    """While a run is on, SIGINT and SIGTERM are noted in `caught` instead of going to their
-    handlers (the CLI's raises, and an exception at an arbitrary point could cut a database
-    write or the cleanup short); the launcher polls `caught`. On leaving, the first signal
-    caught is raised again, for its own handler."""
+    """While a run is on, SIGINT, SIGTERM and SIGHUP are noted in `caught` instead of going
+    to their handlers (the CLI's raises, and an exception at an arbitrary point could cut a
+    database write or the cleanup short); the launcher polls `caught`. On leaving, the first
+    signal caught is raised again, for its own handler."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self):
         self.caught: list[signal.Signals] = []

@@ -24,6 +24,7 @@ from typing import Any, Literal, Mapping
 from dsgd_cli.errors import SpecError
 
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # an integer option beyond these overflows torch
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32; a float option beyond it overflows torch
 _SHOWN = 60  # characters of a value an error message shows
 
 
@@ -160,6 +161,7 @@ def parse_options(options_cls: type, raw: Mapping[str, Any], path: str) -> Any:
             if high is not None and value > high:
                 raise SpecError(f"expected a value <= {high}, got {show(value)}", path=key_path)
         _check_64_bits(value, key_path)
+        _check_float32(value, key_path)
         values[name] = value
     try:
         return options_cls(**values)
@@ -177,6 +179,18 @@ def _check_64_bits(value: Any, path: str) -> None:
             raise SpecError(f"expected a value <= {INT64_MAX} (64 bits), got {show(value)}", path=path)
         if value < INT64_MIN:
             raise SpecError(f"expected a value >= {INT64_MIN} (64 bits), got {show(value)}", path=path)
+
+
+def _check_float32(value: Any, path: str) -> None:
+    """A float option (or one in a list) must fit in a float32: torch applies a learning
+    rate or a weight to float32 tensors, and 1e300 would overflow there, in every worker,
+    after the launch."""
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_float32(item, f"{path}[{index}]")
+    elif isinstance(value, float) and abs(value) > FLOAT32_MAX:
+        raise SpecError(f"expected a number between -{FLOAT32_MAX:.4g} and {FLOAT32_MAX:.4g} "
+                        f"(float32, which training computes in), got {show(value)}", path=path)
 
 
 def options_to_dict(options: Any) -> dict[str, Any]:

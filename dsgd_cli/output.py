@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from itertools import chain
 from typing import Any
 
+from dsgd_cli import strictjson
 from dsgd_cli.errors import DsgdError
 
 EXTRA_FORMATS = ("csv", "json")
@@ -31,7 +31,7 @@ def check_format(fmt: str) -> str:
 def render(rows: list[dict[str, Any]], fmt: str = "simple", columns: list[str] | None = None) -> str:
     columns = columns or (list(rows[0]) if rows else [])
     if fmt == "json":
-        return json.dumps([{c: row.get(c) for c in columns} for row in rows], indent=2)
+        return strictjson.dumps([{c: row.get(c) for c in columns} for row in rows], indent=2)
     if fmt == "csv":
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore", lineterminator="\n")

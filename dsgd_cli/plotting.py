@@ -113,7 +113,7 @@ def _series(store: Results, runs: list[RunRecord], metric: str,
     ids = [run.id for run in runs]
     # x by step: the bytes axis is worked out from each run's bytes_sent records below.
     column = "step" if x_axis == "bytes" else x_axis
-    with store.engine.connect() as connection:
+    with store.connect() as connection:
         # Hundreds of thousands of plain numbers: the driver's rows straight into an array.
         rows = connection.execute(curve_points(ids, metric, column)).cursor.fetchall()
     table = np.fromiter(chain.from_iterable(rows), dtype=float,

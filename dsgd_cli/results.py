@@ -16,12 +16,13 @@ import os
 import re
 import sqlite3
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from dsgd_cli.errors import StoreError
 
@@ -45,11 +46,39 @@ TABLE_COLUMNS = {
     "summaries": ("run_id", "name", "final", "best"),
 }
 RUN_FIELDS = TABLE_COLUMNS["runs"]
+# The schema version that added each table the first version lacked.
+ADDED_IN = {"tags": 2, "checkpoints": 3}
+
+
+def tables_of_version(version: int) -> list[str]:
+    """The tables a dsgd database of schema `version` has."""
+    return [table for table in TABLE_COLUMNS if ADDED_IN.get(table, 1) <= version]
+
+
+# A URL starts with its scheme (`postgresql+psycopg://`, `sqlite://`); anything else is a path.
+_URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def resolve_url(db: str | None) -> str:
-    db = db or os.environ.get("DSGD_DB") or DEFAULT_DB
-    return db if "://" in db else f"sqlite:///{Path(db).expanduser()}"
+    """The database `--db` names (else $DSGD_DB, else ./dsgd.db) as an SQLAlchemy URL. A path
+    names exactly that file: its characters are percent-encoded in the URL, which SQLAlchemy
+    decodes (`q%41.db` is not `qA.db`, and a `?` or `#` starts no query)."""
+    db = given_db(db)
+    if _URL_SCHEME.match(db):
+        return db
+    return "sqlite:///" + quote(str(Path(db).expanduser()), safe="/")
+
+
+def given_db(db: str | None) -> str:
+    return db or os.environ.get("DSGD_DB") or DEFAULT_DB
+
+
+def shown_db(db: str | None) -> str:
+    """The database for messages: a URL without its password, a path as `sqlite:///PATH`."""
+    db = given_db(db)
+    if _URL_SCHEME.match(db):
+        return without_password(db)
+    return f"sqlite:///{Path(db).expanduser()}"
 
 
 def higher_is_better(name: str) -> bool:
@@ -138,11 +167,15 @@ class Results:
 
     def __init__(self, db: str | None = None):
         self.url = resolve_url(db)
-        self.shown_url = without_password(self.url)  # for messages
+        self.shown_url = shown_db(db)  # for messages
         path = sqlite_path(self.url)
         try:
-            self._sql = SQLiteReader(path) if path is not None else EngineReader(self.engine)
+            self._sql = (SQLiteReader(path, self.shown_url) if path is not None
+                         else EngineReader(self.engine, self.shown_url))
             self._check_schema(missing_ok=False)
+        except Unreadable as error:
+            raise StoreError(f"cannot open results database {self.shown_url}: "
+                             f"{error.reason}") from None
         except (sqlite3.Error, *_sqlalchemy_errors()) as error:
             reason = getattr(error, "orig", None) or error
             raise StoreError(f"cannot open results database {self.shown_url}: "
@@ -173,10 +206,33 @@ class Results:
                 raise StoreError(f"{self.shown_url} is not a dsgd results database: its table "
                                  f"'{table}' lacks the columns "
                                  f"{', '.join(map(repr, lacking[:3]))}{more}")
-        if "meta" in columns:
-            self._check_version(self._stored_version())
+        version = self._stored_version() if "meta" in columns else None
+        self._check_version(version)
+        if not missing_ok:  # (a writer creates what its schema lacks)
+            self._check_complete(columns, version or 1)  # no meta: a schema-1 database
         self.has_tags = "tags" in columns
         self.has_checkpoints = "checkpoints" in columns
+
+    def _check_complete(self, columns: dict[str, set[str]], version: int) -> None:
+        """A database lacking a table its schema version has (dropped by hand, or by a tool)
+        is damaged: refused at once rather than failing at the first query that needs it."""
+        missing = [table for table in tables_of_version(version) if table not in columns]
+        if missing:
+            raise StoreError(f"results database {self.shown_url} is damaged: it lacks the "
+                             f"table{'s' if len(missing) > 1 else ''} "
+                             f"{', '.join(map(repr, missing))} of schema version {version}")
+
+    @contextmanager
+    def connect(self):
+        """A connection of the read-only engine (for queries built with SQLAlchemy); a
+        database error while it is used becomes a one-line StoreError naming the database."""
+        from sqlalchemy.exc import DBAPIError
+
+        try:
+            with self.engine.connect() as connection:
+                yield connection
+        except DBAPIError as error:
+            raise Unreadable(self.shown_url, error) from None
 
     def _stored_version(self) -> int | None:
         rows = self._sql.rows("SELECT value FROM meta WHERE key = 'schema_version'")
@@ -342,10 +398,10 @@ _SQLITE_FILE = re.compile(r"^sqlite:///([^?]+)$")
 
 
 def sqlite_path(url: str) -> str | None:
-    """The file of a plain `sqlite:///PATH` URL, else None (another database, an in-memory
-    one, or options that SQLAlchemy should interpret)."""
+    """The file of a plain `sqlite:///PATH` URL (percent-decoded, as SQLAlchemy does), else
+    None (another database, an in-memory one, or options that SQLAlchemy should interpret)."""
     match = _SQLITE_FILE.match(url)
-    path = match.group(1) if match else None
+    path = unquote(match.group(1)) if match else None
     return None if path in (None, ":memory:") else path
 
 
@@ -360,14 +416,26 @@ def read_only_uri(path: str) -> str:
     return f"file:{quote(str(Path(path).resolve()))}?{mode}"
 
 
+class Unreadable(StoreError):
+    """A database error met while reading (a damaged file, a table gone), on one line."""
+
+    def __init__(self, shown_url: str, error: Exception):
+        self.reason = one_line(getattr(error, "orig", None) or error)
+        super().__init__(f"cannot read results database {shown_url}: {self.reason}")
+
+
 class SQLiteReader:
     """An SQLite file through the sqlite3 module, read-only."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, shown_url: str):
+        self.shown_url = shown_url
         self.connection = sqlite3.connect(read_only_uri(path), uri=True)
 
     def rows(self, sql: str, params: dict[str, Any] | None = None) -> list[tuple]:
-        return self.connection.execute(sql, params or {}).fetchall()
+        try:
+            return self.connection.execute(sql, params or {}).fetchall()
+        except sqlite3.Error as error:
+            raise Unreadable(self.shown_url, error) from None
 
     def columns(self) -> dict[str, set[str]]:
         tables = [name for (name,) in self.rows(
@@ -380,14 +448,19 @@ class SQLiteReader:
 class EngineReader:
     """Any database through an SQLAlchemy engine (PostgreSQL; SQLite given by another URL)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, shown_url: str):
         self.engine = engine
+        self.shown_url = shown_url
 
     def rows(self, sql: str, params: dict[str, Any] | None = None) -> list[tuple]:
         from sqlalchemy import text
+        from sqlalchemy.exc import DBAPIError
 
-        with self.engine.connect() as connection:
-            return [tuple(row) for row in connection.execute(text(sql), params or {})]
+        try:
+            with self.engine.connect() as connection:
+                return [tuple(row) for row in connection.execute(text(sql), params or {})]
+        except DBAPIError as error:
+            raise Unreadable(self.shown_url, error) from None
 
     def columns(self) -> dict[str, set[str]]:
         from sqlalchemy import inspect

@@ -10,6 +10,10 @@ but not bit for bit, as their workers' timing decides what they exchange.
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 from dsgd_cli import checkpoint, registry
 from dsgd_cli.errors import DsgdError
 from dsgd_cli.spec import PLUGIN_SECTIONS, Experiment
@@ -18,27 +22,53 @@ from dsgd_cli.store import Store
 RESUMABLE = ("interrupted", "failed")
 
 
-def resumable(store: Store, run_id: int) -> Experiment:
-    """The experiment that continues run `run_id`, checked; nothing is changed yet."""
+def resumable(store: Store, run_id: int, checkpoint_dir: str | Path | None = None) -> Experiment:
+    """The experiment that continues run `run_id`, checked; nothing is changed yet.
+    `checkpoint_dir` (`--checkpoint-dir`): where its checkpoints are now, if they moved."""
     run = store.get_run(run_id)
     if run is None:
         raise DsgdError(f"no run with id {run_id} in {store.shown_url}")
     if run.status not in RESUMABLE:
         raise DsgdError(f"run {run_id} is {run.status}: only interrupted or failed runs resume")
-    directory = store.checkpoint_dir(run_id)
-    step = checkpoint.latest_complete(directory, run.workers)
+    directory = locate(store.checkpoint_dir(run_id), checkpoint_dir)
+    step, damaged = checkpoint.latest_sound(directory, run.workers)
+    if step is None and damaged:
+        earlier = ("as is its earlier checkpoint" if len(damaged) == 2 else
+                   "as are its earlier checkpoints" if len(damaged) > 2 else
+                   "and it has no earlier complete checkpoint")
+        raise DsgdError(f"run {run_id} cannot resume: {damaged[0]}, {earlier}")
     if step is None:
         why = ("its spec set no checkpoint_every" if directory is None
                else f"none complete in {directory}")
         raise DsgdError(f"run {run_id} has no checkpoint to resume from ({why})")
+    for problem in damaged:
+        print(f"dsgd: run {run_id}: {problem}; resuming from the checkpoint of step {step}",
+              file=sys.stderr)
     for kind in PLUGIN_SECTIONS:
         registry.load(kind, run.config[kind]["name"])  # still installed: else a clear error
     return Experiment(run.experiment, run.config, checkpoint_dir=directory, resume_step=step,
                       run_id=run_id)
 
 
+def locate(recorded: str | None, option: str | Path | None) -> str | None:
+    """Where a run's checkpoints are: in the directory `--checkpoint-dir` names (`option`: the
+    run's own directory, or one holding it under its recorded name), else where they were
+    recorded, else in $DSGD_CHECKPOINTS under that name; the recorded place when none holds
+    any."""
+    if recorded is None:
+        return None
+    roots = [Path(option)] if option else [Path(recorded)] + (
+        [Path(os.environ[checkpoint.ENV_ROOT])] if os.environ.get(checkpoint.ENV_ROOT) else [])
+    for root in roots:
+        root = root.expanduser().resolve()
+        for directory in (root, root / Path(recorded).name):
+            if checkpoint.steps(directory):
+                return str(directory)
+    return str(Path(option).expanduser().resolve()) if option else recorded
+
+
 def reopen(store: Store, experiment: Experiment) -> None:
     """Make way for the resumed workers: the other steps' checkpoints go (an earlier attempt
     may have written files for later ones), and so do the metrics recorded after the step."""
     checkpoint.keep_only(experiment.checkpoint_dir, experiment.resume_step)
-    store.resume_run(experiment.run_id, experiment.resume_step)
+    store.resume_run(experiment.run_id, experiment.resume_step, experiment.checkpoint_dir)

@@ -17,6 +17,7 @@ from typing import Any
 
 from dsgd_cli import registry, specfile
 from dsgd_cli.comm import NetworkModel
+from dsgd_cli.directories import problem_without_creating
 from dsgd_cli.errors import PluginError, SpecError
 from dsgd_cli.nodes import NodePlan, check_split
 from dsgd_cli.options import options_to_dict, parse_options, show
@@ -166,9 +167,13 @@ def _directory(value: Any, path: str) -> str | None:
     if not isinstance(value, str) or not value:
         raise SpecError(f"expected a directory path, got {show(value)}", path=path)
     try:
-        return str(Path(value).resolve())
+        directory = Path(value).resolve()
     except (OSError, ValueError) as error:  # ValueError: a NUL character in the path
         raise SpecError(f"expected a directory path, got {show(value)} ({error})", path=path) from None
+    problem = problem_without_creating(directory)
+    if problem is not None:
+        raise SpecError(f"cannot save models in {directory}: {problem}", path=path)
+    return str(directory)
 
 
 def _int(raw: dict, key: str, path: str, low: int | None = None, high: int | None = None) -> int:
@@ -357,14 +362,15 @@ _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 
-def parse_network(raw: Any, path: str) -> dict[str, float] | None:
-    """`{bandwidth: 1Gbit, latency: 100us}` → bytes per second and seconds."""
+def parse_network(raw: Any, path: str) -> dict[str, float | None] | None:
+    """`{bandwidth: 1Gbit, latency: 100us}` → bytes per second (None: no limit, which JSON can
+    hold, unlike infinity) and seconds."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
         raise SpecError("expected a mapping with keys bandwidth, latency", path=path)
     check_keys(raw, path, {"bandwidth", "latency"})
-    result = {"bytes_per_second": float("inf"), "latency_s": 0.0}
+    result: dict[str, float | None] = {"bytes_per_second": None, "latency_s": 0.0}
     if "bandwidth" in raw:
         value = raw["bandwidth"]
         match = _BANDWIDTH.match(str(value)) if isinstance(value, str) else None
@@ -404,7 +410,11 @@ def _as_float(value: Any) -> float | None:
 
 def network_model(config: dict[str, Any]) -> NetworkModel | None:
     network = config.get("network")
-    return None if network is None else NetworkModel(network["latency_s"], network["bytes_per_second"])
+    if network is None:
+        return None
+    # No bandwidth: unlimited (an older run's stored configuration may say infinity).
+    bytes_per_second = network["bytes_per_second"]
+    return NetworkModel(network["latency_s"], math.inf if bytes_per_second is None else bytes_per_second)
 
 
 def _number(raw: dict, key: str, path: str, *, low: float, high: float | None = None,

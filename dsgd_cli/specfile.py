@@ -60,7 +60,15 @@ def read_document(path: Path) -> tuple[str, Any]:
     """The spec's text and its YAML; a SpecError (naming no file) if either is unreadable."""
     text = _read_text(path)
     try:
-        return text, yaml.load(text, Loader=SpecLoader)
+        loader = SpecLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:  # an empty file
+                return text, None
+            check_unique_keys(node, "")
+            return text, loader.construct_document(node)
+        finally:
+            loader.dispose()
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -70,6 +78,33 @@ def read_document(path: Path) -> tuple[str, Any]:
         raise SpecError(f"invalid YAML: {error}") from None
     except RecursionError:
         raise SpecError("invalid YAML: nested too deeply") from None
+
+def check_unique_keys(node: yaml.Node, path: str, seen: set[int] | None = None) -> None:
+    """A key given twice in one mapping is an error naming it and both lines: YAML would keep
+    the second silently (a second `experiments:` would drop the first list). Merge keys (`<<`)
+    are not duplicates: what they bring in is overridden by the mapping's own keys. A node an
+    alias repeats is checked once (`seen`), so an alias inside itself ends."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            check_unique_keys(item, f"{path}[{index}]", seen)
+    elif isinstance(node, yaml.MappingNode):
+        first_line: dict[tuple[str, str], int] = {}
+        for key, value in node.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else None
+            if name is None or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            key_path = f"{path}.{name}" if path else str(name)
+            line = key.start_mark.line + 1
+            if (key.tag, name) in first_line:
+                raise SpecError(f"key {name!r} given twice, on lines {first_line[key.tag, name]} "
+                                f"and {line}", path=key_path)
+            first_line[key.tag, name] = line
+            check_unique_keys(value, key_path, seen)
+
 
 def _read_text(path: Path) -> str:
     try:

@@ -12,7 +12,6 @@ Reading is `dsgd_cli.results.Results`, which `Store` extends; a reading command 
 
 from __future__ import annotations
 
-import json
 import math
 import socket
 import sqlite3
@@ -20,6 +19,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Iterable
 
 from sqlalchemy import (JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, or_,
@@ -29,11 +29,11 @@ from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
-from dsgd_cli import __version__
+from dsgd_cli import __version__, strictjson
 from dsgd_cli.errors import StoreError
-from dsgd_cli.results import (MAX_ID, SCHEMA_VERSION, EngineReader, Results, flatten_config,
-                              higher_is_better, missing_driver_error, one_line, read_only_uri,
-                              resolve_url, schema_version, without_password)
+from dsgd_cli.results import (MAX_ID, SCHEMA_VERSION, EngineReader, Results, Unreadable,
+                              flatten_config, higher_is_better, missing_driver_error, one_line,
+                              read_only_uri, resolve_url, schema_version, shown_db, sqlite_path)
 
 MAX_TAG_LENGTH = 128
 SQLITE_BUSY_TIMEOUT = 30  # seconds a writer waits for another's lock
@@ -193,15 +193,23 @@ class Store(Results):
     first use or upgraded to this version, and a database dsgd cannot write to is refused at
     once, before anything is launched."""
 
-    def __init__(self, db: str | None = None):
+    def __init__(self, db: str | None = None, create: bool = True):
+        """`create`: make a new database where there is none (`dsgd run` recording runs);
+        without it, a command that only changes recorded runs refuses a missing database, or
+        one without dsgd's tables, and creates nothing."""
         self.url = resolve_url(db)
-        self.shown_url = without_password(self.url)  # for messages
+        self.shown_url = shown_db(db)  # for messages
+        path = sqlite_path(self.url)
+        if not create and path is not None and not Path(path).is_file():
+            raise StoreError(f"no results database at {path} (`dsgd run` creates one)")
         try:
             self.engine = _engine(self.url, readonly=False)
-            self._sql = EngineReader(self.engine)
-            self._check_schema(missing_ok=True)
+            self._sql = EngineReader(self.engine, self.shown_url)
+            self._check_schema(missing_ok=create)
             self._migrate()
             self.has_tags = self.has_checkpoints = True
+        except Unreadable as error:
+            raise StoreError(f"cannot open results database {self.shown_url}: {error.reason}") from None
         except (ArgumentError, DatabaseError, OperationalError) as error:
             reason = getattr(error, "orig", None) or error
             verb = "write to" if _read_only_error(error) else "open"
@@ -250,7 +258,7 @@ class Store(Results):
                       compressor=config["compressor"]["name"], optimizer=config["optimizer"]["name"],
                       workers=config["workers"], config=config, dsgd_version=__version__,
                       host=socket.gethostname(), started_at=datetime.now(timezone.utc))
-            run.params = [Param(key=k, value=json.dumps(v)) for k, v in flatten_config(config).items()]
+            run.params = [Param(key=k, value=strictjson.dumps(v)) for k, v in flatten_config(config).items()]
             run.plugins = [PluginVersion(kind=k, name=n, distribution=d, version=v)
                            for k, n, d, v in plugins]
             session.add(run)
@@ -259,10 +267,11 @@ class Store(Results):
                 session.add(Checkpoints(run_id=run.id, directory=checkpoint_dir, resumes=[]))
             return run.id
 
-    def resume_run(self, run_id: int, step: int) -> None:
+    def resume_run(self, run_id: int, step: int, directory: str | None = None) -> None:
         """Reopen an interrupted or failed run at its checkpoint of `step`: the metrics recorded
         after that step (and the run-level ones, written at its end) go, as the resumed
-        workers record them again; the run is `running` and the resume is noted."""
+        workers record them again; the run is `running` and the resume is noted, with the
+        checkpoints' `directory` when they were moved."""
         with Session(self.engine) as session, session.begin():
             session.execute(delete(Metric).where(
                 Metric.run_id == run_id, or_(Metric.step > step, Metric.step.is_(None))))
@@ -272,6 +281,8 @@ class Store(Results):
             record = session.get(Checkpoints, run_id)
             at = datetime.now(timezone.utc).isoformat(timespec="seconds")
             record.resumes = [*(record.resumes or []), {"at": at, "step": step}]
+            if directory is not None:
+                record.directory = directory
 
     def add_metrics(self, run_id: int, rows: list[MetricRow]) -> None:
         """Store `rows`, dropping any whose value is not a finite number (NaN is no value)."""
@@ -385,9 +396,9 @@ def _engine(url: str, readonly: bool):
     if make_url(url).get_backend_name() == "postgresql":
         # A reading command's sessions are read-only transactions: it cannot change anything.
         options = {"options": "-c default_transaction_read_only=on"} if readonly else {}
-        return create_engine(url, connect_args=options)
+        return create_engine(url, connect_args=options, json_serializer=strictjson.dumps)
     if not url.startswith("sqlite"):
-        return create_engine(url)
+        return create_engine(url, json_serializer=strictjson.dumps)
     path = make_url(url).database
     in_memory = path in (None, "", ":memory:")
     if readonly and not in_memory:
@@ -398,7 +409,8 @@ def _engine(url: str, readonly: bool):
         event.listen(engine, "connect", _sqlite_pragmas(journal=False))
         return engine
     # A writer waits up to 30 s for another's lock instead of failing at once.
-    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT})
+    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT},
+                           json_serializer=strictjson.dumps)
     event.listen(engine, "connect", _sqlite_pragmas(journal=not readonly))
     return engine
 

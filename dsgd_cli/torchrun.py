@@ -65,8 +65,11 @@ def command(shape: Shape, plan_path: str | Path, run_dir: str | Path) -> list[st
                  "--rdzv-backend=c10d", f"--rdzv-endpoint={shape.nodes.endpoint}",
                  f"--rdzv-id={shape.rendezvous}",
                  f"--rdzv-conf=join_timeout={shape.nodes.timeout:g}"]
+    # torchrun's own log directory (else a `torchelastic_*` in $TMPDIR that nobody removes)
+    # lies in the launch's directory, which goes with the launch.
+    log_dir = Path(run_dir) / "torchelastic"
     return [sys.executable, "-m", "torch.distributed.run", *where, "--max-restarts=0",
-            "-m", "dsgd_cli.runtime", str(plan_path), str(run_dir)]
+            f"--log-dir={log_dir}", "-m", "dsgd_cli.runtime", str(plan_path), str(run_dir)]
 
 
 def environment(run_dir: str | Path) -> dict[str, str]:

@@ -385,7 +385,9 @@ def _start_and_wait_for_training(spec: Path, db: Path, cwd: Path):
     raise AssertionError(f"training did not start: {cli.communicate()}")
 
 
-@pytest.mark.parametrize("signum,exit_code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("signum,exit_code", [(signal.SIGTERM, 143), (signal.SIGINT, 130),
+                                               (signal.SIGHUP, 129)],  # SIGHUP: SSH dropped
+                         ids=["SIGTERM", "SIGINT", "SIGHUP"])
 def test_a_signal_interrupts_the_run_and_stops_its_processes(tmp_path, signum, exit_code):
     spec = write_spec(tmp_path, """
         experiments:

@@ -396,3 +396,37 @@ def test_targets_and_curves_are_the_same_from_sqlite_and_postgresql(tmp_path, pg
     on_sqlite, on_postgres = answers(sqlite_url), answers(pg_url)
     assert on_postgres == on_sqlite
     assert any(row["bytes_to_target"] for row in on_sqlite["test_accuracy=0.5"])
+
+
+# -- what PostgreSQL refuses -----------------------------------------------------------------------
+
+def test_a_network_without_bandwidth_runs_on_postgresql(tmp_path, pg_url):
+    """PostgreSQL's json refuses `Infinity`: a network with a latency and no bandwidth (no
+    limit) is recorded with null for its bandwidth, and the next experiment runs too."""
+    from conftest import dsgd, write_spec
+    from test_strict_json import LATENCY_ONLY, strict_loads
+
+    spec = write_spec(tmp_path, LATENCY_ONLY + "  - name: b\n")
+    result = dsgd("run", str(spec), "--db", pg_url, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    runs = Results(pg_url).runs()
+    assert [(run.experiment, run.status) for run in runs] == [("a", "completed"), ("b", "completed")]
+    assert runs[0].config["network"] == {"bytes_per_second": None, "latency_s": 0.001}
+    exported = cli("export", "1", "--db", pg_url, "-f", "json", "-c", "network.bytes_per_second",
+                   "-m", "test_accuracy")
+    assert [row["network.bytes_per_second"] for row in strict_loads(exported)] == [None]
+
+
+def test_commands_that_look_up_a_run_create_no_tables_on_postgresql(pg_url):
+    """An empty database is not made a dsgd one by a command that only looks a run up."""
+    import psycopg
+
+    for args in (["runs", "tag", "1", "x"], ["runs", "delete", "1"], ["run", "--resume", "1"]):
+        result = dsgd_in_process(*args, "--db", pg_url)
+        assert (result.returncode, result.stderr) == (
+            2, f"dsgd: error: {pg_url} holds no dsgd results (no table 'runs')\n"), args
+    with psycopg.connect(host=pg_url.split("host=")[1], user="dsgd",
+                         dbname=database(pg_url)) as connection:
+        tables = connection.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+        assert tables.fetchall() == []

@@ -4,13 +4,13 @@ pandas, polars or a spreadsheet."""
 from __future__ import annotations
 
 import csv
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Iterator, Optional
 
 import typer
 
+from dsgd_cli import strictjson
 from dsgd_cli.commands.common import DbOption
 from dsgd_cli.commands.compare import WhereOption
 from dsgd_cli.errors import DsgdError
@@ -73,7 +73,6 @@ def export(
 def _rows(store: Results, runs: list[RunRecord], keys: list[str],
           metrics: list[str] | None) -> Iterator[list]:
     from sqlalchemy import select
-    from sqlalchemy.orm import Session
 
     from dsgd_cli.query import run_value
     from dsgd_cli.store import Metric
@@ -86,8 +85,8 @@ def _rows(store: Results, runs: list[RunRecord], keys: list[str],
              .where(Metric.run_id.in_(list(by_id))).order_by(Metric.run_id, Metric.id))
     if metrics:
         query = query.where(Metric.name.in_(metrics))
-    with Session(store.engine) as session:
-        for run_id, *history in session.execute(query).yield_per(10_000):
+    with store.connect() as connection:
+        for run_id, *history in connection.execute(query).yield_per(10_000):
             yield fixed[run_id] + history
 
 
@@ -96,7 +95,7 @@ def _plain(value):
     if isinstance(value, set):
         return ",".join(sorted(value))
     if isinstance(value, (list, dict)):
-        return json.dumps(value)
+        return strictjson.dumps(value)
     return value
 
 
@@ -109,7 +108,7 @@ def _write_text(rows: Iterator[list], columns: list[str], fmt: str, file) -> Non
     # A JSON array of records, written as it is read: pandas.read_json(path) loads it.
     file.write("[")
     for index, row in enumerate(rows):
-        file.write(("," if index else "") + "\n" + json.dumps(dict(zip(columns, row))))
+        file.write(("," if index else "") + "\n" + strictjson.dumps(dict(zip(columns, row))))
     file.write("\n]\n")
 
 

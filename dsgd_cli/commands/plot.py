@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ from dsgd_cli.errors import DsgdError
 
 if TYPE_CHECKING:
     from dsgd_cli.results import RunRecord
+
+CHART_FORMATS = ("png", "pdf", "svg")
 
 
 def plot(
@@ -42,6 +45,7 @@ def plot(
 
     if x not in X_AXES:
         raise DsgdError(f"--x: expected one of {', '.join(X_AXES)}, got {x!r}")
+    file_format = None if output is None else chart_format(output)
     conditions = [parse_where(text) for text in where or []]
     keys = [key.strip() for key in by.split(",") if key.strip()] if by else []
     store = Results(db)
@@ -63,11 +67,32 @@ def plot(
         typer.echo(terminal_chart(lines, metric, x, size.columns, max(15, size.lines - 5),
                                   color=sys.stdout.isatty()))
         return
-    try:
-        figure(lines, metric, x).savefig(output, dpi=120)
-    except (OSError, ValueError) as error:  # an unknown suffix, a directory that is not there
-        raise DsgdError(f"--output {output}: {error}") from None
+    write_chart(figure(lines, metric, x), output, file_format)
     typer.echo(f"wrote {output}")
+
+
+def chart_format(output: Path) -> str:
+    """The file format `output` names by its suffix; a DsgdError for a name without a known
+    one, or a directory (matplotlib would write another file than the one named)."""
+    if output.is_dir():
+        raise DsgdError(f"--output {output}: is a directory; name the file to write "
+                        f"({', '.join('.' + f for f in CHART_FORMATS)})")
+    file_format = output.suffix.lower().lstrip(".")
+    if file_format not in CHART_FORMATS:
+        raise DsgdError(f"--output {output}: expected a file name ending in "
+                        f"{', '.join('.' + f for f in CHART_FORMATS)}")
+    return file_format
+
+
+def write_chart(chart, output: Path, file_format: str) -> None:
+    """Write the chart to exactly `output`: whole, or (on an error) not at all."""
+    partial = output.with_name(f".{output.name}.partial")
+    try:
+        chart.savefig(partial, format=file_format, dpi=120)
+        os.replace(partial, output)
+    except OSError as error:  # a directory that is not there, a full disk
+        partial.unlink(missing_ok=True)
+        raise DsgdError(f"--output {output}: {error.strerror or error}") from None
 
 
 def newest_of(runs: list[RunRecord], experiments: list[str]) -> list[RunRecord]:

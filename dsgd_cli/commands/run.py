@@ -44,7 +44,8 @@ def run(
         "--rdzv-timeout", help="Seconds to wait for every machine to join [spec: launch.rdzv_timeout, 600]")] = None,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(
         "--checkpoint-dir", help="Where runs that set checkpoint_every keep their checkpoints "
-                                 "[default: $DSGD_CHECKPOINTS or dsgd-checkpoints/ beside the database]")] = None,
+                                 "[default: $DSGD_CHECKPOINTS or dsgd-checkpoints/ beside the database]; "
+                                 "with --resume, where the run's checkpoints are now")] = None,
 ) -> None:
     """Run every experiment in SPEC (default ./experiments.yaml) and record it in the database."""
     from dsgd_cli.torchrun import early_start
@@ -71,6 +72,7 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
 
     from dsgd_cli import checkpoint
     from dsgd_cli.launcher import Callbacks, plan_launches, run_all
+    from dsgd_cli.results import resolve_url
     from dsgd_cli.resume import reopen, resumable
     from dsgd_cli.spec import load_spec
     from dsgd_cli.store import Store
@@ -79,8 +81,8 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
         if experiment or workers is not None:
             raise DsgdError("--resume continues a run with its own configuration: "
                             "without --experiment or --workers")
-        store = Store(db)
-        experiments = [resumable(store, resume)]
+        store = Store(db, create=False)  # a run is looked up: no database is made for it
+        experiments = [resumable(store, resume, checkpoint_dir)]
     else:
         # Validate everything before anything is written or any worker is told what to run.
         experiments = load_spec(spec, only=experiment, workers=workers, launch=launch)
@@ -93,10 +95,13 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
     if resume is not None:
         reopen(store, experiments[0])
     else:
+        if any(exp.config.get("checkpoint_every") for exp in experiments):
+            # Checked before the database is opened: a bad one writes nothing.
+            root = checkpoint.usable_root(checkpoint_dir, resolve_url(db))
+            for exp in experiments:
+                if exp.config.get("checkpoint_every"):
+                    exp.checkpoint_dir = checkpoint.run_directory(root, exp.name)
         store = Store(db)
-        for exp in experiments:
-            if exp.config.get("checkpoint_every"):
-                exp.checkpoint_dir = checkpoint.run_directory(checkpoint_dir, store.url, exp.name)
     # Experiment names and failure reasons are plain text, never rich markup: a gloo error
     # holds "[/127.0.0.1]:port", and a grid point's name "[key=value]".
     columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -19,7 +20,8 @@ runs_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
 @runs_app.callback(invoke_without_command=True)
 def runs(ctx: typer.Context, db: DbOption = None, experiment: ExperimentOption = None,
          fmt: FormatOption = "simple") -> None:
-    """List recorded runs; `runs delete` deletes runs, `runs tag` tags them."""
+    """List recorded runs; `runs delete` deletes runs, `runs tag` tags them, `runs recover`
+    stores a run's records kept while its database could not be written."""
     if ctx.invoked_subcommand is not None:
         if experiment or fmt != "simple":
             raise DsgdError(f"--experiment and --format belong to the listing, not to "
@@ -52,7 +54,7 @@ def delete(ctx: typer.Context, run_ids: RunIds, db: DbOption = None,
 
     from dsgd_cli.store import MAX_ID, Store
 
-    store = Store(_db(ctx, db))
+    store = Store(_db(ctx, db), create=False)
     checkpoints = [store.checkpoint_dir(run_id) for run_id in run_ids if 0 < run_id <= MAX_ID]
     deleted = store.delete_runs(run_ids, force=force)
     for directory in filter(None, checkpoints):
@@ -70,8 +72,19 @@ def tag(ctx: typer.Context,
     """Tag a run (`dsgd compare --where tag=TAG` selects by tag); --remove untags it."""
     from dsgd_cli.store import Store
 
-    now = Store(_db(ctx, db)).tag_run(run_id, tags, remove=remove)
+    now = Store(_db(ctx, db), create=False).tag_run(run_id, tags, remove=remove)
     typer.echo(f"run {run_id}: " + (f"tags {', '.join(now)}" if now else "no tags"))
+
+
+@runs_app.command("recover")
+def recover(ctx: typer.Context,
+            directory: Annotated[Path, typer.Argument(
+                help="A dsgd-unrecorded-run* directory that `dsgd run` named", show_default=False)],
+            db: DbOption = None) -> None:
+    """Store the records of a run kept while its database could not be written; end the run."""
+    from dsgd_cli.unrecorded import recover as recover_run
+
+    typer.echo(recover_run(directory, _db(ctx, db)))
 
 
 def _db(ctx: typer.Context, db: str | None) -> str | None:

@@ -1,0 +1,57 @@
+"""Checks that a directory dsgd's workers will write to can be written to, made before
+anything launches: a checkpoint directory or a `save_dir` that is a file, lies under a file,
+or cannot be created is a one-line error instead of a failed run."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def blocking_file(directory: Path) -> Path | None:
+    """The file (not a directory) at `directory` or at one of its ancestors, which keeps
+    the directory from ever being made; None if there is none."""
+    for path in (directory, *directory.parents):
+        if path.exists() or path.is_symlink():
+            return None if path.is_dir() else path
+    return None
+
+
+def problem_creating(directory: Path) -> str | None:
+    """Why files cannot be written in `directory` (None: they can), found by trying: making
+    it (with its parents) and a temporary file in it. What the trial made is removed again
+    (the workers make the directory when they write)."""
+    blocker = blocking_file(directory)
+    if blocker is not None:
+        return (f"{blocker} is a file, not a directory" if blocker == directory
+                else f"{blocker} is a file, so no directory can be made under it")
+    missing = [path for path in (directory, *directory.parents) if not path.exists()]
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        made = not missing or directory.exists()
+        return f"cannot {'write in' if made else 'create'} it: {error.strerror or error}"
+    finally:
+        for path in missing:  # deepest first; only what is still empty
+            try:
+                path.rmdir()
+            except OSError:
+                break
+    return None
+
+
+def problem_without_creating(directory: Path) -> str | None:
+    """Why `directory` could not be made and written to, judged without making anything (for
+    the spec's `save_dir`, which even `--dry-run` checks): a file in the way, or a nearest
+    existing directory this user may not write to."""
+    blocker = blocking_file(directory)
+    if blocker is not None:
+        return (f"{blocker} is a file, not a directory" if blocker == directory
+                else f"{blocker} is a file, so no directory can be made under it")
+    existing = next(path for path in (directory, *directory.parents) if path.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None

@@ -1,0 +1,100 @@
+"""A run whose database could not be written any more (the file made read-only, a full disk,
+a server gone): its launch is stopped, and what its workers recorded is kept in a directory
+of its own, `dsgd-unrecorded-run<ID>-<time>/` in the working directory (their event files,
+and what the launcher had read of them but not stored). Once the database can be written
+again, `dsgd runs recover DIR` stores those records and ends the run, which stayed `running`
+meanwhile, as its workers' events say (`interrupted` if they were stopped part-way).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dsgd_cli import strictjson
+from dsgd_cli.errors import DsgdError
+from dsgd_cli.events import EventReader
+from dsgd_cli.store import MetricRow, Store
+
+if TYPE_CHECKING:
+    from dsgd_cli.launcher import _Running
+
+STATE_FILE = "unrecorded.json"
+
+
+class RecordingLost(DsgdError):
+    """The results database could not be written during a run."""
+
+    exit_code = 1
+
+
+def keep(running: _Running, reason: str, where: Path | None = None) -> Path:
+    """Copy the running experiment's event files and the launcher's unstored rows into a new
+    directory under `where` (default: the working directory); returns it."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    directory = Path(where or Path.cwd()) / f"dsgd-unrecorded-run{running.run_id}-{stamp}"
+    directory.mkdir(parents=True)
+    for path in running.events_dir.glob("rank*.jsonl"):
+        shutil.copy2(path, directory / path.name)
+    state = {
+        "run_id": running.run_id, "experiment": running.experiment.name,
+        "workers": running.experiment.workers, "reason": reason,
+        # Where the launcher had read each rank's file to: what follows was never read.
+        "offsets": {str(rank): reader.offset for rank, reader in running.readers.items()},
+        "unstored": [asdict(row) for row in running.unstored],
+        "problems": running.problems, "done_ranks": sorted(running.done_ranks),
+    }
+    (directory / STATE_FILE).write_text(strictjson.dumps(state))
+    return directory
+
+
+def recover(directory: Path, db: str | None) -> str:
+    """Store what `keep` kept in `directory` into the database, end the run, remove the
+    directory; returns what was done, for the user."""
+    from dsgd_cli.launcher import run_result
+    from dsgd_cli.spec import Experiment
+
+    state = _read_state(directory)
+    store = Store(db, create=False)
+    run_id = state["run_id"]
+    run = store.get_run(run_id)
+    if run is None:
+        raise DsgdError(f"{directory}: no run with id {run_id} in {store.shown_url}")
+    if run.status != "running":
+        raise DsgdError(f"{directory}: run {run_id} is {run.status} already; nothing recovered")
+    rows = [MetricRow(**row) for row in state["unstored"]]
+    problems, done = state["problems"], set(state["done_ranks"])
+    for path in sorted(directory.glob("rank*.jsonl")):
+        rank = path.stem[len("rank"):]
+        reader = EventReader(path, offset=state["offsets"].get(rank, 0))
+        for event in reader.read():
+            if event["type"] == "metric":
+                rows.append(MetricRow(event["name"], event["value"], event["step"], event["epoch"],
+                                      event["rank"] if event["per_rank"] else None, event["seconds"]))
+            elif event["type"] in ("error", "diverged"):
+                problems.append(event)
+            elif event["type"] == "done":
+                done.add(event["rank"])
+    store.add_metrics(run_id, rows)
+    if problems or len(done) == state["workers"]:  # it ended by itself: as the launcher would say
+        result = run_result(run_id, Experiment(run.experiment, run.config), problems, done, 0, "")
+        status, reason, rank = result.status, result.reason, result.failed_rank
+    else:  # stopped part-way by dsgd, as it could not record it: it may resume
+        status, rank = "interrupted", None
+        reason = f"stopped: the results database could not be written ({state['reason']})"
+    store.finish_run(run_id, status, reason, rank)
+    shutil.rmtree(directory)
+    return f"run {run_id}: {len(rows)} records recovered; {status}"
+
+
+def _read_state(directory: Path) -> dict:
+    try:
+        return json.loads((directory / STATE_FILE).read_text())
+    except FileNotFoundError:
+        raise DsgdError(f"{directory}: not a directory of unrecorded records (no {STATE_FILE})") from None
+    except (OSError, ValueError) as error:
+        raise DsgdError(f"{directory / STATE_FILE}: cannot be read ({error})") from None
