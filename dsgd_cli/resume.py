@@ -32,7 +32,8 @@ def resumable(store: Store, run_id: int) -> Experiment:
                else f"none complete in {directory}")
         raise DsgdError(f"run {run_id} has no checkpoint to resume from ({why})")
     for kind in PLUGIN_SECTIONS:
-        registry.load(kind, run.config[kind]["name"])  # still installed: else a clear error
+        if kind in run.config:  # runs recorded before lr_schedule existed have none
+            registry.load(kind, run.config[kind]["name"])  # still installed: else a clear error
     return Experiment(run.experiment, run.config, checkpoint_dir=directory, resume_step=step,
                       run_id=run_id)
 

@@ -18,13 +18,15 @@ from typing import Any
 from dsgd_cli import registry, specfile
 from dsgd_cli.comm import NetworkModel
 from dsgd_cli.errors import PluginError, SpecError
+from dsgd_cli.learning_rate import SCALINGS, total_steps
 from dsgd_cli.nodes import NodePlan, check_split
 from dsgd_cli.options import options_to_dict, parse_options, show
 from dsgd_cli.specfile import check_keys, one_line, selected
 from dsgd_cli.topology import TOPOLOGY_KINDS
+from dsgd_cli.training_data import Shard, steps_per_epoch
 
 # The sections of a resolved config that name a plugin, each a registry kind.
-PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor")
+PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor", "lr_schedule")
 MAX_WORKERS = 1024
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: beyond, a wait is a hang
 # Bounds that keep the worker's arithmetic in 64 bits: it seeds torch with
@@ -148,6 +150,13 @@ def validate_experiment(raw: dict, path: str, name: str,
         raise SpecError(f"{config['workers']} workers but task {config['task']['name']!r} has "
                         f"{examples} training example{'s' if examples != 1 else ''}; each worker "
                         f"needs at least one", path=f"{path}.workers")
+    config["lr_scaling"] = raw["lr_scaling"]
+    if not isinstance(raw["lr_scaling"], str) or raw["lr_scaling"] not in SCALINGS:
+        raise SpecError(f"expected one of {', '.join(SCALINGS)}, got {show(raw['lr_scaling'])}",
+                        path=f"{path}.lr_scaling")
+    config["lr_schedule"], _ = cache.section("lr_schedule", raw["lr_schedule"],
+                                             f"{path}.lr_schedule")
+    _check_schedule(config, examples, f"{path}.lr_schedule")
     aggregator_cls = registry.load("aggregator", config["aggregator"]["name"])
     if config["compressor"]["name"] != "none" and not aggregator_cls.supports_compression:
         raise SpecError(f"aggregator {aggregator_cls.plugin_name!r} does not support compression",
@@ -155,6 +164,25 @@ def validate_experiment(raw: dict, path: str, name: str,
     cache.check_world(config["aggregator"], aggregator_key, config["workers"], config["seed"],
                       f"{path}.aggregator")
     return config
+
+
+def _check_schedule(config: dict[str, Any], examples: int | None, path: str) -> None:
+    """The learning-rate schedule fits the run (its warm-up is not longer, cosine knows the
+    last step). With a task that cannot say its size before loading, the workers check it."""
+    budget = config["budget"]
+    by_seconds = budget is not None and budget["seconds"] is not None
+    if examples is None and not by_seconds:
+        return
+    per_epoch = 1  # under a seconds budget without a known size, only cosine's need is checked
+    if examples is not None:
+        shard = Shard(examples, 0, config["workers"], config["seed"])
+        per_epoch = steps_per_epoch(shard, config["batch_size"], config["steps_per_epoch"])
+    cls = registry.load("lr_schedule", config["lr_schedule"]["name"])
+    try:
+        cls.check_run(build_options("lr_schedule", config["lr_schedule"]),
+                      total_steps(config, per_epoch), per_epoch)
+    except ValueError as error:
+        raise SpecError(str(error), path=path) from None
 
 
 _NO_COMPRESSOR = {"name": "none"}  # the section of an aggregator without one (never changed)

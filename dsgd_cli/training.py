@@ -154,6 +154,7 @@ class TrainingLoop:
             factor = worker.straggling.factor(step)
             worker.interval.log("slowdown", factor)
             time.sleep(Straggling.delay(factor, self.recent_compute))
+        worker.learning_rate.apply(step + 1)  # the schedule counts steps from 1
         worker.optimizer.zero_grad(set_to_none=True)
         worker.aggregator.before_forward(step)
         compute_started = time.perf_counter()
