@@ -1,7 +1,7 @@
 """The public plugin API: the bases and services every plugin, built-in or third-party, is
 written against (README, "Writing a plugin", lists the few other modules a plugin may import).
 
-Four kinds of plugin, each found through an entry-point group:
+Five kinds of plugin, each found through an entry-point group:
 
 =================  =====================  =============================================
 group              base class             what it does
