@@ -99,6 +99,14 @@ class Task(Plugin):
         refuses, before launching, more workers than this (each worker needs one example)."""
         return None
 
+    def augment(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """A training batch as the model sees it (random crops, flips); the default leaves it
+        as it is. `generator` (on the CPU) is the only source of randomness to use: the
+        runtime seeds it from the run's seed, the worker's rank and the step, so the same run
+        makes the same batches, workers make different ones, and a resumed run goes on
+        with the batches of one never stopped. Test batches are not augmented."""
+        return x
+
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(output, target)
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from dsgd_cli import checkpoint
 from dsgd_cli.events import EventWriter, launcher_gone
 from dsgd_cli.schedule import Straggling
+from dsgd_cli.training_data import augmentation_generator
 from dsgd_cli.worker import Worker
 
 
@@ -111,6 +112,7 @@ class TrainingLoop:
                 order, order_epoch = worker.shard.indices(epoch), epoch
             index = order[b * batch: (b + 1) * batch].to(worker.device)
             x, y = worker.train_x[index], worker.train_y[index]
+            x = worker.task.augment(x, augmentation_generator(config["seed"], worker.rank, step))
             try:
                 loss, step_seconds = self._step(step, x, y)
             except Diverged:
