@@ -83,7 +83,12 @@ class TaskData:
 
 class Task(Plugin):
     """Data and model. Models are built after `torch.manual_seed(run seed)` on every worker,
-    so all workers start from the same parameters."""
+    so all workers start from the same parameters.
+
+    `reports_perplexity`: `test_loss` is a mean cross-entropy per token (language models), and
+    its exponential is recorded with it as `test_perplexity`."""
+
+    reports_perplexity: ClassVar[bool] = False
 
     @abstractmethod
     def load_data(self, seed: int) -> TaskData:
@@ -110,7 +115,9 @@ class Task(Plugin):
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(output, target)
 
-    def count_correct(self, output: torch.Tensor, target: torch.Tensor) -> int:
+    def count_correct(self, output: torch.Tensor, target: torch.Tensor) -> float:
+        """How many of the batch's examples are right (`test_accuracy` is this over the
+        number of examples); a language model counts each example's share of right tokens."""
         return int((output.argmax(dim=1) == target).sum())
 
 
