@@ -154,9 +154,9 @@ def validate_experiment(raw: dict, path: str, name: str,
     if not isinstance(raw["lr_scaling"], str) or raw["lr_scaling"] not in SCALINGS:
         raise SpecError(f"expected one of {', '.join(SCALINGS)}, got {show(raw['lr_scaling'])}",
                         path=f"{path}.lr_scaling")
-    config["lr_schedule"], _ = cache.section("lr_schedule", raw["lr_schedule"],
-                                             f"{path}.lr_schedule")
-    _check_schedule(config, examples, f"{path}.lr_schedule")
+    config["lr_schedule"], schedule_key = cache.section("lr_schedule", raw["lr_schedule"],
+                                                        f"{path}.lr_schedule")
+    _check_schedule(config, examples, f"{path}.lr_schedule", cache, schedule_key)
     aggregator_cls = registry.load("aggregator", config["aggregator"]["name"])
     if config["compressor"]["name"] != "none" and not aggregator_cls.supports_compression:
         raise SpecError(f"aggregator {aggregator_cls.plugin_name!r} does not support compression",
@@ -166,7 +166,8 @@ def validate_experiment(raw: dict, path: str, name: str,
     return config
 
 
-def _check_schedule(config: dict[str, Any], examples: int | None, path: str) -> None:
+def _check_schedule(config: dict[str, Any], examples: int | None, path: str,
+                    cache: _Cache, key: Any) -> None:
     """The learning-rate schedule fits the run (its warm-up is not longer, cosine knows the
     last step). With a task that cannot say its size before loading, the workers check it."""
     budget = config["budget"]
@@ -177,12 +178,16 @@ def _check_schedule(config: dict[str, Any], examples: int | None, path: str) -> 
     if examples is not None:
         shard = Shard(examples, 0, config["workers"], config["seed"])
         per_epoch = steps_per_epoch(shard, config["batch_size"], config["steps_per_epoch"])
+    total = total_steps(config, per_epoch)
+    if key is not None and (key, total, per_epoch) in cache.schedules:
+        return
     cls = registry.load("lr_schedule", config["lr_schedule"]["name"])
     try:
-        cls.check_run(build_options("lr_schedule", config["lr_schedule"]),
-                      total_steps(config, per_epoch), per_epoch)
+        cls.check_run(build_options("lr_schedule", config["lr_schedule"]), total, per_epoch)
     except ValueError as error:
         raise SpecError(str(error), path=path) from None
+    if key is not None:
+        cache.schedules.add((key, total, per_epoch))
 
 
 _NO_COMPRESSOR = {"name": "none"}  # the section of an aggregator without one (never changed)
@@ -308,6 +313,7 @@ class _Cache:
     sections: dict = field(default_factory=dict)  # key -> (resolved section, flat?)
     examples: dict = field(default_factory=dict)  # task key -> train_examples()
     worlds: set = field(default_factory=set)      # (aggregator key, workers, seed or None)
+    schedules: set = field(default_factory=set)   # (schedule key, total steps, steps per epoch)
 
     def key(self, kind: str, raw: Any) -> Any:
         known = self.keys.get((kind, id(raw)))

@@ -162,3 +162,16 @@ def test_bad_schedules_are_one_line_and_exit_2(tmp_path, experiment, message):
     assert result.stderr.startswith(f"dsgd: error: {spec}: {message}"), result.stderr
     assert len(result.stderr.splitlines()) == 1
     assert not (tmp_path / "r.db").exists()  # nothing written
+
+
+def test_each_grid_point_is_checked_against_its_own_length(tmp_path):
+    """The same schedule section fits 2 epochs (64 steps) and not 1 (32 steps)."""
+    spec = write_spec(tmp_path, """
+        defaults: {task: logreg, workers: 2, lr_schedule: {name: cosine, warmup_steps: 40}}
+        experiments:
+          - {name: a, grid: {epochs: [2, 1]}}
+    """)
+    result = dsgd_in_process("run", str(spec), "--dry-run")
+    assert result.returncode == 2
+    assert ("experiments[0].lr_schedule: the warm-up is longer than the run (warmup_steps: 40, "
+            "the run has 32 steps per worker)") in result.stderr
