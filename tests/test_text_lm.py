@@ -139,3 +139,15 @@ def test_text_lm_and_synthetic_train_in_real_runs(tmp_path):
     synthetic = runs["synthetic"].id
     assert len(store.metric_history(synthetic, "test_accuracy")) == 1
     assert store.metric_history(synthetic, "test_perplexity") == []
+
+
+def test_a_relative_path_is_looked_up_in_dsgd_data(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "corpus.txt").write_text(TEXT)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.setenv("DSGD_DATA", str(tmp_path / "data"))
+    spec = write_spec(tmp_path, "experiments: [{name: a, task: {name: text_lm, path: corpus.txt}}]")
+    assert load_spec(spec)[0].config["task"]["path"] == str(tmp_path / "data" / "corpus.txt")
+    (tmp_path / "cwd" / "corpus.txt").write_text(TEXT)  # the working directory comes first
+    assert load_spec(spec)[0].config["task"]["path"] == str(tmp_path / "cwd" / "corpus.txt")

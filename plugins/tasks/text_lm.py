@@ -18,6 +18,7 @@ query/key/value and output projections (4d² + 4d) and the MLP d → 4d → d (8
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -73,7 +74,7 @@ def windows(tokens: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Ten
 
 @dataclass
 class TextLMOptions:
-    path: str = option(help="a UTF-8 text file")
+    path: str = option(help="a UTF-8 text file (relative: to the working directory, else $DSGD_DATA)")
     level: Literal["byte", "char"] = option("byte", help="tokens: UTF-8 bytes or characters")
     layers: int = option(2, min=1, max=256, help="Transformer blocks")
     width: int = option(128, min=1, max=65536, help="model width d (a multiple of heads)")
@@ -86,13 +87,25 @@ class TextLMOptions:
             raise ValueError(f"width: {self.width} is not a multiple of heads ({self.heads})")
         # Read when the spec is checked: a missing or unreadable file stops `dsgd run`
         # before anything launches, and the run's configuration records the absolute path.
-        self.path = str(Path(self.path).expanduser().resolve())
+        self.path = str(locate(self.path))
         tokens, _ = read_tokens(self.path, self.level)
         split = split_point(len(tokens), self.test_fraction)
         for part, length in (("training", split), ("test", len(tokens) - split)):
             if length - 1 < self.context:
                 raise ValueError(f"path: {self.path} is too short: its {part} part has "
                                  f"{length} tokens, fewer than context + 1 ({self.context + 1})")
+
+
+def locate(path: str) -> Path:
+    """`path` as written (a relative one from the working directory), or, when there is
+    nothing there, relative to `$DSGD_DATA`, where data sets are kept (as for CIFAR)."""
+    given = Path(path).expanduser()
+    root = os.environ.get("DSGD_DATA")
+    if not given.is_absolute() and not given.exists() and root:
+        in_data = Path(root).expanduser() / given
+        if in_data.exists():
+            return in_data.resolve()
+    return given.resolve()
 
 
 def split_point(length: int, test_fraction: float) -> int:
