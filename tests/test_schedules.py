@@ -175,3 +175,25 @@ def test_each_grid_point_is_checked_against_its_own_length(tmp_path):
     assert result.returncode == 2
     assert ("experiments[0].lr_schedule: the warm-up is longer than the run (warmup_steps: 40, "
             "the run has 32 steps per worker)") in result.stderr
+
+
+def test_a_third_party_schedule_is_found_validated_and_applied(tmp_path, plugin_env):
+    """The test package registers `exponential` under dsgd.schedules, as any distribution would."""
+    spec = write_spec(tmp_path, """
+        defaults: {task: logreg, workers: 2, epochs: 1, steps_per_epoch: 5, log_interval: 1,
+                   optimizer: {name: sgd, lr: 0.2}}
+        experiments:
+          - {name: a, lr_schedule: {name: exponential, warmup_steps: 1, gamma: 0.5}}
+    """)
+    bad = write_spec(tmp_path, """
+        experiments:
+          - {name: a, task: logreg, lr_schedule: {name: exponential, gamma: 2}}
+    """, name="bad.yaml")
+    result = dsgd("run", str(bad), "--dry-run", env=plugin_env)
+    assert result.returncode == 2
+    assert "experiments[0].lr_schedule.gamma: expected a value <= 1.0, got 2" in result.stderr
+    result = dsgd("run", str(spec), "--db", str(tmp_path / "r.db"), env=plugin_env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (run,) = Store(str(tmp_path / "r.db")).runs()
+    for rank, lrs in lr_by_rank(tmp_path / "r.db", run.id).items():
+        assert [lrs[s] for s in range(1, 6)] == pytest.approx([0.2, 0.1, 0.05, 0.025, 0.0125])
