@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dsgd_cli import checkpoint
+from dsgd_cli.api import Task
 from dsgd_cli.events import EventWriter, launcher_gone
 from dsgd_cli.schedule import Straggling
 from dsgd_cli.training_data import augmentation_generator
@@ -106,13 +107,16 @@ class TrainingLoop:
         worker.ctx.length.started_at = started
         done = worker.stop_rule.after_resume(step) if resumed is not None else False
         order_epoch = None
+        augments = type(worker.task).augment is not Task.augment  # else no generator per step
         while not done:
             epoch, b = divmod(step, steps_per_epoch)
             if epoch != order_epoch:
                 order, order_epoch = worker.shard.indices(epoch), epoch
             index = order[b * batch: (b + 1) * batch].to(worker.device)
             x, y = worker.train_x[index], worker.train_y[index]
-            x = worker.task.augment(x, augmentation_generator(config["seed"], worker.rank, step))
+            if augments:
+                x = worker.task.augment(x, augmentation_generator(config["seed"], worker.rank,
+                                                                  step))
             try:
                 loss, step_seconds = self._step(step, x, y)
             except Diverged:

@@ -45,7 +45,7 @@ class Worker:
     checkpoint_dir: str | None  # set by the launcher when the spec asks for checkpoints
     checkpoint_every: int | None  # None without a checkpoint directory
     resumed: dict | None  # the checkpoint's progress, where a resumed run goes on from
-    learning_rate: LearningRate | None = None  # sets the optimizer's lr before each step
+    learning_rate: LearningRate  # sets the optimizer's lr before each step
 
 
 def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,

@@ -164,12 +164,25 @@ def test_resnet20_trains_on_two_workers(cifar10, tmp_path):
             optimizer: {{name: sgd, lr: 0.05, momentum: 0.9}}
             lr_schedule: {{name: step, warmup_steps: 2, milestones: [2]}}
             save_dir: {tmp_path / "models"}
+          - name: plain
+            task: {{name: cifar10_resnet, depth: 20, data_dir: {directory}, augment: false}}
+            workers: 2
+            epochs: 1
+            batch_size: 8
+            log_interval: 1
+            optimizer: {{name: sgd, lr: 0.05, momentum: 0.9}}
     """)
     assert load_spec(spec)[0].config["task"]["data_dir"] == str(directory.resolve())
+    assert load_spec(spec)[1].config["task"]["augment"] is False
     result = dsgd("run", str(spec), "--db", str(tmp_path / "r.db"))
     assert result.returncode == 0, result.stdout + result.stderr
     store = Store(str(tmp_path / "r.db"))
-    (run,) = store.runs()
+    runs = {r.experiment: r for r in store.runs()}
+    run, plain = runs["resnet20"], runs["plain"]
+    # The same model, data order and batch at step 1: only the augmentation differs.
+    first_loss = [[m.value for m in store.metric_history(r.id, "train_loss") if m.step == 1]
+                  for r in (run, plain)]
+    assert first_loss[0] != first_loss[1]
     steps = sorted({m.step for m in store.metric_history(run.id, "train_loss")})
     assert steps == [1, 2, 3]  # 40 images / 2 workers / batch 8 = 3 steps per epoch
     assert [m.value for m in store.metric_history(run.id, "lr") if m.rank == 0] == \
