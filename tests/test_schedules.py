@@ -197,3 +197,32 @@ def test_a_third_party_schedule_is_found_validated_and_applied(tmp_path, plugin_
     (run,) = Store(str(tmp_path / "r.db")).runs()
     for rank, lrs in lr_by_rank(tmp_path / "r.db", run.id).items():
         assert [lrs[s] for s in range(1, 6)] == pytest.approx([0.2, 0.1, 0.05, 0.025, 0.0125])
+
+
+def test_steps_past_the_last_stay_at_its_rate_and_param_groups_keep_their_ratio():
+    """A worker of an algorithm whose workers run different numbers of steps may run past
+    the run's nominal last step T: it keeps step T's rate. A second param group with half the
+    first's lr gets half the scheduled rate."""
+    import torch
+
+    from dsgd_cli.learning_rate import LearningRate
+    from dsgd_cli.spec import build_plugin
+
+    weight, bias = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([{"params": [weight], "lr": 0.2}, {"params": [bias], "lr": 0.1}])
+    schedule = build_plugin("lr_schedule", {"name": "cosine", "warmup_steps": 2,
+                                            "warmup_epochs": 0.0, "final_lr": 0.05})
+    rate = LearningRate(schedule, optimizer, [0.2, 0.1], "sqrt", 4, total=10, steps_per_epoch=5)
+    assert rate.apply(1) == pytest.approx(0.2)            # peak 0.4 (sqrt of 4), step 1 of 2
+    assert rate.apply(6) == pytest.approx(cosine(6, 0.4, 0.05, 2, 10))
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx(
+        [cosine(6, 0.4, 0.05, 2, 10), cosine(6, 0.4, 0.05, 2, 10) / 2])
+    assert rate.apply(10) == pytest.approx(0.05)
+    assert rate.apply(13) == pytest.approx(0.05)          # past the last step
+    # Any schedule, not only those that clamp themselves: a milestone after T never applies.
+    step = build_plugin("lr_schedule", {"name": "step", "warmup_steps": 0, "warmup_epochs": 0.0,
+                                        "milestones": [11], "milestone_epochs": [], "factor": 0.1})
+    rate = LearningRate(step, optimizer, [0.2, 0.1], "none", 4, total=10, steps_per_epoch=5)
+    assert [rate.apply(s) for s in (1, 10, 12, 20)] == pytest.approx([0.2] * 4)
+    with pytest.raises(ValueError, match="the warm-up is longer than the run"):
+        LearningRate(schedule, optimizer, [0.2, 0.1], "none", 4, total=1, steps_per_epoch=5)
