@@ -1,7 +1,7 @@
 """The public plugin API: the bases and services every plugin, built-in or third-party, is
 written against (README, "Writing a plugin", lists the few other modules a plugin may import).
 
-Four kinds of plugin, each found through an entry-point group:
+Five kinds of plugin, each found through an entry-point group:
 
 =================  =====================  =============================================
 group              base class             what it does
@@ -10,6 +10,7 @@ dsgd.aggregators   `Aggregator`           the distributed algorithm (hooks in th
 dsgd.compressors   `Compressor`           turns a tensor into a payload and back
 dsgd.optimizers    `OptimizerPlugin`      builds the local torch optimizer
 dsgd.tasks         `Task`                 data and model
+dsgd.schedules     `LRSchedule`           the learning rate of each step
 =================  =====================  =============================================
 
 Each plugin class may declare `Options`, a dataclass whose fields use `option(...)`; the spec
@@ -47,8 +48,8 @@ from dsgd_cli.state import default_state, load_default_state
 
 __all__ = [
     "Aggregator", "AggregatorOptions", "Comm", "Compressor", "ErrorFeedback", "Group",
-    "Handle", "MetricsLogger", "NetworkModel", "NoOptions", "OptimizerPlugin", "Payload",
-    "Plugin", "RunLength", "SharedCounter", "Task", "TaskData", "Traffic", "WorkerContext",
+    "Handle", "LRSchedule", "MetricsLogger", "NetworkModel", "NoOptions", "OptimizerPlugin", "Payload",
+    "Plugin", "RunLength", "ScheduleOptions", "SharedCounter", "Task", "TaskData", "Traffic", "WorkerContext",
     "all_gather_flat",
     "all_reduce_flat", "flatten", "option", "unflatten_into",
 ]
@@ -83,7 +84,12 @@ class TaskData:
 
 class Task(Plugin):
     """Data and model. Models are built after `torch.manual_seed(run seed)` on every worker,
-    so all workers start from the same parameters."""
+    so all workers start from the same parameters.
+
+    `reports_perplexity`: `test_loss` is a mean cross-entropy per token (language models), and
+    its exponential is recorded with it as `test_perplexity`."""
+
+    reports_perplexity: ClassVar[bool] = False
 
     @abstractmethod
     def load_data(self, seed: int) -> TaskData:
@@ -99,10 +105,20 @@ class Task(Plugin):
         refuses, before launching, more workers than this (each worker needs one example)."""
         return None
 
+    def augment(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """A training batch as the model sees it (random crops, flips); the default leaves it
+        as it is. `generator` (on the CPU) is the only source of randomness to use: the
+        runtime seeds it from the run's seed, the worker's rank and the step, so the same run
+        makes the same batches, workers make different ones, and a resumed run goes on
+        with the batches of one never stopped. Test batches are not augmented."""
+        return x
+
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(output, target)
 
-    def count_correct(self, output: torch.Tensor, target: torch.Tensor) -> int:
+    def count_correct(self, output: torch.Tensor, target: torch.Tensor) -> float:
+        """How many of the batch's examples are right (`test_accuracy` is this over the
+        number of examples); a language model counts each example's share of right tokens."""
         return int((output.argmax(dim=1) == target).sum())
 
 
@@ -114,6 +130,78 @@ class OptimizerPlugin(Plugin):
     @abstractmethod
     def build(self, params) -> torch.optim.Optimizer:
         """The torch optimizer over `params`."""
+
+
+# -- learning-rate schedules -----------------------------------------------------------------
+
+@dataclass
+class ScheduleOptions:
+    """Options every schedule accepts: a linear warm-up. Subclass it for a schedule's own."""
+
+    warmup_steps: int = option(0, min=0, help="steps of linear warm-up up to the peak lr")
+    warmup_epochs: float = option(0.0, min=0.0, help="warm-up in epochs (instead of steps)")
+
+    def __post_init__(self):
+        if self.warmup_steps and self.warmup_epochs:
+            raise ValueError("set warmup_steps or warmup_epochs, not both")
+
+
+class LRSchedule(Plugin):
+    """The learning rate of every step, from the peak lr (the optimizer's `lr`, times the
+    spec's `lr_scaling`).
+
+    Steps count from 1: `lr(s)` is what the s-th step of a worker applies, and what the `lr`
+    metric recorded at step s shows. The base class does the warm-up: for s <= W (the warm-up
+    steps) `lr(s) = peak × s / W`, so the first step trains at peak / W and the W-th at the
+    peak; after it, `decay(s)` (the subclass's) gives the lr.
+
+    `needs_total_steps`: the schedule's shape depends on the run's last step (cosine), so it
+    cannot run under a `seconds` budget, whose last step is not known in advance.
+    """
+
+    Options: ClassVar[type] = ScheduleOptions
+    needs_total_steps: ClassVar[bool] = False
+
+    @staticmethod
+    def warmup_length(options: ScheduleOptions, steps_per_epoch: int) -> int:
+        """The warm-up in steps: `warmup_steps`, or `warmup_epochs` × steps per epoch,
+        rounded to the nearest step."""
+        if options.warmup_epochs:
+            return round(options.warmup_epochs * steps_per_epoch)
+        return options.warmup_steps
+
+    @classmethod
+    def check_run(cls, options: Any, total_steps: int | None, steps_per_epoch: int) -> None:
+        """Raise ValueError if the schedule does not fit a run of `total_steps` steps per
+        worker (None: not known in advance). Subclasses with options of their own that
+        depend on the run's length extend it."""
+        warmup = cls.warmup_length(options, steps_per_epoch)
+        if total_steps is None:
+            if cls.needs_total_steps:
+                raise ValueError(f"schedule {cls.plugin_name!r} needs the run's length in "
+                                 f"steps, which a seconds budget does not give")
+            return
+        if warmup > total_steps:
+            given = (f"warmup_epochs: {options.warmup_epochs} ({warmup} steps)"
+                     if options.warmup_epochs else f"warmup_steps: {warmup}")
+            raise ValueError(f"the warm-up is longer than the run ({given}, the run has "
+                             f"{total_steps} steps per worker)")
+
+    def setup(self, peak: float, total_steps: int | None, steps_per_epoch: int) -> None:
+        """Called once per worker before training: the peak lr, the run's steps per worker
+        (None under a seconds budget) and the steps of an epoch."""
+        self.peak, self.total_steps, self.steps_per_epoch = peak, total_steps, steps_per_epoch
+        self.warmup_steps = self.warmup_length(self.options, steps_per_epoch)
+
+    def lr(self, step: int) -> float:
+        """The learning rate of the `step`-th step (from 1)."""
+        if step <= self.warmup_steps:
+            return self.peak * step / self.warmup_steps
+        return self.decay(step)
+
+    @abstractmethod
+    def decay(self, step: int) -> float:
+        """The learning rate of a step after the warm-up (`step` > `self.warmup_steps`)."""
 
 
 # -- compressors ------------------------------------------------------------------------------

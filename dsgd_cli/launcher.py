@@ -69,6 +69,8 @@ def local_workers(experiment: Experiment) -> int:
 def plugin_versions(config: dict) -> list[tuple[str, str, str, str]]:
     rows = []
     for kind in PLUGIN_SECTIONS:
+        if kind not in config:  # a resumed run recorded before the section existed
+            continue
         name = config[kind]["name"]
         entry = registry.discover(kind)[name]
         rows.append((kind, name, entry.distribution, entry.version))

@@ -55,8 +55,9 @@ def describe_type(annotation: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(str(choice) for choice in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
-        parts = [describe_type(a) for a in typing.get_args(annotation) if a is not type(None)]
-        return " or ".join(parts) + " or null"
+        args = typing.get_args(annotation)
+        parts = [describe_type(a) for a in args if a is not type(None)]
+        return " or ".join(parts) + (" or null" if type(None) in args else "")
     if origin is list:
         (item,) = typing.get_args(annotation)
         return f"a list of {describe_type(item)}"

@@ -24,6 +24,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "compressor": ("dsgd.compressors", "Compressor"),
     "optimizer": ("dsgd.optimizers", "OptimizerPlugin"),
     "task": ("dsgd.tasks", "Task"),
+    "lr_schedule": ("dsgd.schedules", "LRSchedule"),
 }
 
 

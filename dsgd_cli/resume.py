@@ -45,7 +45,8 @@ def resumable(store: Store, run_id: int, checkpoint_dir: str | Path | None = Non
         print(f"dsgd: run {run_id}: {problem}; resuming from the checkpoint of step {step}",
               file=sys.stderr)
     for kind in PLUGIN_SECTIONS:
-        registry.load(kind, run.config[kind]["name"])  # still installed: else a clear error
+        if kind in run.config:  # runs recorded before lr_schedule existed have none
+            registry.load(kind, run.config[kind]["name"])  # still installed: else a clear error
     return Experiment(run.experiment, run.config, checkpoint_dir=directory, resume_step=step,
                       run_id=run_id)
 

@@ -19,13 +19,15 @@ from dsgd_cli import registry, specfile
 from dsgd_cli.comm import NetworkModel
 from dsgd_cli.directories import problem_without_creating
 from dsgd_cli.errors import PluginError, SpecError
+from dsgd_cli.learning_rate import SCALINGS, total_steps
 from dsgd_cli.nodes import NodePlan, check_split
 from dsgd_cli.options import options_to_dict, parse_options, show
 from dsgd_cli.specfile import check_keys, one_line, selected
 from dsgd_cli.topology import TOPOLOGY_KINDS
+from dsgd_cli.training_data import Shard, steps_per_epoch
 
 # The sections of a resolved config that name a plugin, each a registry kind.
-PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor")
+PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor", "lr_schedule")
 MAX_WORKERS = 1024
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: beyond, a wait is a hang
 # Bounds that keep the worker's arithmetic in 64 bits: it seeds torch with
@@ -149,6 +151,13 @@ def validate_experiment(raw: dict, path: str, name: str,
         raise SpecError(f"{config['workers']} workers but task {config['task']['name']!r} has "
                         f"{examples} training example{'s' if examples != 1 else ''}; each worker "
                         f"needs at least one", path=f"{path}.workers")
+    config["lr_scaling"] = raw["lr_scaling"]
+    if not isinstance(raw["lr_scaling"], str) or raw["lr_scaling"] not in SCALINGS:
+        raise SpecError(f"expected one of {', '.join(SCALINGS)}, got {show(raw['lr_scaling'])}",
+                        path=f"{path}.lr_scaling")
+    config["lr_schedule"], schedule_key = cache.section("lr_schedule", raw["lr_schedule"],
+                                                        f"{path}.lr_schedule")
+    _check_schedule(config, examples, f"{path}.lr_schedule", cache, schedule_key)
     aggregator_cls = registry.load("aggregator", config["aggregator"]["name"])
     if config["compressor"]["name"] != "none" and not aggregator_cls.supports_compression:
         raise SpecError(f"aggregator {aggregator_cls.plugin_name!r} does not support compression",
@@ -156,6 +165,30 @@ def validate_experiment(raw: dict, path: str, name: str,
     cache.check_world(config["aggregator"], aggregator_key, config["workers"], config["seed"],
                       f"{path}.aggregator")
     return config
+
+
+def _check_schedule(config: dict[str, Any], examples: int | None, path: str,
+                    cache: _Cache, key: Any) -> None:
+    """The learning-rate schedule fits the run (its warm-up is not longer, cosine knows the
+    last step). With a task that cannot say its size before loading, the workers check it."""
+    budget = config["budget"]
+    by_seconds = budget is not None and budget["seconds"] is not None
+    if examples is None and not by_seconds:
+        return
+    per_epoch = 1  # under a seconds budget without a known size, only cosine's need is checked
+    if examples is not None:
+        shard = Shard(examples, 0, config["workers"], config["seed"])
+        per_epoch = steps_per_epoch(shard, config["batch_size"], config["steps_per_epoch"])
+    total = total_steps(config, per_epoch)
+    if key is not None and (key, total, per_epoch) in cache.schedules:
+        return
+    cls = registry.load("lr_schedule", config["lr_schedule"]["name"])
+    try:
+        cls.check_run(build_options("lr_schedule", config["lr_schedule"]), total, per_epoch)
+    except ValueError as error:
+        raise SpecError(str(error), path=path) from None
+    if key is not None:
+        cache.schedules.add((key, total, per_epoch))
 
 
 _NO_COMPRESSOR = {"name": "none"}  # the section of an aggregator without one (never changed)
@@ -285,6 +318,7 @@ class _Cache:
     sections: dict = field(default_factory=dict)  # key -> (resolved section, flat?)
     examples: dict = field(default_factory=dict)  # task key -> train_examples()
     worlds: set = field(default_factory=set)      # (aggregator key, workers, seed or None)
+    schedules: set = field(default_factory=set)   # (schedule key, total steps, steps per epoch)
 
     def key(self, kind: str, raw: Any) -> Any:
         known = self.keys.get((kind, id(raw)))

@@ -26,6 +26,8 @@ EXPERIMENT_DEFAULTS: dict[str, Any] = {
     "name": None,
     "task": None,
     "optimizer": {"name": "sgd", "lr": 0.05},
+    "lr_schedule": {"name": "constant"},  # the lr of each step, from the optimizer's lr
+    "lr_scaling": "none",      # the optimizer's lr times 1 (none), workers (linear), √workers (sqrt)
     "aggregator": {"name": "allreduce"},
     "workers": 2,
     "epochs": 1,

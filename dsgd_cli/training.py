@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 
 from dsgd_cli import checkpoint
+from dsgd_cli.api import Task
 from dsgd_cli.events import EventWriter, launcher_gone
 from dsgd_cli.schedule import Straggling
+from dsgd_cli.training_data import augmentation_generator
 from dsgd_cli.worker import Worker
 
 
@@ -108,12 +110,16 @@ class TrainingLoop:
         events.continue_from(resumed["seconds"] if resumed is not None else 0.0)
         done = worker.stop_rule.after_resume(step) if resumed is not None else False
         order_epoch = None
+        augments = type(worker.task).augment is not Task.augment  # else no generator per step
         while not done:
             epoch, b = divmod(step, steps_per_epoch)
             if epoch != order_epoch:
                 order, order_epoch = worker.shard.indices(epoch), epoch
             index = order[b * batch: (b + 1) * batch].to(worker.device)
             x, y = worker.train_x[index], worker.train_y[index]
+            if augments:
+                x = worker.task.augment(x, augmentation_generator(config["seed"], worker.rank,
+                                                                  step))
             try:
                 loss, step_seconds = self._step(step, x, y)
             except Diverged:
@@ -157,6 +163,7 @@ class TrainingLoop:
             factor = worker.straggling.factor(step)
             worker.interval.log("slowdown", factor)
             time.sleep(Straggling.delay(factor, self.recent_compute))
+        worker.learning_rate.apply(step + 1)  # the schedule counts steps from 1
         worker.optimizer.zero_grad(set_to_none=True)
         worker.aggregator.before_forward(step)
         compute_started = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -51,3 +52,10 @@ def steps_per_epoch(shard: Shard, batch_size: int, cap: int | None) -> int:
     """Batches per epoch: the whole shard (the last batch may be short), or `cap` if fewer."""
     steps = math.ceil(shard.size / batch_size)
     return min(steps, cap) if cap else steps
+
+
+def augmentation_generator(seed: int, rank: int, step: int) -> torch.Generator:
+    """The generator of a training batch's augmentation (`Task.augment`): a function of the
+    run's seed, the worker's rank and the step (from 0), so nothing needs checkpointing."""
+    mixed = random.Random(f"augment:{seed}:{rank}:{step}").getrandbits(63)
+    return torch.Generator().manual_seed(mixed)

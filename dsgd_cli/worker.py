@@ -13,6 +13,7 @@ from dsgd_cli.api import Aggregator, Task, WorkerContext
 from dsgd_cli.comm import DEFAULT_TIMEOUT_S, Comm
 from dsgd_cli.events import EventWriter
 from dsgd_cli.interval_metrics import IntervalMetrics
+from dsgd_cli.learning_rate import DEFAULT_SCHEDULE, LearningRate, total_steps
 from dsgd_cli.schedule import StopRule, Straggling, run_length
 from dsgd_cli.spec import build_plugin, network_model
 from dsgd_cli.training_data import Shard, load_data, steps_per_epoch
@@ -45,6 +46,7 @@ class Worker:
     checkpoint_dir: str | None  # set by the launcher when the spec asks for checkpoints
     checkpoint_every: int | None  # None without a checkpoint directory
     resumed: dict | None  # the checkpoint's progress, where a resumed run goes on from
+    learning_rate: LearningRate  # sets the optimizer's lr before each step
 
 
 def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
@@ -60,6 +62,7 @@ def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
     model = task.build_model().to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_plugin("optimizer", config["optimizer"]).build(params)
+    base_lrs = [group["lr"] for group in optimizer.param_groups]  # a checkpoint's are scheduled
     checkpoint_dir = config.get("checkpoint_dir")
     resumed = None
     if config.get("resume_step") is not None:
@@ -74,6 +77,11 @@ def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
     interval = IntervalMetrics()
     shard = Shard(len(train_y), rank, world_size, seed)
     per_epoch = steps_per_epoch(shard, config["batch_size"], config["steps_per_epoch"])
+    # Runs recorded before schedules existed (resumed) have neither key: a constant lr.
+    learning_rate = LearningRate(
+        build_plugin("lr_schedule", config.get("lr_schedule", DEFAULT_SCHEDULE)), optimizer,
+        base_lrs, config.get("lr_scaling", "none"), world_size,
+        total_steps(config, per_epoch), per_epoch)
     aggregator = build_plugin("aggregator", config["aggregator"])
     ctx = WorkerContext(
         rank=rank, world_size=world_size, device=device, model=model, optimizer=optimizer,
@@ -100,4 +108,4 @@ def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
         stop_rule=stop_rule, evaluation=evaluation, straggling=straggling,
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=config.get("checkpoint_every") if checkpoint_dir else None,
-        resumed=None if resumed is None else resumed["progress"])
+        resumed=None if resumed is None else resumed["progress"], learning_rate=learning_rate)

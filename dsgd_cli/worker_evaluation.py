@@ -147,5 +147,7 @@ class WorkerEvaluation:
     def _report(self, values: dict[str, float], step: int, epoch: int) -> None:
         """Metrics of the whole run, written once, by rank 0."""
         if self.comm.rank == 0:
+            if self.task.reports_perplexity and "test_loss" in values:
+                values = {**values, "test_perplexity": math.exp(min(values["test_loss"], 700.0))}
             for name, value in values.items():
                 self.events.metric(name, value, step=step, epoch=epoch, per_rank=False)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dsgd_cli.api import Aggregator, AggregatorOptions, ErrorFeedback, Handle, option
+from dsgd_cli.api import (Aggregator, AggregatorOptions, ErrorFeedback, Handle, flatten, option,
+                          unflatten_into)
 
 
 @dataclass
@@ -79,6 +80,7 @@ class AllReduce(Aggregator):
         use_memory = self.options.error_feedback or self.compressor.requires_error_feedback
         self.memory = ErrorFeedback() if use_memory else None
         self.params = ctx.parameters()
+        self.buffers = ctx.buffers() if self.options.sync_buffers else []
         if self.compressed:
             self.keys = [f"param{index}" for index in range(len(self.params))]
             return
@@ -136,6 +138,15 @@ class AllReduce(Aggregator):
             # runtime's zero_grad(set_to_none=True) detaches it again before the next step).
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view.view_as(p)
+
+    def after_step(self, step):
+        if self.buffers:
+            # Batch-norm statistics come from each worker's own batches: averaged after every
+            # step, so that the models, buffers included, stay identical (torch DDP copies
+            # rank 0's instead). One small all-reduce; models without buffers skip it.
+            flat = flatten(self.buffers)
+            self.ctx.comm.all_reduce(flat, "avg")
+            unflatten_into(flat, self.buffers)
 
     # -- compressed: all gradients in one call ------------------------------------------------
 
