@@ -19,6 +19,7 @@ overrun is measured (`emulation_overrun`) and never hidden.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
@@ -26,7 +27,6 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from dsgd_cli.comm import NetworkModel
 from dsgd_cli.errors import SpecError
 from dsgd_cli.specfile import check_keys
 
@@ -104,11 +104,30 @@ def time_scale(config: dict) -> float:
     return 1.0 if compute is None else compute["time_scale"]
 
 
-def real_network(network: NetworkModel | None, scale: float) -> NetworkModel | None:
-    """The emulated link in real time: every duration `scale` times longer."""
+def real_network(network, scale: float):
+    """The emulated link (a `comm.NetworkModel`, or None) in real time: every duration
+    `scale` times longer."""
     if network is None or scale == 1:
         return network
-    return NetworkModel(network.latency_s * scale, network.bytes_per_second / scale)
+    return dataclasses.replace(network, latency_s=network.latency_s * scale,
+                               bytes_per_second=network.bytes_per_second / scale)
+
+
+def overrun_steps(run) -> float | None:
+    """The fraction of a recorded run's steps (a `results.RunRecord` with its summaries) that
+    overran their modeled time; None for a run without a compute model."""
+    return next((s.final for s in run.summaries if s.name == "overrun_steps"), None)
+
+
+def overrun_advice(run) -> str | None:
+    """What to tell the user about a recorded run whose real work did not fit its modeled
+    time (more than OVERRUN_ADVICE_STEPS of its steps overran); None when it fit."""
+    overran = overrun_steps(run)
+    if overran is None or overran <= OVERRUN_ADVICE_STEPS:
+        return None
+    return (f"{overran:.0%} of steps overran their modeled time by more than "
+            f"{STEP_OVERRUN_TOLERANCE:.0%}, so its times are not the modeled cluster's: raise "
+            f"compute.time_scale (now {time_scale(run.config):g})")
 
 
 def variation_factor(variation: dict | None, seed: int, rank: int, step: int) -> float:
@@ -153,7 +172,7 @@ class PaddedCompute:
         self.seed, self.rank = seed, rank
         self.blocked = blocked
         self.recent: deque[float] = deque(maxlen=16)  # real forward+backward seconds
-        self._budget = self._opened = self._blocked_at_open = self._slept = 0.0
+        self._budget = self._opened = self._blocked_at_open = self._ahead = 0.0
         self.steps = self.overran_steps = 0  # for the run's report
 
     def modeled_seconds(self, step: int, slowdown: float = 1.0) -> float:
@@ -165,14 +184,14 @@ class PaddedCompute:
         self._budget = self.scale * self.modeled_seconds(step, slowdown)
         self._opened = time.perf_counter()
         self._blocked_at_open = self.blocked()
-        ahead = self._budget - self._expected_real()
-        if ahead > 0:
-            time.sleep(ahead)
-        self._slept = time.perf_counter() - self._opened
+        self._ahead = max(0.0, self._budget - self._expected_real())
+        if self._ahead > 0:
+            time.sleep(self._ahead)
 
     def _expected_real(self) -> float:
-        """A high guess of the coming forward/backward's real time: twice the recent median,
-        at least the recent maximum (a loaded machine's times jump around)."""
+        """A high guess of the real time from the end of the sleep ahead to the end of
+        backward (the sleep's own lateness included): twice the recent median, at least the
+        recent maximum (a loaded machine's times jump around)."""
         if not self.recent:
             return self._budget  # the first step sleeps after its compute, all of it
         return max(2 * statistics.median(self.recent), max(self.recent))
@@ -182,7 +201,7 @@ class PaddedCompute:
         beyond its budget, as a fraction of the budget."""
         now = time.perf_counter()
         blocked = self.blocked() - self._blocked_at_open
-        self.recent.append(max(0.0, now - self._opened - self._slept - blocked))
+        self.recent.append(max(0.0, now - self._opened - self._ahead - blocked))
         deadline = self._opened + self._budget + blocked
         if now < deadline:
             time.sleep(deadline - now)
