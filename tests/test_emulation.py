@@ -238,3 +238,74 @@ def test_time_scales_record_the_same_modeled_rate_and_stretch_real_time(timeline
     # 30 steps of 0.03 modeled seconds: 3.6 real seconds at scale 4, 7.2 at scale 8.
     assert 0.6 * 3.6 < real["scale8"] - real["scale4"] < 1.6 * 3.6
     assert real["scale8"] > 1.3 * real["scale4"]
+
+
+# -- real runs: a cluster's arithmetic at 8 workers ----------------------------------------------
+
+N, BATCH, T, STEPS_8 = 8, 16, 0.05, 12
+MLP_PARAMETERS = 40 * 100 + 100 + 100 * 100 + 100 + 100 * 10 + 10  # mnist1d_mlp, hidden 100
+BANDWIDTH, LATENCY = 10e6 / 8, 0.001  # 10 Mbit/s in bytes per second, 1 ms
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One `dsgd run` of 8 workers without and with a straggler, and over an emulated link."""
+    tmp = tmp_path_factory.mktemp("cluster")
+    spec = write_spec(tmp, f"""
+        defaults:
+          task: {{name: logreg}}
+          workers: {N}
+          epochs: 1
+          batch_size: {BATCH}
+          steps_per_epoch: {STEPS_8}
+          log_interval: 4
+          compute: {{step_seconds: {T}, time_scale: 8}}
+        experiments:
+          - {{name: allreduce, aggregator: allreduce}}
+          - name: allreduce-straggler
+            aggregator: allreduce
+            stragglers: {{ranks: [3], slowdown: 2}}
+          - name: backup-straggler
+            aggregator: {{name: backup, backups: 1}}
+            stragglers: {{ranks: [3], slowdown: 2}}
+          - name: allreduce-network
+            task: {{name: mnist1d_mlp}}
+            aggregator: allreduce
+            network: {{bandwidth: 10Mbit, latency: 1ms}}
+    """)
+    db = tmp / "results.db"
+    result = dsgd("run", str(spec), "--db", str(db), timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    store = Store(str(db))
+    return {run.experiment: run for run in store.runs()}, store
+
+
+def _final(run, metric: str) -> float:
+    (value,) = [s.final for s in run.summaries if s.name == metric]
+    return value
+
+
+def test_cluster_arithmetic_at_8_workers(cluster):
+    runs, store = cluster
+    for run in runs.values():  # the real work fit: the times below are the model's
+        assert _final(run, "overrun_steps") <= 0.05, run.experiment
+    full = N * BATCH / T
+    assert _final(runs["allreduce"], "samples_per_second") == pytest.approx(full, rel=0.05)
+    # Every step waits for the straggler's 2T.
+    assert _final(runs["allreduce-straggler"], "samples_per_second") == pytest.approx(
+        full / 2, rel=0.05)
+    # Backup: the 7 others make every update at T and never wait for the straggler, which
+    # adds a batch every 2T (dropped, but computed: samples count every worker's batches)
+    # and ends the run when its last step, begun before the last update, is done.
+    backup = runs["backup-straggler"]
+    steps = {m.rank: m.step for m in store.metric_history(backup.id, "step_seconds")}
+    assert [steps[rank] for rank in range(N) if rank != 3] == [STEPS_8] * (N - 1)
+    assert steps[3] <= STEPS_8 // 2 + 1
+    duration = max(STEPS_8 * T, steps[3] * 2 * T)
+    assert _final(backup, "samples_per_second") == pytest.approx(
+        sum(steps.values()) * BATCH / duration, rel=0.05)
+    # T, then one ring all-reduce of the gradient (one bucket): 2(n-1) messages, each worker
+    # sending 2(n-1)/n of the buffer (README, Metrics).
+    ring = 2 * (N - 1) * LATENCY + 2 * (N - 1) / N * MLP_PARAMETERS * 4 / BANDWIDTH
+    steps = [m.value for m in store.metric_history(runs["allreduce-network"].id, "step_seconds")]
+    assert sum(steps) / len(steps) == pytest.approx(T + ring, rel=0.1)
