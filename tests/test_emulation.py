@@ -186,12 +186,14 @@ def timeline(tmp_path_factory):
             aggregator: {{name: allreduce}}
             network: {{latency: 5ms}}
             compute: {{step_seconds: 0.02, time_scale: 8}}
+          - name: overrun  # 10 microseconds: no real forward and backward is that fast
+            compute: {{step_seconds: 0.00001}}
     """)
     db = tmp / "results.db"
     result = dsgd("run", str(spec), "--db", str(db), timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     store = Store(str(db))
-    return {run.experiment: run for run in store.runs()}, store
+    return {run.experiment: run for run in store.runs()}, store, result.stderr, db
 
 
 def _per_step(store, run, metric) -> dict[tuple[int, int], float]:
@@ -199,7 +201,7 @@ def _per_step(store, run, metric) -> dict[tuple[int, int], float]:
 
 
 def test_the_same_seed_gives_the_same_modeled_step_times(timeline):
-    runs, store = timeline
+    runs, store, _, _ = timeline
     fitted = 0
     recorded = {name: _per_step(store, runs[name], "step_seconds")
                 for name in ("seed0-a", "seed0-b", "seed1")}
@@ -224,7 +226,7 @@ def test_the_same_seed_gives_the_same_modeled_step_times(timeline):
 
 
 def test_time_scales_record_the_same_modeled_rate_and_stretch_real_time(timeline):
-    runs, store = timeline
+    runs, _, _, _ = timeline
     rates, real = {}, {}
     for name in ("scale4", "scale8"):
         run = runs[name]
@@ -309,3 +311,18 @@ def test_cluster_arithmetic_at_8_workers(cluster):
     ring = 2 * (N - 1) * LATENCY + 2 * (N - 1) / N * MLP_PARAMETERS * 4 / BANDWIDTH
     steps = [m.value for m in store.metric_history(runs["allreduce-network"].id, "step_seconds")]
     assert sum(steps) / len(steps) == pytest.approx(T + ring, rel=0.1)
+
+
+def test_a_run_that_overran_is_told_to_raise_the_time_scale(timeline):
+    runs, store, stderr, db = timeline
+    overrun = runs["overrun"]
+    assert _final(overrun, "overrun_steps") == 1.0
+    assert min(m.value for m in store.metric_history(overrun.id, "emulation_overrun")) > 1
+    advice = ("100% of steps overran their modeled time by more than 5%, so its times are not "
+              "the modeled cluster's: raise compute.time_scale (now 1)")
+    assert f"dsgd: run {overrun.id} (overrun): {advice}" in stderr.splitlines()
+    shown = dsgd("show", str(overrun.id), "--db", str(db))
+    assert f"emulation: {advice}" in shown.stdout.splitlines()
+    for name in ("seed0-a", "scale4", "scale8"):  # those fit: no advice
+        assert _final(runs[name], "overrun_steps") <= 0.05
+        assert "emulation:" not in dsgd("show", str(runs[name].id), "--db", str(db)).stdout
