@@ -18,7 +18,7 @@ Every row shows `overrun_steps` (the fraction of steps whose real work overran i
 time by more than 5%): a row above 5% does not show the modeled cluster's timing.
 
     python benchmarks/scale.py [--workers 16 32] [--only validation|compare] [-e NAME]...
-                               [--db FILE] [--plot speedup.png]
+                               [--time-scale 8] [--db FILE] [--plot speedup.png]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def finals(db: Path) -> dict[str, dict]:
     return runs
 
 
-def validation(workers: int, directory: Path) -> list[tuple]:
+def validation(workers: int, directory: Path, time_scale: float) -> list[tuple]:
     spec = directory / f"validation{workers}.yaml"
     spec.write_text(textwrap.dedent(f"""
         defaults:
@@ -64,7 +64,7 @@ def validation(workers: int, directory: Path) -> list[tuple]:
           batch_size: {BATCH}
           steps_per_epoch: {STEPS}
           log_interval: 4
-          compute: {{step_seconds: {T}, time_scale: 8}}
+          compute: {{step_seconds: {T}, time_scale: {time_scale:g}}}
         experiments:
           - {{name: allreduce, aggregator: allreduce}}
           - {{name: allreduce-straggler, aggregator: allreduce,
@@ -155,13 +155,16 @@ def main() -> None:
     parser.add_argument("--only", choices=["validation", "compare"])
     parser.add_argument("-e", dest="experiments", action="append", default=[],
                         help="experiments of examples/scale.yaml to compare (default: all)")
+    parser.add_argument("--time-scale", type=float, default=8,
+                        help="the validation runs' compute.time_scale (default 8)")
     parser.add_argument("--db", help="keep the comparisons' runs in this database")
     parser.add_argument("--plot", help="write speed-up against workers to this image")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         if args.only != "compare":
-            rows = [row for n in args.workers for row in validation(n, directory)]
+            rows = [row for n in args.workers
+                    for row in validation(n, directory, args.time_scale)]
             print_validation(rows)
         if args.only != "validation":
             rates = {}

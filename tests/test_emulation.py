@@ -326,3 +326,30 @@ def test_a_run_that_overran_is_told_to_raise_the_time_scale(timeline):
     for name in ("seed0-a", "scale4", "scale8"):  # those fit: no advice
         assert _final(runs[name], "overrun_steps") <= 0.05
         assert "emulation:" not in dsgd("show", str(runs[name].id), "--db", str(db)).stdout
+
+
+# -- many workers ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_32_workers_of_logreg_and_mnist1d_mlp_start_and_train(tmp_path):
+    spec = write_spec(tmp_path, """
+        defaults:
+          workers: 32
+          epochs: 1
+          steps_per_epoch: 4
+          batch_size: 16
+          log_interval: 2
+          compute: {step_seconds: 0.05, time_scale: 20}
+        experiments:
+          - {name: logreg, task: logreg}
+          - {name: mlp, task: mnist1d_mlp}
+    """)
+    db = tmp_path / "results.db"
+    result = dsgd("run", str(spec), "--db", str(db), timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    store = Store(str(db))
+    for run in store.runs():
+        assert run.status == "completed"
+        steps = {(m.rank, m.step) for m in store.metric_history(run.id, "step_seconds")}
+        assert steps == {(rank, step) for rank in range(32) for step in (2, 4)}
+        assert _final(run, "samples_per_second") == pytest.approx(32 * 16 / 0.05, rel=0.25)
