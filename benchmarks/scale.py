@@ -95,7 +95,8 @@ def validation(workers: int, directory: Path, time_scale: float) -> list[tuple]:
 
 
 def comparisons(workers: int, db: Path, only: list[str]) -> dict[str, dict]:
-    dsgd_run(SPEC, db, "--workers", str(workers), *[f"-e={name}" for name in only])
+    selected = [option for name in only for option in ("-e", name)]
+    dsgd_run(SPEC, db, "--workers", str(workers), *selected)
     return finals(db)
 
 
