@@ -171,7 +171,8 @@ class PaddedCompute:
         self.scale = compute["time_scale"]
         self.seed, self.rank = seed, rank
         self.blocked = blocked
-        self.recent: deque[float] = deque(maxlen=16)  # real forward+backward seconds
+        # Real seconds from the end of the sleep ahead to the end of backward, recent steps.
+        self.recent: deque[float] = deque(maxlen=16)
         self._budget = self._opened = self._blocked_at_open = self._ahead = 0.0
         self.steps = self.overran_steps = 0  # for the run's report
 
