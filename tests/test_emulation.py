@@ -186,6 +186,9 @@ def timeline(tmp_path_factory):
             aggregator: {{name: allreduce}}
             network: {{latency: 5ms}}
             compute: {{step_seconds: 0.02, time_scale: 8}}
+          - name: budget  # 0.3 modeled seconds: 1.2 real ones at time scale 4
+            budget: {{seconds: 0.3, evaluations: 2}}
+            compute: {{step_seconds: 0.03, time_scale: 4}}
           - name: overrun  # 10 microseconds: no real forward and backward is that fast
             compute: {{step_seconds: 0.00001}}
     """)
@@ -311,6 +314,15 @@ def test_cluster_arithmetic_at_8_workers(cluster):
     ring = 2 * (N - 1) * LATENCY + 2 * (N - 1) / N * MLP_PARAMETERS * 4 / BANDWIDTH
     steps = [m.value for m in store.metric_history(runs["allreduce-network"].id, "step_seconds")]
     assert sum(steps) / len(steps) == pytest.approx(T + ring, rel=0.1)
+
+
+def test_a_seconds_budget_is_in_modeled_seconds(timeline):
+    runs, store, _, _ = timeline
+    steps = {m.rank: m.step for m in store.metric_history(runs["budget"].id, "step_seconds")}
+    # 0.3 / 0.03 = 10 steps (and the one that reads the last "time is up" flags); in real
+    # seconds it would have been 0.3 / (0.03 × 4), 2 or 3 steps.
+    assert set(steps) == {0, 1} and all(9 <= count <= 12 for count in steps.values()), steps
+    assert _final(runs["budget"], "wall_seconds") == pytest.approx(0.3, abs=0.1)
 
 
 def test_a_run_that_overran_is_told_to_raise_the_time_scale(timeline):
