@@ -370,13 +370,18 @@ class RunLength:
     seconds: float | None = None
     samples_counter: SharedCounter | None = None
     started_at: float | None = None  # time.perf_counter() when training started
+    time_scale: float = 1.0  # real seconds per modeled second (the spec's compute.time_scale)
 
     def spent(self) -> bool:
         if self.samples is not None and self.samples_counter is not None:
             return self.samples_counter.value() >= self.samples
         if self.seconds is not None and self.started_at is not None:
-            return time.perf_counter() - self.started_at >= self.seconds
+            return self.elapsed() >= self.seconds
         return False
+
+    def elapsed(self) -> float:
+        """Modeled seconds since training started: real seconds / `time_scale`."""
+        return (time.perf_counter() - self.started_at) / self.time_scale
 
 
 @dataclass

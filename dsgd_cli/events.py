@@ -59,18 +59,19 @@ def events_path(directory: str | Path, rank: int) -> Path:
 
 
 class EventWriter:
-    def __init__(self, path: str | Path, rank: int):
+    def __init__(self, path: str | Path, rank: int, time_scale: float = 1.0):
         self.rank = rank
         self._file = open(path, "a", buffering=1)  # line buffered
         self._lock = threading.Lock()  # a background evaluation thread writes too
         self._started = time.perf_counter()
+        self.time_scale = time_scale  # real seconds per modeled second: metrics' seconds are modeled
 
     def seconds(self) -> float:
-        return time.perf_counter() - self._started
+        return (time.perf_counter() - self._started) / self.time_scale
 
     def continue_from(self, seconds: float) -> None:
         """A resumed run: its clock goes on from where the checkpoint's stopped."""
-        self._started = time.perf_counter() - seconds
+        self._started = time.perf_counter() - seconds * self.time_scale
 
     def write(self, kind: str, **fields: Any) -> None:
         fields.update(type=kind, rank=self.rank)

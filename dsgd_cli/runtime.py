@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dsgd_cli.comm import DEFAULT_TIMEOUT_S
+from dsgd_cli.compute_model import time_scale
 from dsgd_cli.events import EventWriter, events_path, experiment_dir, launcher_gone, stop_path
 from dsgd_cli.training import Diverged, Stopped, StopRequest, Totals, TrainingLoop
 from dsgd_cli.worker import Worker, build_worker
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     for index, config in enumerate(plan["experiments"]):
         directory = experiment_dir(events_dir, index)
         directory.mkdir(parents=True, exist_ok=True)
-        events = EventWriter(events_path(directory, rank), rank)
+        events = EventWriter(events_path(directory, rank), rank, time_scale(config))
         exit_code = run_experiment(config, events, rank, world_size, local_rank,
                                    namespace=str(index), stop_file=stop_path(events_dir),
                                    device_kind=plan.get("device"))
@@ -103,9 +104,12 @@ def run_experiment(config: dict, events: EventWriter, rank: int, world_size: int
 
 def report_run(worker: Worker, events: EventWriter, totals: Totals) -> None:
     """The run's totals, written by rank 0 (every rank takes part in the all-reduces)."""
-    wall = time.perf_counter() - totals.started
-    # Run totals: samples and bytes over all workers.
-    samples, total_sent = all_sum(worker.comm, [totals.samples, totals.bytes_sent])
+    wall = (time.perf_counter() - totals.started) / worker.ctx.length.time_scale  # modeled
+    # Run totals: samples and bytes over all workers; the emulation's overrun steps.
+    padding = worker.padding
+    samples, total_sent, steps, overran = all_sum(worker.comm, [
+        totals.samples, totals.bytes_sent, padding.steps if padding else 0,
+        padding.overran_steps if padding else 0])
     # The slowest worker's training time; the time by which every worker had seen the
     # target accuracy (workers of asynchronous algorithms each judge their own model;
     # under a budget rank 0 judged the average model and the others pass 0).
@@ -119,6 +123,8 @@ def report_run(worker: Worker, events: EventWriter, totals: Totals) -> None:
         events.metric("wall_seconds", wall, per_rank=False)
         events.metric("samples_per_second", samples / slowest_train_seconds, per_rank=False)
         events.metric("total_bytes_sent", total_sent, per_rank=False)
+        if padding is not None and steps:
+            events.metric("overrun_steps", overran / steps, per_rank=False)
         if reached_by_all != math.inf:
             events.metric("time_to_accuracy", reached_by_all, per_rank=False)
         for name, value in worker.aggregator.run_totals().items():

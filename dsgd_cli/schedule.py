@@ -21,24 +21,25 @@ from __future__ import annotations
 import math
 import random
 import statistics
-import time
 from collections.abc import Sequence
 
 import torch
 
 from dsgd_cli.api import Aggregator, RunLength
 from dsgd_cli.comm import Comm
+from dsgd_cli.compute_model import time_scale
 
 
 def run_length(config: dict, steps_per_epoch: int, comm: Comm, aggregator: Aggregator) -> RunLength:
     budget = config.get("budget")
+    scale = time_scale(config)
     if budget is None:
-        return RunLength(steps=config["epochs"] * steps_per_epoch)
+        return RunLength(steps=config["epochs"] * steps_per_epoch, time_scale=scale)
     counter = None
     if budget["samples"] is not None and (aggregator.steps_may_differ or aggregator.decides_stop):
         counter = comm.counter(f"{config['name']}/samples")
     return RunLength(samples=budget["samples"], seconds=budget["seconds"],
-                     samples_counter=counter)
+                     samples_counter=counter, time_scale=scale)
 
 
 class StopRule:
@@ -99,7 +100,7 @@ class StopRule:
         """How much of the budget is spent, in its unit (samples or seconds)."""
         if self.length.samples is not None:
             return float(self.global_samples)
-        return time.perf_counter() - self.length.started_at
+        return self.length.elapsed()
 
 
 def evaluation_points(budget: dict | None) -> list[float]:

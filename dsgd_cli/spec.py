@@ -17,6 +17,7 @@ from typing import Any
 
 from dsgd_cli import registry, specfile
 from dsgd_cli.comm import NetworkModel
+from dsgd_cli.compute_model import parse_compute
 from dsgd_cli.directories import problem_without_creating
 from dsgd_cli.errors import PluginError, SpecError
 from dsgd_cli.learning_rate import SCALINGS, total_steps
@@ -127,6 +128,8 @@ def validate_experiment(raw: dict, path: str, name: str,
     config["save_dir"] = _directory(raw["save_dir"], f"{path}.save_dir")
     config["network"] = parse_network(raw["network"], f"{path}.network")
     config["stragglers"] = parse_stragglers(raw["stragglers"], f"{path}.stragglers", config["workers"])
+    config["compute"] = parse_compute(raw["compute"], f"{path}.compute")
+    check_step_fits_timeout(config, path)
     config["budget"] = parse_budget(raw["budget"], f"{path}.budget")
     config["checkpoint_every"] = None
     if raw["checkpoint_every"] is not None:
@@ -497,6 +500,23 @@ def parse_stragglers(raw: Any, path: str, workers: int) -> dict[str, Any] | None
             "probability": _number(randomly, "probability", where, low=0, high=1),
             "slowdown": _number(randomly, "slowdown", where, low=1)}
     return result
+
+
+def check_step_fits_timeout(config: dict[str, Any], path: str) -> None:
+    """A modeled step stretched by the time scale (and the stragglers' slowdown) lasts that
+    long in real time, and timeouts are real: a step as long as the timeout would fail."""
+    compute = config["compute"]
+    if compute is None:
+        return
+    real = compute["step_seconds"] * compute["time_scale"]
+    stragglers = config["stragglers"]
+    if stragglers is not None:
+        real *= stragglers["slowdown"] if stragglers["ranks"] else 1.0
+        real *= stragglers["random"]["slowdown"] if stragglers["random"] else 1.0
+    if real >= config["timeout"]:
+        raise SpecError(f"a step lasts {real:g} real seconds (step_seconds × time_scale × "
+                        f"slowdown), not less than the timeout ({config['timeout']:g} s); "
+                        f"raise timeout or lower time_scale", path=f"{path}.compute")
 
 
 def parse_budget(raw: Any, path: str) -> dict[str, Any] | None:

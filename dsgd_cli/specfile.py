@@ -38,6 +38,7 @@ EXPERIMENT_DEFAULTS: dict[str, Any] = {
     "target_accuracy": None,   # records time_to_accuracy when reached
     "network": None,
     "stragglers": None,
+    "compute": None,           # modeled step time and time scale: an emulated cluster
     "budget": None,            # {samples: N} or {seconds: T}: train until spent, not for epochs
     "save_dir": None,          # saves each worker's final model to <save_dir>/<name>/rank<r>.pt
     "timeout": 600,            # seconds a communication may make no progress before it fails

@@ -126,6 +126,9 @@ class TrainingLoop:
                 self._flush(step, epoch)  # the steps before it are sound: keep them
                 raise
             traffic = worker.comm.take_traffic()
+            # Recorded times are modeled: real ones over the compute model's time scale.
+            step_seconds /= worker.ctx.length.time_scale
+            traffic.seconds /= worker.ctx.length.time_scale
             total_sent += traffic.bytes_sent
             samples += len(y)
             train_seconds += step_seconds
@@ -158,14 +161,18 @@ class TrainingLoop:
         """One training step in the loop's order; returns (loss, seconds)."""
         worker = self.worker
         started = time.perf_counter()
+        padding, factor = worker.padding, 1.0
         if worker.straggling.active:
             # An emulated slower machine, counted in the step's (compute) time.
             factor = worker.straggling.factor(step)
             worker.interval.log("slowdown", factor)
-            time.sleep(Straggling.delay(factor, self.recent_compute))
+            if padding is None:  # with a compute model, the padding applies the factor
+                time.sleep(Straggling.delay(factor, self.recent_compute))
         worker.learning_rate.apply(step + 1)  # the schedule counts steps from 1
         worker.optimizer.zero_grad(set_to_none=True)
         worker.aggregator.before_forward(step)
+        if padding is not None:
+            padding.start(step, factor)
         compute_started = time.perf_counter()
         loss = worker.task.loss(worker.model(x), y)
         value = float(loss.detach())
@@ -173,6 +180,8 @@ class TrainingLoop:
             raise Diverged(step, value)
         loss.backward()
         self.recent_compute.append(time.perf_counter() - compute_started)
+        if padding is not None:  # the forward/backward lasts its modeled time
+            worker.interval.log("emulation_overrun", padding.finish())
         worker.ctx.loss = loss.detach()
         worker.aggregator.after_backward(step)
         worker.optimizer.step()

@@ -11,6 +11,7 @@ from torch import nn
 from dsgd_cli import checkpoint
 from dsgd_cli.api import Aggregator, Task, WorkerContext
 from dsgd_cli.comm import DEFAULT_TIMEOUT_S, Comm
+from dsgd_cli.compute_model import PaddedCompute, real_network, time_scale
 from dsgd_cli.events import EventWriter
 from dsgd_cli.interval_metrics import IntervalMetrics
 from dsgd_cli.learning_rate import DEFAULT_SCHEDULE, LearningRate, total_steps
@@ -43,6 +44,7 @@ class Worker:
     stop_rule: StopRule
     evaluation: WorkerEvaluation
     straggling: Straggling
+    padding: PaddedCompute | None  # the spec's compute model: steps padded to modeled time
     checkpoint_dir: str | None  # set by the launcher when the spec asks for checkpoints
     checkpoint_every: int | None  # None without a checkpoint directory
     resumed: dict | None  # the checkpoint's progress, where a resumed run goes on from
@@ -72,7 +74,8 @@ def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
     # Before the plugins hook into the model; outside every clock (see warmup.py).
     warm_up(task, model, config["optimizer"], train_x[:config["batch_size"]],
             train_y[:config["batch_size"]])
-    comm = Comm(rank, world_size, network_model(config), device,
+    network = real_network(network_model(config), time_scale(config))  # links in real time
+    comm = Comm(rank, world_size, network, device,
                 timeout_s=config.get("timeout", DEFAULT_TIMEOUT_S), namespace=namespace)
     interval = IntervalMetrics()
     shard = Shard(len(train_y), rank, world_size, seed)
@@ -99,13 +102,16 @@ def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
                                   stop_rule, ctx.length)
     torch.manual_seed(seed * 7919 + rank)  # per-worker randomness (dropout, compressors)
     straggling = Straggling(config.get("stragglers"), rank, seed)
+    padding = None
+    if config.get("compute") is not None:
+        padding = PaddedCompute(config["compute"], seed, rank, comm.blocked_seconds)
     if resumed is not None:
         checkpoint.set_rng_state(resumed["rng"], device)
     return Worker(
         config=config, rank=rank, world_size=world_size, device=device, task=task,
         train_x=train_x, train_y=train_y, shard=shard, steps_per_epoch=per_epoch, model=model,
         optimizer=optimizer, comm=comm, aggregator=aggregator, ctx=ctx, interval=interval,
-        stop_rule=stop_rule, evaluation=evaluation, straggling=straggling,
+        stop_rule=stop_rule, evaluation=evaluation, straggling=straggling, padding=padding,
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=config.get("checkpoint_every") if checkpoint_dir else None,
         resumed=None if resumed is None else resumed["progress"], learning_rate=learning_rate)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 
 import torch
 
@@ -57,8 +56,9 @@ class WorkerEvaluation:
                 self.target)
 
     def _seconds(self) -> float:
-        """Seconds of training so far (the loop sets `length.started_at` at the common start)."""
-        return time.perf_counter() - self.length.started_at
+        """Modeled seconds of training so far (the loop sets `length.started_at` at the common
+        start)."""
+        return self.length.elapsed()
 
     def after_step(self, step: int, epoch: int, end_of_epoch: bool, done: bool) -> None:
         """Evaluate what is due after `step` steps, `done` when it was this worker's last."""

@@ -126,11 +126,25 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
                           shared=not isolate, early=early)
 
     recorded = [r.run_id for r in results if r.run_id is not None]
-    typer.echo(render(compare_rows(store, store.runs(ids=recorded))))
+    runs = store.runs(ids=recorded)
+    typer.echo(render(compare_rows(store, runs)))
+    _advise_time_scale(runs)
     failed = [r for r in results if r.status != "completed"]
     if failed:
         raise RunFailed(f"{len(failed)} of {len(results)} runs failed: " + "; ".join(
             f"{r.experiment} (run {r.run_id}): {_why(r)}" for r in failed))
+
+
+def _advise_time_scale(runs) -> None:
+    """One line when the real work of some runs did not fit their compute model."""
+    from dsgd_cli.compute_model import overrun_advice, overrun_steps
+
+    overran = [run for run in runs if overrun_advice(run)]
+    if overran:
+        worst = max(overran, key=overrun_steps)
+        others = f" (and {len(overran) - 1} more)" if len(overran) > 1 else ""
+        typer.echo(f"dsgd: run {worst.id} ({worst.experiment}){others}: "
+                   f"{overrun_advice(worst)}", err=True)
 
 
 def _why(result: RunResult) -> str:

@@ -97,6 +97,7 @@ def show(run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`")
     """Print one run: status, configuration, plugin versions and final metrics."""
     import yaml
 
+    from dsgd_cli.compute_model import overrun_advice
     from dsgd_cli.results import Results
 
     store = Results(db)
@@ -110,6 +111,9 @@ def show(run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`")
                f"dsgd {run.dsgd_version}  spec: {run.spec_file or '-'}")
     if run.tag_names:
         typer.echo(f"tags: {', '.join(run.tag_names)}")
+    advice = overrun_advice(run)
+    if advice:
+        typer.echo(f"emulation: {advice}")
     checkpoints = store.checkpoint_dir(run.id)
     if checkpoints:
         resumes = "; ".join(f"{r['at']} from step {r['step']}" for r in store.resumes(run.id))

@@ -162,7 +162,8 @@ class AllReduce(Aggregator):
         for p, average in zip(self.params, averages):
             p.grad = average.view_as(p)
         blocked = self.ctx.comm.blocked_seconds() - blocked_before
-        self.ctx.metrics.log("compress_seconds", time.perf_counter() - started - blocked)
+        self.ctx.metrics.log("compress_seconds", (time.perf_counter() - started - blocked)
+                             / self.ctx.length.time_scale)  # modeled, as every recorded time
 
     def _momentum(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """m <- beta * m + g, as torch's SGD keeps it (the first m is g)."""

@@ -149,7 +149,8 @@ class WAGMA(Aggregator):
             self.max_staleness, self.rounds_done = 0, 0
         self._check()
         metrics = self.ctx.metrics
-        metrics.log("wait_seconds", time.perf_counter() - started)
+        # In modeled seconds, as every recorded time (the compute model's time scale).
+        metrics.log("wait_seconds", (time.perf_counter() - started) / self.ctx.length.time_scale)
         metrics.log("staleness", staleness)
         metrics.log("rounds", rounds)
 
@@ -261,7 +262,9 @@ class _Rounds:
                 timeout = None
                 if peer_may_start and self.inbox.get(round_index):
                     if patience_until is None:
-                        patience_until = time.perf_counter() + wagma.options.patience
+                        # patience is modeled: real seconds are time_scale times longer
+                        patience_until = (time.perf_counter() + wagma.options.patience
+                                          * wagma.ctx.length.time_scale)
                     timeout = patience_until - time.perf_counter()
                     if timeout <= 0:
                         return

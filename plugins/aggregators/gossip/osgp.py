@@ -79,7 +79,7 @@ class OSGP(Aggregator):
                 stats = self.gossip.stats.take()
                 staleness = self.gossip.steps - self.gossip.covered
             metrics = self.ctx.metrics
-            metrics.log("gossip_wait_seconds", waited)
+            metrics.log("gossip_wait_seconds", waited / self.ctx.length.time_scale)  # modeled
             metrics.log("gossip_rounds", stats.rounds)
             metrics.log("gossip_staleness", staleness)
             if stats.lag_count:

@@ -1,0 +1,154 @@
+"""Start-up time and memory per worker of `dsgd run` with many workers on one machine.
+
+For each worker count, runs one short experiment (a few steps of the task, a compute model so
+the workers sit in their padded steps while they are measured) and samples, every 0.2 s, the
+unique set size (USS: Private_Clean + Private_Dirty of /proc/PID/smaps_rollup) of every worker
+process. torch's libraries are shared between the workers, so RSS would count them once per
+worker; USS is what each worker adds.
+
+Printed per worker count: start-up (from `dsgd run` starting to every worker's first training
+step: the first `step_seconds` record), the median and the largest peak USS per worker, the
+workers' total peak USS, and the whole `dsgd run`'s time.
+
+    python benchmarks/workers_memory.py [--workers 16 32 64] [--task mnist1d_mlp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+WORKER_MODULE = "dsgd_cli.runtime"
+
+
+def uss_bytes(pid: int) -> int | None:
+    """Private_Clean + Private_Dirty of a process, in bytes; None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return None
+    kib = sum(int(line.split()[1]) for line in text.splitlines()
+              if line.startswith(("Private_Clean:", "Private_Dirty:")))
+    return kib * 1024
+
+
+def worker_pids(root: int) -> list[int]:
+    """The worker processes (`python -m dsgd_cli.runtime`) below process `root`."""
+    children: dict[int, list[int]] = {}
+    commands: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            commands[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().decode(
+                errors="replace").replace("\0", " ")
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [root]
+    while stack:
+        pid = stack.pop()
+        for child in children.get(pid, []):
+            stack.append(child)
+            command = commands.get(child, "")
+            if WORKER_MODULE in command and "torch.distributed.run" not in command:
+                found.append(child)
+    return found
+
+
+class Sampler(threading.Thread):
+    """Peak USS per worker process, sampled until `stop`."""
+
+    def __init__(self, root: int):
+        super().__init__(daemon=True)
+        self.root, self.peak = root, {}
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            for pid in worker_pids(self.root):
+                size = uss_bytes(pid)
+                if size is not None:
+                    self.peak[pid] = max(self.peak.get(pid, 0), size)
+            self.stopping.wait(0.2)
+
+
+def first_step_at(db: Path) -> float | None:
+    """When the first training metric was stored (seconds since the epoch), from SQLite."""
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as connection:
+            row = connection.execute("SELECT count(*) FROM metrics WHERE name = 'step_seconds'"
+                                     ).fetchone()
+    except sqlite3.Error:
+        return None
+    return time.time() if row and row[0] else None
+
+
+def measure(workers: int, task: str, directory: Path) -> dict:
+    spec = directory / f"workers{workers}.yaml"
+    spec.write_text(textwrap.dedent(f"""
+        experiments:
+          - name: workers-{workers}
+            task: {{name: {task}}}
+            workers: {workers}
+            epochs: 1
+            steps_per_epoch: 6
+            batch_size: 16
+            log_interval: 1
+            compute: {{step_seconds: 0.05, time_scale: 20}}
+    """))
+    db = directory / f"workers{workers}.db"
+    started = time.time()
+    process = subprocess.Popen([sys.executable, "-m", "dsgd_cli", "run", str(spec), "--db",
+                                str(db)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    sampler = Sampler(process.pid)
+    sampler.start()
+    first_step = None
+    while process.poll() is None:
+        if first_step is None:
+            first_step = first_step_at(db)
+        time.sleep(0.2)
+    total = time.time() - started
+    sampler.stopping.set()
+    sampler.join()
+    output = process.stdout.read()
+    if process.returncode != 0:
+        raise SystemExit(f"{workers} workers: dsgd run failed:\n{output}")
+    peaks = sorted(sampler.peak.values())
+    return {"workers": workers, "startup_s": (first_step or time.time()) - started,
+            "run_s": total, "uss_median_mib": statistics.median(peaks) / 2**20,
+            "uss_max_mib": peaks[-1] / 2**20, "uss_total_gib": sum(peaks) / 2**30,
+            "sampled": len(peaks)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--task", default="mnist1d_mlp")
+    args = parser.parse_args()
+    print(f"{'workers':>7} {'start-up s':>10} {'USS median MiB':>14} {'USS max MiB':>11} "
+          f"{'USS total GiB':>13} {'run s':>6}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for workers in args.workers:
+            row = measure(workers, args.task, Path(tmp))
+            print(f"{row['workers']:>7} {row['startup_s']:>10.1f} {row['uss_median_mib']:>14.1f} "
+                  f"{row['uss_max_mib']:>11.1f} {row['uss_total_gib']:>13.2f} {row['run_s']:>6.1f}"
+                  + ("" if row["sampled"] == workers else f"  ({row['sampled']} sampled)"),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
