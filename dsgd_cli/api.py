@@ -388,6 +388,13 @@ class Aggregator(Plugin):
     def check_world(cls, options: Any, world_size: int) -> None:
         """Raise ValueError if the algorithm cannot run with `world_size` workers."""
 
+    @classmethod
+    def check_compressor(cls, options: Any, compressor: "Compressor") -> None:
+        """Raise ValueError if the algorithm cannot use `compressor` (built from the spec's
+        options, not set up: its `guarantee()` may be asked). Called at validation, for
+        aggregators that support compression (choco refuses a compressor that is not
+        contractive)."""
+
     def setup(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
 

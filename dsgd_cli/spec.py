@@ -152,6 +152,12 @@ def validate_experiment(raw: dict, path: str, name: str,
     if config["compressor"]["name"] != "none" and not aggregator_cls.supports_compression:
         raise SpecError(f"aggregator {aggregator_cls.plugin_name!r} does not support compression",
                         path=f"{path}.aggregator.compressor")
+    if aggregator_cls.supports_compression:
+        try:
+            aggregator_cls.check_compressor(build_options("aggregator", config["aggregator"]),
+                                            build_plugin("compressor", config["compressor"]))
+        except ValueError as error:
+            raise SpecError(str(error), path=f"{path}.aggregator.compressor") from None
     cache.check_world(config["aggregator"], aggregator_key, config["workers"], config["seed"],
                       f"{path}.aggregator")
     return config
