@@ -172,7 +172,11 @@ def _scenario_bytes(rank, n):
                                              {"name": "topk", "ratio": 0.25}, BYTES_STEPS)}
 
 
-SCENARIOS = {"replicas": _scenario_replicas, "exact": _scenario_exact,
+def _scenario_auto(rank, n):
+    return _run(Choco(Choco.Options()), rank, n, {"name": "topk", "ratio": 0.2}, 2)
+
+
+SCENARIOS = {"auto": _scenario_auto, "replicas": _scenario_replicas, "exact": _scenario_exact,
              "consensus": _scenario_consensus, "dcd_none": _scenario_dcd_none,
              "dpsgd": _scenario_dpsgd, "bytes": _scenario_bytes}
 
@@ -328,6 +332,17 @@ def test_gamma_auto_picks_the_step_size_whose_consensus_gets_closest():
     errors = {g: consensus_error(compressors, mixing, start, g, 60) for g in GAMMA_GRID}
     assert errors[gamma] == min(errors.values()) < 1
     assert errors[1.0] > errors[gamma]
+
+
+def test_gamma_auto_is_tuned_on_rank_0_and_broadcast(spawned):
+    """Every worker steps with the γ that `tune_gamma` picks for the run (the default is
+    auto); rank 0 computes it and sends it to the 3 others: 8 bytes each."""
+    ctx = _context(0, WORKERS, {"name": "topk", "ratio": 0.2})
+    expected = tune_gamma(ctx, RING, 18)
+    assert expected < 1
+    for rank, r in enumerate(spawned):
+        assert r["auto"]["metrics"]["choco_gamma"] == [expected] * 2
+        assert r["auto"]["setup_traffic"]["bytes_sent"] == (3 * 8 if rank == 0 else 0)
 
 
 def test_gamma_auto_without_compression_is_1():

@@ -71,9 +71,20 @@ class Choco(CompressedGossip):
         self.public = torch.zeros_like(self.vector.read())  # x̂_i
         self.mixed = torch.zeros_like(self.public)          # s_i = Σ_j w_ij x̂_j
         if self.options.gamma == "auto":
-            self.gamma = tune_gamma(ctx, self.w, self.vector.numel)
+            self.gamma = self._tuned_gamma()
         else:
             self.gamma = float(self.options.gamma)
+
+    def _tuned_gamma(self) -> float:
+        """`tune_gamma` on rank 0, broadcast: every worker must step with the same γ (the
+        consensus step keeps the average only then), and the others need not repeat it."""
+        ctx = self.ctx
+        gamma = tune_gamma(ctx, self.w, self.vector.numel) if self.rank == 0 else 0.0
+        if ctx.world_size > 1:
+            chosen = torch.tensor([gamma], dtype=torch.float64, device=ctx.comm.device)
+            ctx.comm.broadcast(chosen, src=0)
+            gamma = float(chosen[0])
+        return gamma
 
     def after_step(self, step):
         x = self.vector.read()  # after the local optimizer step
@@ -104,8 +115,8 @@ def tune_gamma(ctx: WorkerContext, w: np.ndarray, numel: int,
     and compressor, on vectors of the model's length (at most TUNING_DIMENSION_CAP).
 
     All n workers are simulated here, each with its own compressor instance (its rank's
-    random draws); every worker computes the same γ, from the run's seed, without
-    communicating. A γ whose consensus diverges is never chosen; ties go to the larger γ."""
+    random draws), from the run's seed: the result depends on nothing else. A γ whose
+    consensus diverges is never chosen; ties go to the larger γ."""
     n = w.shape[0]
     d = max(1, min(numel, TUNING_DIMENSION_CAP))
     compressors = [_simulated_compressor(ctx, rank) for rank in range(n)]
