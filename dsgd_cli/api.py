@@ -395,6 +395,15 @@ class Aggregator(Plugin):
         aggregators that support compression (choco refuses a compressor that is not
         contractive)."""
 
+    @classmethod
+    def resolve_options(cls, options: Any, compressor: "Compressor", task: Task,
+                        world_size: int, seed: int) -> Any:
+        """The options with whatever the spec left to the algorithm chosen (choco's
+        `gamma: auto`): called at validation, after the checks, with the run's compressor
+        and task (neither set up) and the worker count and seed; what it returns is the run's
+        recorded configuration. The default returns `options` as they are."""
+        return options
+
     def setup(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
 

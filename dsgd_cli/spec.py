@@ -158,6 +158,8 @@ def validate_experiment(raw: dict, path: str, name: str,
                                f"{path}.aggregator.compressor")
     cache.check_world(config["aggregator"], aggregator_key, config["workers"], config["seed"],
                       f"{path}.aggregator")
+    config["aggregator"] = cache.resolve(aggregator_cls, config, aggregator_key,
+                                         compressor_key, task_key, f"{path}.aggregator")
     return config
 
 
@@ -285,6 +287,7 @@ class _Cache:
     examples: dict = field(default_factory=dict)  # task key -> train_examples()
     worlds: set = field(default_factory=set)      # (aggregator key, workers, seed or None)
     compressors: set = field(default_factory=set)  # (aggregator key, compressor key)
+    resolved: dict = field(default_factory=dict)   # (section keys, workers, seed) -> aggregator
 
     def key(self, kind: str, raw: Any) -> Any:
         known = self.keys.get((kind, id(raw)))
@@ -335,6 +338,32 @@ class _Cache:
             raise SpecError(str(error), path=path) from None
         if None not in key:
             self.compressors.add(key)
+
+    def resolve(self, cls: type, config: dict[str, Any], aggregator_key: Any,
+                compressor_key: Any, task_key: Any, path: str) -> dict[str, Any]:
+        """The aggregator section with the aggregator's `resolve_options` applied (choco's
+        `gamma: auto` becomes the γ it tunes), once per distinct input; unchanged where it is
+        the base's no-op."""
+        from dsgd_cli.api import Aggregator  # imported already: `cls` derives from it
+
+        aggregator = config["aggregator"]
+        if getattr(cls.resolve_options, "__func__", None) is Aggregator.resolve_options.__func__:
+            return aggregator
+        key = (aggregator_key, compressor_key, task_key, config["workers"], config["seed"])
+        cacheable = None not in key[:3]
+        if not cacheable or key not in self.resolved:
+            try:
+                options = cls.resolve_options(
+                    build_options("aggregator", aggregator),
+                    build_plugin("compressor", config["compressor"]),
+                    build_plugin("task", config["task"]), config["workers"], config["seed"])
+            except ValueError as error:
+                raise SpecError(str(error), path=path) from None
+            resolved = {"name": aggregator["name"], **options_to_dict(options)}
+            if not cacheable:
+                return resolved
+            self.resolved[key] = resolved
+        return _copy(self.resolved[key])
 
     def check_world(self, aggregator: dict[str, Any], key: Any, workers: int, seed: int,
                     path: str) -> None:

@@ -443,6 +443,11 @@ def test_torchrun_choco_and_dcd_converge_resume_bit_for_bit_and_count_payload_by
     assert rows["dcd-randomk"]["total_bytes_sent"] == 4 * 2 * 40 + steps * 4 * 2 * 5 * 4
     (tmp_path / "models").rename(tmp_path / "uninterrupted")
     store = Store(str(db))
+    # gamma: auto was chosen at validation: the configuration records the γ every step used
+    auto, = [run for run in store.runs() if run.experiment == "choco-qsgd"]
+    gamma = auto.config["aggregator"]["gamma"]
+    assert isinstance(gamma, float) and 0 < gamma <= 1
+    assert {m.value for m in store.metric_history(auto.id, "choco_gamma")} == {gamma}
     for run in store.runs():
         if run.experiment == "dpsgd":
             continue
@@ -454,3 +459,23 @@ def test_torchrun_choco_and_dcd_converge_resume_bit_for_bit_and_count_payload_by
             resumed = torch.load(tmp_path / "models" / run.experiment / f"rank{rank}.pt")
             uninterrupted = torch.load(tmp_path / "uninterrupted" / run.experiment / f"rank{rank}.pt")
             assert all(torch.equal(resumed[key], uninterrupted[key]) for key in resumed), run.experiment
+
+
+def test_gamma_auto_is_chosen_at_validation_and_recorded_in_the_configuration(tmp_path):
+    """The spec loader replaces `auto` by the γ that rank 0 would tune: the same function on
+    the run's graph, compressor, seed and model length; an explicit γ stays as written."""
+    spec = write_spec(tmp_path, """
+        defaults: {task: {name: logreg, features: 200}, workers: 8, seed: 4}
+        experiments:
+          - {name: auto, aggregator: {name: choco, compressor: {name: topk, ratio: 0.01}}}
+          - {name: fixed, aggregator: {name: choco, gamma: 0.25,
+                                        compressor: {name: topk, ratio: 0.01}}}
+    """)
+    auto, fixed = (e.config for e in load_spec(spec))
+    model = nn.Linear(200, 1, bias=False)
+    ctx = WorkerContext(rank=0, world_size=8, device=torch.device("cpu"), model=model,
+                        optimizer=None, comm=None, metrics=_Metrics(), seed=4,
+                        compressor=build_plugin("compressor", auto["compressor"]), config={})
+    w = mixing_matrix(make_topology("ring", 8, directed=False), 0, "uniform")
+    assert auto["aggregator"]["gamma"] == tune_gamma(ctx, w, 200) < 1
+    assert fixed["aggregator"]["gamma"] == 0.25

@@ -22,8 +22,10 @@ decode (the same random draw), so everyone's view of x̂_i agrees.
 With Q = identity and γ = 1, x̂_i = x_i after the local step and the consensus step gives
 x ← W(x − η∇F(x)): exact gossip in CHOCO's order (dsgd's `dpsgd` mixes first).
 
-`gamma: auto` picks γ before training by running CHOCO's consensus alone on random vectors
-with the run's graph and compressor (`tune_gamma`), as the authors tune it.
+`gamma: auto` picks γ by running CHOCO's consensus alone on random vectors with the run's
+graph and compressor (`tune_gamma`), as the authors tune it: at validation, so that the run's
+configuration records it (`resolve_options`), or, for a Choco built with `gamma="auto"`
+outside `dsgd run`, on rank 0 in `setup`.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ import torch
 
 from dsgd_cli.api import AggregatorOptions, Compressor, WorkerContext, option
 
-from plugins.aggregators.gossip.compressed import CompressedGossip, check_contractive
+from plugins.aggregators.gossip.compressed import (CompressedGossip, check_contractive,
+                                                   check_fixed_symmetric)
 from plugins.aggregators.gossip.graph import MixingName, TopologyName
+from plugins.aggregators.gossip.vector import ModelVector
 
 
 @dataclass
@@ -65,6 +69,24 @@ class Choco(CompressedGossip):
     @classmethod
     def check_compressor(cls, options, compressor):
         check_contractive(compressor, cls.name)
+
+    @classmethod
+    def resolve_options(cls, options, compressor, task, world_size, seed):
+        """`gamma: auto` becomes the γ `tune_gamma` picks, so the run's configuration records
+        it: the same computation as rank 0's in `setup` (the run's seed and graph, the
+        model's length), done once, before launching."""
+        if options.gamma != "auto":
+            return options
+        w = check_fixed_symmetric(cls.make_topology(options, world_size, seed), options.mixing,
+                                  cls.name)
+        with torch.random.fork_rng():  # the caller's random state stays as it was
+            torch.manual_seed(seed)
+            model = task.build_model()
+        ctx = WorkerContext(rank=0, world_size=world_size, device=torch.device("cpu"),
+                            model=model, optimizer=None, comm=None, metrics=_Discard(),
+                            seed=seed, compressor=compressor, config={})
+        numel = ModelVector(ctx, options.sync_buffers).numel
+        return dataclasses.replace(options, gamma=tune_gamma(ctx, w, numel))
 
     def setup(self, ctx):
         super().setup(ctx)
