@@ -27,7 +27,7 @@ from dsgd_cli.api import Comm, WorkerContext, flatten
 from dsgd_cli.errors import SpecError
 from dsgd_cli.spec import build_plugin, load_spec
 from dsgd_cli.store import Store
-from dsgd_cli.topology import make_topology, mixing_matrix
+from dsgd_cli.topology import CustomTopology, make_topology, mixing_matrix
 from plugins.aggregators.gossip import DCD, DPSGD, Choco
 from plugins.aggregators.gossip.choco import GAMMA_GRID, consensus_error, tune_gamma
 
@@ -479,3 +479,36 @@ def test_gamma_auto_is_chosen_at_validation_and_recorded_in_the_configuration(tm
     w = mixing_matrix(make_topology("ring", 8, directed=False), 0, "uniform")
     assert auto["aggregator"]["gamma"] == tune_gamma(ctx, w, 200) < 1
     assert fixed["aggregator"]["gamma"] == 0.25
+
+
+def _graph(edges, n=4, directed=False):
+    adjacency = np.zeros((n, n), dtype=bool)
+    for i, j in edges:
+        adjacency[i, j] = True
+        if not directed:
+            adjacency[j, i] = True
+    return CustomTopology(adjacency)
+
+
+@pytest.mark.parametrize("topology, mixing, message", [
+    (_graph([(0, 1), (1, 2), (2, 3), (3, 0)], directed=True), "uniform",
+     "topology 'custom' is directed; choco needs an undirected graph"),
+    # a path 0-1-2-3: degrees 1, 2, 2, 1, so uniform 1/(deg+1) weights are not doubly stochastic
+    (_graph([(0, 1), (1, 2), (2, 3)]), "uniform", "is not doubly stochastic"),
+    ([_graph([(0, 1), (2, 3)]).adjacency(0), _graph([(1, 2), (3, 0)]).adjacency(0)], "uniform",
+     "changes every step"),
+])
+def test_choco_refuses_what_its_memory_cannot_follow(topology, mixing, message):
+    """s_i = Σ_j w_ij x̂_j needs one symmetric doubly stochastic W for every step."""
+    graph = topology if isinstance(topology, CustomTopology) else CustomTopology(np.stack(topology))
+
+    class OnGraph(Choco):
+        @classmethod
+        def make_topology(cls, options, world_size, seed=0):
+            return graph
+
+    with pytest.raises(ValueError, match=message):
+        OnGraph.check_world(Choco.Options(mixing=mixing), 4)
+    # the path with Metropolis weights is symmetric and doubly stochastic: accepted
+    if message == "is not doubly stochastic":
+        OnGraph.check_world(Choco.Options(mixing="metropolis"), 4)
