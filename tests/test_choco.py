@@ -10,7 +10,6 @@ real runs go through `dsgd run` under torchrun.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import traceback
