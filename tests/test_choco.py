@@ -28,6 +28,7 @@ from dsgd_cli.spec import build_plugin, load_spec
 from dsgd_cli.store import Store
 from dsgd_cli.topology import CustomTopology, make_topology, mixing_matrix
 from plugins.aggregators.gossip import DCD, DPSGD, Choco
+from plugins.aggregators.gossip import choco as choco_module
 from plugins.aggregators.gossip.choco import GAMMA_GRID, consensus_error, tune_gamma
 
 WORKERS = 4
@@ -323,6 +324,7 @@ def test_gamma_auto_picks_the_step_size_whose_consensus_gets_closest():
     w = mixing_matrix(make_topology("ring", 8, directed=False), 0, "uniform")
     gamma = tune_gamma(ctx, w, 1100, steps=60)
     assert gamma in GAMMA_GRID and gamma < 1
+    choco_module._TUNED.clear()  # computed again, not remembered
     assert tune_gamma(ctx, w, 1100, steps=60) == gamma
     from plugins.aggregators.gossip.choco import _simulated_compressor
     compressors = [_simulated_compressor(ctx, rank) for rank in range(8)]
@@ -337,6 +339,7 @@ def test_gamma_auto_is_tuned_on_rank_0_and_broadcast(spawned):
     """Every worker steps with the γ that `tune_gamma` picks for the run (the default is
     auto); rank 0 computes it and sends it to the 3 others: 8 bytes each."""
     ctx = _context(0, WORKERS, {"name": "topk", "ratio": 0.2})
+    choco_module._TUNED.clear()
     expected = tune_gamma(ctx, RING, 18)
     assert expected < 1
     for rank, r in enumerate(spawned):
@@ -476,6 +479,7 @@ def test_gamma_auto_is_chosen_at_validation_and_recorded_in_the_configuration(tm
                         optimizer=None, comm=None, metrics=_Metrics(), seed=4,
                         compressor=build_plugin("compressor", auto["compressor"]), config={})
     w = mixing_matrix(make_topology("ring", 8, directed=False), 0, "uniform")
+    choco_module._TUNED.clear()  # computed here, not remembered from the validation
     assert auto["aggregator"]["gamma"] == tune_gamma(ctx, w, 200) < 1
     assert fixed["aggregator"]["gamma"] == 0.25
 

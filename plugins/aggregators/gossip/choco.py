@@ -141,6 +141,12 @@ def tune_gamma(ctx: WorkerContext, w: np.ndarray, numel: int,
     consensus diverges is never chosen; ties go to the larger γ."""
     n = w.shape[0]
     d = max(1, min(numel, TUNING_DIMENSION_CAP))
+    # The result depends on these only: validating specs that share them (a grid's points, a
+    # spec read again) tunes once per process.
+    key = (type(ctx.compressor), repr(ctx.compressor.options), w.tobytes(), n, d, ctx.seed,
+           tuple(grid), steps)
+    if key in _TUNED:
+        return _TUNED[key]
     compressors = [_simulated_compressor(ctx, rank) for rank in range(n)]
     start = torch.randn(n, d, generator=torch.Generator().manual_seed(ctx.seed))
     mixing = torch.tensor(w, dtype=torch.float32)
@@ -149,7 +155,13 @@ def tune_gamma(ctx: WorkerContext, w: np.ndarray, numel: int,
         error = consensus_error(compressors, mixing, start, gamma, steps)
         if error < best_error:
             best, best_error = gamma, error
+    if len(_TUNED) >= 256:
+        _TUNED.clear()
+    _TUNED[key] = best
     return best
+
+
+_TUNED: dict = {}  # tune_gamma's results in this process
 
 
 def consensus_error(compressors: list[Compressor], mixing: torch.Tensor, start: torch.Tensor,
