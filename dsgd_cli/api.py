@@ -48,8 +48,9 @@ from dsgd_cli.state import default_state, load_default_state
 
 __all__ = [
     "Aggregator", "AggregatorOptions", "Comm", "Compressor", "ErrorFeedback", "Group",
-    "Handle", "LRSchedule", "MetricsLogger", "NetworkModel", "NoOptions", "OptimizerPlugin", "Payload",
-    "Plugin", "RunLength", "ScheduleOptions", "SharedCounter", "Task", "TaskData", "Traffic", "WorkerContext",
+    "Guarantee", "Handle", "LRSchedule", "MetricsLogger", "NetworkModel", "NoOptions",
+    "OptimizerPlugin", "Payload", "Plugin", "RunLength", "ScheduleOptions", "SharedCounter", "Task",
+    "TaskData", "Traffic", "WorkerContext",
     "all_gather_flat",
     "all_reduce_flat", "flatten", "option", "unflatten_into",
 ]
@@ -218,6 +219,39 @@ class Payload:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
+@dataclass(frozen=True)
+class Guarantee:
+    """What a compressor Q promises about E‖Q(x) − x‖² for a tensor x of d elements, the
+    expectation taken over Q's random draws (a deterministic Q's bound holds for every x):
+
+    * `omega` (unbiased compressors): E[Q(x)] = x and E‖Q(x) − x‖² ≤ ω‖x‖²;
+    * `delta` (contractive compressors, 0 < δ ≤ 1): E‖Q(x) − x‖² ≤ (1 − δ)‖x‖².
+
+    A compressor may be both (`none`: ω = 0, δ = 1). An unbiased Q rescaled by 1/(1 + ω) is
+    contractive with δ = 1/(1 + ω) (Koloskova, Stich, Jaggi, 2019, Remark 2): `qsgd` with
+    `rescale: true` and `randomk` with `unbiased: false` are such rescaled compressors.
+    """
+
+    omega: float | None = None
+    delta: float | None = None
+
+    def __post_init__(self):
+        if self.omega is None and self.delta is None:
+            raise ValueError("a Guarantee needs omega (unbiased) or delta (contractive)")
+        if self.omega is not None and self.omega < 0:
+            raise ValueError(f"omega must be >= 0, got {self.omega}")
+        if self.delta is not None and not 0 < self.delta <= 1:
+            raise ValueError(f"delta must be in (0, 1], got {self.delta}")
+
+    @property
+    def unbiased(self) -> bool:
+        return self.omega is not None
+
+    @property
+    def contractive(self) -> bool:
+        return self.delta is not None
+
+
 class Compressor(Plugin):
     """Turns a tensor into a `Payload` and back. Aggregators average through `average_many`,
     which compresses each tensor on its own and moves all payloads in one collective:
@@ -231,6 +265,9 @@ class Compressor(Plugin):
     every worker's payload.
     `requires_error_feedback = True`: the method is defined with error feedback (ef_sign,
     onebit, powersgd); the aggregator then keeps residuals whatever its `error_feedback` says.
+    `guarantee(d)` declares what the compressor is (unbiased with ω, contractive with δ, see
+    `Guarantee`); algorithms that rely on a bound (CHOCO-SGD needs δ) refuse a compressor
+    that declares none, which is the default.
     """
 
     summable: ClassVar[bool] = True
@@ -241,6 +278,13 @@ class Compressor(Plugin):
     def setup(self, ctx: "WorkerContext") -> None:
         """Called once per worker before the aggregator's setup."""
         self.ctx = ctx
+
+    def guarantee(self, numel: int) -> Guarantee | None:
+        """The bound the compressor keeps for a tensor of `numel` elements with its options,
+        or None when it promises none (`sign`: sign(x) has no scale, so ‖Q(x) − x‖ is not
+        bounded by ‖x‖). Whether it is unbiased or contractive must not depend on `numel`
+        (validation asks with one size); only ω and δ may. Called before `setup`."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """What the compressor keeps between steps (warm starts, generators), for checkpoints.
@@ -438,6 +482,22 @@ class Aggregator(Plugin):
     @classmethod
     def check_world(cls, options: Any, world_size: int) -> None:
         """Raise ValueError if the algorithm cannot run with `world_size` workers."""
+
+    @classmethod
+    def check_compressor(cls, options: Any, compressor: "Compressor") -> None:
+        """Raise ValueError if the algorithm cannot use `compressor` (built from the spec's
+        options, not set up: its `guarantee()` may be asked). Called at validation, for
+        aggregators that support compression (choco refuses a compressor that is not
+        contractive)."""
+
+    @classmethod
+    def resolve_options(cls, options: Any, compressor: "Compressor", task: Task,
+                        world_size: int, seed: int) -> Any:
+        """The options with whatever the spec left to the algorithm chosen (choco's
+        `gamma: auto`): called at validation, after the checks, with the run's compressor
+        and task (neither set up) and the worker count and seed; what it returns is the run's
+        recorded configuration. The default returns `options` as they are."""
+        return options
 
     def setup(self, ctx: WorkerContext) -> None:
         self.ctx = ctx

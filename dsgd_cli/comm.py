@@ -228,7 +228,8 @@ class Comm:
             work = start()
         except RuntimeError as error:
             raise self._failure(operation, error) from error
-        handle = Handle(self, [work], issued_at, emulated_s, result, on_complete,
+        works = list(work) if isinstance(work, (list, tuple)) else [work]  # several messages
+        handle = Handle(self, works, issued_at, emulated_s, result, on_complete,
                         blocking=not async_op, operation=operation)
         return handle if async_op else handle.wait()
 
@@ -393,3 +394,75 @@ class Comm:
                            received=0 if length is not None else _nbytes(tensor), messages=0,
                            async_op=True, operation=f"recv from {source}", result=tensor,
                            on_complete=arrived)
+
+    # -- several tensors in one message (a compressor's payload) ------------------------------
+
+    def isend_tensors(self, tensors: Sequence[torch.Tensor], dst: int, group: Group | None = None,
+                      uniform: bool = True) -> Handle:
+        """Send `tensors`, of any dtypes and shapes (a compressor's `Payload.tensors`: codes,
+        indices, values, norms), to global rank `dst` as one message of their bytes, so they
+        pay one latency and count exactly their bytes, as in an all-gather of payloads.
+        The receiver (`irecv_tensors`) must know their dtypes and count and, with `uniform`,
+        their shapes (a compressor whose payload is the same size on every worker).
+        `uniform=False` (lengths that differ between workers, as dqsgd's): the byte length of
+        each tensor travels first, one int64 each, counted like the lengths an all-gather of
+        uneven payloads sends first; the receiver then gets the tensors 1-D."""
+        for tensor in tensors:
+            self._check(tensor, group, "isend_tensors")
+        as_bytes = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        body = torch.cat(as_bytes) if as_bytes else torch.empty(0, dtype=torch.uint8)
+        body = body.to(device)
+        pg = self._pg(group)
+        if uniform:
+            return self._issue(lambda: dist.isend(body, dst, group=pg), sent=_nbytes(body),
+                               received=0, messages=1, async_op=True,
+                               operation=f"send to rank {dst}", result=list(tensors))
+        lengths = torch.tensor([b.numel() for b in as_bytes], dtype=torch.int64, device=device)
+        return self._issue(lambda: [dist.isend(lengths, dst, group=pg),
+                                    dist.isend(body, dst, group=pg)],
+                           sent=_nbytes(lengths) + _nbytes(body), received=0, messages=2,
+                           async_op=True, operation=f"send to rank {dst}", result=list(tensors))
+
+    def irecv_tensors(self, like: Sequence[torch.Tensor], src: int, group: Group | None = None,
+                      uniform: bool = True) -> Handle:
+        """Receive what `isend_tensors(tensors, …, uniform)` sent from global rank `src`;
+        `wait()` returns the tensors, with the dtypes of `like` (this worker's own payload of
+        the same kind does), shaped like them when `uniform`, else 1-D, on `like`'s device."""
+        for tensor in like:
+            self._check(tensor, group, "irecv_tensors")
+        device = like[0].device if like else torch.device("cpu")
+        pg = self._pg(group)
+        operation = f"recv from rank {src}"
+
+        def split(body: torch.Tensor, sizes: list[int], shapes) -> list[torch.Tensor]:
+            # A slice of a byte buffer may be misaligned for wider dtypes: copy before the view.
+            return [chunk.clone().view(t.dtype).view(shape)
+                    for chunk, t, shape in zip(body.split(sizes), like, shapes)]
+
+        if uniform:
+            sizes = [_nbytes(t) for t in like]
+            body = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            return self._issue(lambda: dist.irecv(body, src, group=pg), sent=0,
+                               received=_nbytes(body), messages=0, async_op=True,
+                               operation=operation,
+                               on_complete=lambda: split(body, sizes, [t.shape for t in like]))
+        lengths = torch.empty(len(like), dtype=torch.int64, device=device)
+        tracked = self._tracking()
+
+        def receive_body() -> list[torch.Tensor]:
+            # The lengths are here: post the body's receive and wait for it. The enclosing
+            # handle's wait() counts the seconds; its bytes are counted here.
+            sizes = lengths.tolist()
+            body = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            try:
+                dist.irecv(body, src, group=pg).wait()
+            except RuntimeError as error:
+                raise self._failure(operation, error) from error
+            if tracked:
+                self._add(received=_nbytes(body))
+            return split(body, sizes, [(-1,)] * len(like))
+
+        return self._issue(lambda: dist.irecv(lengths, src, group=pg), sent=0,
+                           received=_nbytes(lengths), messages=0, async_op=True,
+                           operation=operation, on_complete=receive_body)

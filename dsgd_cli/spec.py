@@ -147,8 +147,8 @@ def validate_experiment(raw: dict, path: str, name: str,
         aggregator = {k: v for k, v in aggregator.items() if k != "compressor"}
     config["aggregator"], aggregator_key = cache.section("aggregator", aggregator,
                                                          f"{path}.aggregator")
-    config["compressor"], _ = cache.section("compressor", compressor_raw,
-                                            f"{path}.aggregator.compressor")
+    config["compressor"], compressor_key = cache.section("compressor", compressor_raw,
+                                                         f"{path}.aggregator.compressor")
     examples = cache.train_examples(config["task"], task_key, f"{path}.task")
     if examples is not None and config["workers"] > examples:
         raise SpecError(f"{config['workers']} workers but task {config['task']['name']!r} has "
@@ -165,8 +165,14 @@ def validate_experiment(raw: dict, path: str, name: str,
     if config["compressor"]["name"] != "none" and not aggregator_cls.supports_compression:
         raise SpecError(f"aggregator {aggregator_cls.plugin_name!r} does not support compression",
                         path=f"{path}.aggregator.compressor")
+    if aggregator_cls.supports_compression:
+        cache.check_compressor(aggregator_cls, config["aggregator"], aggregator_key,
+                               config["compressor"], compressor_key,
+                               f"{path}.aggregator.compressor")
     cache.check_world(config["aggregator"], aggregator_key, config["workers"], config["seed"],
                       f"{path}.aggregator")
+    config["aggregator"] = cache.resolve(aggregator_cls, config, aggregator_key,
+                                         compressor_key, task_key, f"{path}.aggregator")
     return config
 
 
@@ -322,6 +328,8 @@ class _Cache:
     examples: dict = field(default_factory=dict)  # task key -> train_examples()
     worlds: set = field(default_factory=set)      # (aggregator key, workers, seed or None)
     schedules: set = field(default_factory=set)   # (schedule key, total steps, steps per epoch)
+    compressors: set = field(default_factory=set)  # (aggregator key, compressor key)
+    resolved: dict = field(default_factory=dict)   # (section keys, workers, seed) -> aggregator
 
     def key(self, kind: str, raw: Any) -> Any:
         known = self.keys.get((kind, id(raw)))
@@ -353,6 +361,51 @@ class _Cache:
         if key not in self.examples:
             self.examples[key] = _train_examples(task, path)
         return self.examples[key]
+
+    def check_compressor(self, cls: type, aggregator: dict[str, Any], aggregator_key: Any,
+                         compressor: dict[str, Any], compressor_key: Any, path: str) -> None:
+        """The aggregator's `check_compressor` (choco refuses compressors that are not
+        contractive), once per pair of sections; skipped where it is the base's no-op."""
+        from dsgd_cli.api import Aggregator  # imported already: `cls` derives from it
+
+        if getattr(cls.check_compressor, "__func__", None) is Aggregator.check_compressor.__func__:
+            return
+        key = (aggregator_key, compressor_key)
+        if None not in key and key in self.compressors:
+            return
+        try:
+            cls.check_compressor(build_options("aggregator", aggregator),
+                                 build_plugin("compressor", compressor))
+        except ValueError as error:
+            raise SpecError(str(error), path=path) from None
+        if None not in key:
+            self.compressors.add(key)
+
+    def resolve(self, cls: type, config: dict[str, Any], aggregator_key: Any,
+                compressor_key: Any, task_key: Any, path: str) -> dict[str, Any]:
+        """The aggregator section with the aggregator's `resolve_options` applied (choco's
+        `gamma: auto` becomes the γ it tunes), once per distinct input; unchanged where it is
+        the base's no-op."""
+        from dsgd_cli.api import Aggregator  # imported already: `cls` derives from it
+
+        aggregator = config["aggregator"]
+        if getattr(cls.resolve_options, "__func__", None) is Aggregator.resolve_options.__func__:
+            return aggregator
+        key = (aggregator_key, compressor_key, task_key, config["workers"], config["seed"])
+        cacheable = None not in key[:3]
+        if not cacheable or key not in self.resolved:
+            try:
+                options = cls.resolve_options(
+                    build_options("aggregator", aggregator),
+                    build_plugin("compressor", config["compressor"]),
+                    build_plugin("task", config["task"]), config["workers"], config["seed"])
+            except ValueError as error:
+                raise SpecError(str(error), path=path) from None
+            resolved = {"name": aggregator["name"], **options_to_dict(options)}
+            if not cacheable:
+                return resolved
+            self.resolved[key] = resolved
+        return _copy(self.resolved[key])
 
     def check_world(self, aggregator: dict[str, Any], key: Any, workers: int, seed: int,
                     path: str) -> None:

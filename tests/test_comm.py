@@ -41,3 +41,51 @@ def test_a_send_within_the_process_costs_what_a_send_would():
     traffic = comm.take_traffic()
     assert (traffic.bytes_sent, traffic.bytes_received, traffic.calls) == (40_000, 40_000, 1)
     assert traffic.seconds >= network.duration(40_000, 1) == pytest.approx(0.15)
+
+
+# -- a payload (several tensors of mixed dtypes) point to point -----------------------------------
+
+def _payloads(rank: int):
+    """A top-k payload (int32 indices, float32 values), a QSGD-like one (one float32 norm,
+    packed uint8 codes of an odd length, so the norm after it is misaligned in the byte
+    stream), and a float64 matrix. Each rank's differ in value."""
+    g = torch.Generator().manual_seed(rank)
+    return [[torch.randint(0, 1000, (7,), generator=g, dtype=torch.int32), torch.randn(7, generator=g)],
+            [torch.randint(0, 255, (13,), generator=g).to(torch.uint8), torch.randn(1, generator=g)],
+            [torch.randn(3, 4, generator=g, dtype=torch.float64)]]
+
+
+def _exchange_payloads(rank, world_size):
+    comm, peer = Comm(rank, world_size), 1 - rank
+    received = []
+    for payload in _payloads(rank):
+        receive = comm.irecv_tensors(payload, peer)  # like: this rank's own payload
+        send = comm.isend_tensors(payload, peer)
+        received.append(receive.wait())
+        send.wait()
+    uniform = vars(comm.take_traffic())
+    # Lengths that differ between the ranks (dqsgd): rank 1's codes are longer.
+    codes = torch.arange(5 + 4 * rank, dtype=torch.uint8)
+    mine = [torch.tensor([rank + 1], dtype=torch.int8), codes]
+    receive = comm.irecv_tensors(mine, peer, uniform=False)
+    send = comm.isend_tensors(mine, peer, uniform=False)
+    uneven = receive.wait()
+    send.wait()
+    return received, uniform, uneven, vars(comm.take_traffic())
+
+
+def test_payloads_travel_point_to_point_with_exactly_their_bytes_counted():
+    results = run_workers(_exchange_payloads, 2, preloaded=True)
+    payload_bytes = [sum(t.numel() * t.element_size() for t in p) for p in _payloads(0)]
+    assert payload_bytes == [7 * 8, 13 + 4, 12 * 8]
+    for rank, (received, uniform, uneven, traffic) in enumerate(results):
+        for got, sent in zip(received, _payloads(1 - rank)):
+            assert [t.dtype for t in got] == [t.dtype for t in sent]
+            assert all(torch.equal(a, b) for a, b in zip(got, sent))
+        # one message per payload: its bytes, nothing else
+        assert uniform["bytes_sent"] == uniform["bytes_received"] == sum(payload_bytes)
+        assert uniform["calls"] == 2 * 3
+        # uneven: the int64 byte length of each of the 2 tensors, then the bytes themselves
+        assert uneven[0].tolist() == [2 - rank] and uneven[1].tolist() == list(range(5 + 4 * (1 - rank)))
+        assert traffic["bytes_sent"] == 2 * 8 + 1 + 5 + 4 * rank
+        assert traffic["bytes_received"] == 2 * 8 + 1 + 5 + 4 * (1 - rank)

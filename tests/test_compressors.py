@@ -347,3 +347,95 @@ def test_decoding_into_the_sum_is_the_sum_of_the_decompressions(name):
         combined = make(name).combine(payloads, like)
         assert torch.equal(combined, Compressor.combine(make(name), payloads, like))
         assert combined.shape == like.shape and combined.dtype == like.dtype
+
+
+# -- what each compressor declares (Compressor.guarantee) -----------------------------------------
+
+def _vectors(d: int) -> dict[str, torch.Tensor]:
+    """Random vectors, and the shapes on which each bound is tight: all magnitudes equal (top-k
+    and random-k lose exactly 1 − k/d), one large entry among small ones (the sign compressors
+    keep only about 1/d), entries at half a QSGD level (its worst rounding)."""
+    g = torch.Generator().manual_seed(d)
+    signs = torch.where(torch.rand(d, generator=g) < 0.5, -1.0, 1.0)
+    spike = torch.full((d,), 1e-3)
+    spike[d // 3] = 1.0
+    sparse = torch.randn(d, generator=g) * (torch.rand(d, generator=g) < 0.05)
+    sparse[0] = 2.0
+    return {"gaussian": torch.randn(d, generator=g),
+            "heavy_tailed": torch.randn(d, generator=g) ** 3,
+            "equal_magnitudes": signs,
+            "spike": spike * signs,
+            "sparse": sparse}
+
+
+DECLARED = [  # (name, options, "unbiased" or "contractive" or both)
+    ("none", {}, "both"), ("fp16", {}, "contractive"), ("bf16", {}, "contractive"),
+    ("qsgd", {"levels": 2, "bucket_size": 16}, "unbiased"),
+    ("qsgd", {"levels": 16}, "unbiased"),
+    ("qsgd", {"levels": 2, "bucket_size": 16, "rescale": True}, "contractive"),
+    ("qsgd", {"levels": 7, "bucket_size": 0, "rescale": True}, "contractive"),
+    ("dqsgd", {"variance_budget": 0.1, "max_levels": 4, "bucket_size": 64}, "unbiased"),
+    ("terngrad", {}, "unbiased"), ("ef_sign", {}, "contractive"),
+    ("onebit", {}, "contractive"), ("topk", {"ratio": 0.1}, "contractive"),
+    ("randomk", {"ratio": 0.1}, "unbiased"),
+    ("randomk", {"ratio": 0.1, "unbiased": False}, "contractive"),
+]
+
+
+@pytest.mark.parametrize("name, options, kind", DECLARED,
+                         ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
+                              for n, o, _ in DECLARED])
+@pytest.mark.parametrize("d", [16, 1000])
+def test_declared_omega_and_delta_hold_on_random_vectors(name, options, kind, d):
+    """E‖Q(v) − v‖² / ‖v‖², the mean over 300 independent draws (a fresh seed per step),
+    is within its declared bound: ω for unbiased compressors, 1 − δ for contractive ones. The
+    mean may exceed a tight bound (random-k's is an equality) by sampling noise only: five
+    standard errors of the mean."""
+    compressor = make(name, **options)
+    guarantee = compressor.guarantee(d)
+    assert guarantee is not None
+    assert guarantee.unbiased == (kind in ("unbiased", "both"))
+    assert guarantee.contractive == (kind in ("contractive", "both"))
+    bounds = [b for b in (guarantee.omega, None if guarantee.delta is None else 1 - guarantee.delta)
+              if b is not None]
+    draws = 300
+    for shape, v in _vectors(d).items():
+        errors = torch.tensor([float((_roundtrip_at(compressor, v, step).double() - v.double())
+                                     .square().sum() / v.double().square().sum())
+                               for step in range(draws)], dtype=torch.float64)
+        mean, noise = float(errors.mean()), 5 * float(errors.std()) / draws**0.5
+        for bound in bounds:
+            assert mean <= bound + noise + 1e-6, (shape, mean, bound)
+
+
+def _roundtrip_at(compressor, v, step):
+    return compressor.decompress(compressor.compress(v, "w", step), v)
+
+
+@pytest.mark.parametrize("name, options", [("sign", {}), ("powersgd", {})])
+def test_compressors_without_a_bound_declare_none(name, options):
+    assert make(name, **options).guarantee(1000) is None
+
+
+def test_declared_bounds_are_the_papers_formulas():
+    d = 1000
+    assert make("topk", ratio=0.01).guarantee(d).delta == 10 / d
+    assert make("randomk", ratio=0.01).guarantee(d).omega == d / 10 - 1
+    assert make("randomk", ratio=0.01, unbiased=False).guarantee(d).delta == 10 / d
+    assert make("ef_sign").guarantee(d).delta == 1 / d
+    # QSGD: min(b/s², √b/s) with b the bucket; rescaled: δ = 1/(1 + ω)
+    assert make("qsgd", levels=16, bucket_size=512).guarantee(d).omega == pytest.approx(512**0.5 / 16)
+    assert make("qsgd", levels=16, bucket_size=0).guarantee(100).omega == pytest.approx(100 / 256)
+    assert make("qsgd", levels=7, bucket_size=0, rescale=True).guarantee(d).delta == pytest.approx(
+        1 / (1 + d**0.5 / 7))
+    assert make("terngrad").guarantee(d).omega == pytest.approx(d**0.5 - 1)
+
+
+def test_rescaled_qsgd_is_qsgd_with_its_norms_scaled():
+    """Same codes, same bytes; only the float32 norms differ, by 1/(1 + ω)."""
+    v = torch.randn(300, generator=torch.Generator().manual_seed(4))
+    plain = make("qsgd", levels=7, bucket_size=128).compress(v, "w", 5)
+    scaled = make("qsgd", levels=7, bucket_size=128, rescale=True).compress(v, "w", 5)
+    omega = min(128 / 49, 128**0.5 / 7)
+    assert torch.equal(plain.tensors[1], scaled.tensors[1])
+    torch.testing.assert_close(scaled.tensors[0], plain.tensors[0] * (1 / (1 + omega)))

@@ -24,6 +24,9 @@ class PowerSGDOptions:
 
 
 class PowerSGD(Compressor):
+    """Declares no bound (`guarantee` is None): one power iteration from a warm start gives
+    no worst-case δ, and the factors are averaged by two collectives, not per worker."""
+
     Options = PowerSGDOptions
     summable = True
     requires_error_feedback = True

@@ -8,13 +8,16 @@ from __future__ import annotations
 import torch
 
 import numba_kernels as nk
-from dsgd_cli.api import Payload
+from dsgd_cli.api import Guarantee, Payload
 from plugins.compressors._common import KernelCompressor, warm_up_signs
 
 
 class Sign(KernelCompressor):
     """`sign` (signSGD, Bernstein et al., 2018): each worker sends sign(v); the update is the
-    majority vote, sign(Σ_i sign(v_i)), with magnitude 1 per element (use a small lr)."""
+    majority vote, sign(Σ_i sign(v_i)), with magnitude 1 per element (use a small lr).
+
+    It declares no bound (`guarantee` is None): sign(v) has no scale, so ‖Q(v) − v‖ is not
+    bounded by ‖v‖ (v = 0.001·1 gives ‖Q(v) − v‖² ≈ d). `ef_sign` is its scaled version."""
 
     summable = False
 
@@ -33,13 +36,20 @@ class Sign(KernelCompressor):
 
 
 class EFSign(KernelCompressor):
-    """`ef_sign` (Karimireddy et al., 2019): (‖v‖₁/d) · sign(v), always with error feedback."""
+    """`ef_sign` (Karimireddy et al., 2019): (‖v‖₁/d) · sign(v), always with error feedback.
+
+    Contractive with δ = 1/d: with a = ‖v‖₁/d, ⟨Q(v), v⟩ = a‖v‖₁ and ‖Q(v)‖² = d a², so
+    ‖Q(v) − v‖² = ‖v‖² − ‖v‖₁²/d ≤ (1 − 1/d)‖v‖² since ‖v‖₁ ≥ ‖v‖₂ (zeros count as +, which
+    changes neither product)."""
 
     summable = False
+    requires_error_feedback = True
 
     def warm_up(self) -> None:
         warm_up_signs()
-    requires_error_feedback = True
+
+    def guarantee(self, numel):
+        return Guarantee(delta=1.0 / max(numel, 1))
 
     def compress(self, tensor, key, step):
         flat = tensor.reshape(-1)
@@ -53,13 +63,20 @@ class EFSign(KernelCompressor):
 
 class OneBit(KernelCompressor):
     """`onebit` (1-bit SGD, Seide et al., 2014): each element becomes the mean of the
-    non-negative entries or the mean of the negative ones, by its sign; error feedback."""
+    non-negative entries or the mean of the negative ones, by its sign; error feedback.
+
+    Contractive with δ = 1/d: replacing a class g of n_g same-signed entries by their mean m_g
+    leaves ‖v_g‖² − n_g m_g² of error, and n_g m_g² = (Σ_g v_k)²/n_g ≥ ‖v_g‖²/n_g ≥ ‖v_g‖²/d
+    (entries of one sign: (Σ|v_k|)² ≥ Σ v_k²)."""
 
     summable = False
+    requires_error_feedback = True
 
     def warm_up(self) -> None:
         warm_up_signs()
-    requires_error_feedback = True
+
+    def guarantee(self, numel):
+        return Guarantee(delta=1.0 / max(numel, 1))
 
     def compress(self, tensor, key, step):
         flat = tensor.reshape(-1)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 import numba_kernels as nk
-from dsgd_cli.api import Payload, option
+from dsgd_cli.api import Guarantee, Payload, option
 from plugins.compressors._common import (KernelCompressor, decoded_average, tensor_seed,
                                         warm_up_sparsification)
 
@@ -26,13 +26,18 @@ def kept(ratio: float, d: int) -> int:
 
 class TopK(KernelCompressor):
     """`topk`: the k entries of largest magnitude, as (int32 index, value) pairs. Each worker
-    picks its own indices, so payloads are all-gathered."""
+    picks its own indices, so payloads are all-gathered. Contractive with δ = k/d: the d − k
+    entries left out are the smallest, so they hold at most (d − k)/d of ‖v‖²."""
 
     Options = SparsityOptions
     summable = False
 
     def warm_up(self) -> None:
         warm_up_sparsification()
+
+    def guarantee(self, numel):
+        d = max(numel, 1)
+        return Guarantee(delta=kept(self.options.ratio, d) / d)
 
     def compress(self, tensor, key, step):
         indices, values = nk.topk(tensor.reshape(-1), kept(self.options.ratio, tensor.numel()))
@@ -59,13 +64,22 @@ class RandomK(KernelCompressor):
     """`randomk`: k entries drawn uniformly from a seed all workers share. Same indices
     everywhere: only values travel, and they sum. With `unbiased` the values are scaled by
     d/k so E[decompress(compress(v))] = v; with error feedback send them unscaled, as Stich et
-    al.'s sparsified SGD with memory does (the scaled version is not a contraction)."""
+    al.'s sparsified SGD with memory does (the scaled version is not a contraction).
+
+    Each entry is kept with probability k/d. Unbiased: E‖Q(v) − v‖² = Σ_k v_k² (d/k − 1), so
+    ω = d/k − 1. Unscaled (`unbiased: false`, the biased random-k of CHOCO-SGD): E‖Q(v) − v‖²
+    = (1 − k/d)‖v‖², contractive with δ = k/d; it is the unbiased one rescaled by 1/(1 + ω)."""
 
     Options = RandomKOptions
     summable = True
 
     def warm_up(self) -> None:
         warm_up_sparsification()
+
+    def guarantee(self, numel):
+        d = max(numel, 1)
+        k = kept(self.options.ratio, d)
+        return Guarantee(omega=d / k - 1) if self.options.unbiased else Guarantee(delta=k / d)
 
     def compress(self, tensor, key, step):
         flat = tensor.reshape(-1)
