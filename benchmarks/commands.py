@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dsgd_cli.store import MetricRow, Store
+from dsgd_cli.results.store import MetricRow, Store
 
 DSGD = [sys.executable, "-m", "dsgd_cli"]
 

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dsgd_cli.results import Results
+from dsgd_cli.results.reader import Results
 
 COMPRESSORS = {
     "none": "{name: none}",

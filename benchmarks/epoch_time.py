@@ -71,8 +71,8 @@ def main() -> None:
     parser.add_argument("-e", "--experiment", action="append")
     parser.add_argument("--example", choices=sorted(EXAMPLES), action="append")
     args = parser.parse_args()
-    from dsgd_cli.spec import load_spec
-    from dsgd_cli.store import Store
+    from dsgd_cli.spec.experiments import load_spec
+    from dsgd_cli.results.store import Store
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -116,7 +116,7 @@ def main() -> None:
 
 
 def _steps_per_epoch(config: dict) -> int:
-    from dsgd_cli.spec import build_plugin
+    from dsgd_cli.spec.experiments import build_plugin
 
     examples = build_plugin("task", config["task"]).train_examples()
     return math.ceil(examples // config["workers"] / config["batch_size"])

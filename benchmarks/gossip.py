@@ -2,7 +2,7 @@
 
 All experiments go through `dsgd run` (torchrun, gloo on CPU) with the same task, workers,
 batch, optimizer and emulated network, into a temporary database read back with
-`dsgd_cli.store.Store`. Printed per algorithm, and as a ratio to allreduce:
+`dsgd_cli.results.store.Store`. Printed per algorithm, and as a ratio to allreduce:
 
 * time per epoch: rank 0's wall time (training and evaluation) divided by the epochs;
 * bytes sent per worker per step: the run's total bytes / (workers * steps);
@@ -47,7 +47,7 @@ def spec(args) -> dict:
 
 
 def measure(db: Path, workers: int, epochs: int) -> dict[str, dict[str, float]]:
-    from dsgd_cli.store import Store
+    from dsgd_cli.results.store import Store
 
     store = Store(str(db))
     results = {}

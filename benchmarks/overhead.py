@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dsgd_cli.torchrun import MALLOC_SETTINGS
+from dsgd_cli.launch.torchrun import MALLOC_SETTINGS
 
 CASES = [
     ("mnist1d_cnn", {"name": "mnist1d_cnn"}),
@@ -38,8 +38,8 @@ def ddp_worker(config_path: str, out_path: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from dsgd_cli.spec import build_plugin
-    from dsgd_cli.training_data import Shard
+    from dsgd_cli.spec.experiments import build_plugin
+    from dsgd_cli.spec.sharding import Shard
 
     config = json.loads(Path(config_path).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -114,7 +114,7 @@ def run_dsgd(config: dict, tmp: Path, index: int) -> tuple[float, float]:
     """(samples per second, wall seconds of the whole `dsgd run` command)."""
     import yaml
 
-    from dsgd_cli.store import Store
+    from dsgd_cli.results.store import Store
 
     spec = tmp / f"spec{index}.yaml"
     db = tmp / f"bench{index}-{time.monotonic_ns()}.db"

@@ -46,7 +46,7 @@ def dsgd_run(spec: Path, db: Path, *options: str) -> None:
 
 def finals(db: Path) -> dict[str, dict]:
     """Per experiment of the database's newest runs: its final values and configuration."""
-    from dsgd_cli.store import Store
+    from dsgd_cli.results.store import Store
 
     runs = {}
     for run in Store(str(db)).runs():
@@ -105,7 +105,7 @@ def validation(workers: int, directory: Path, time_scale: float) -> list[tuple]:
 
 def backup_steps(db: Path) -> dict[int, int]:
     """Steps per rank of the backup run."""
-    from dsgd_cli.store import Store
+    from dsgd_cli.results.store import Store
 
     store = Store(str(db))
     (run,) = [run for run in store.runs() if run.experiment == "backup-straggler"]

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dsgd_cli.store import MetricRow, Store
+from dsgd_cli.results.store import MetricRow, Store
 
 AGGREGATORS = ["allreduce", "local_sgd", "sgp", "adpsgd", "wagma"]
 COMPRESSORS = ["none", "qsgd", "topk", "powersgd"]

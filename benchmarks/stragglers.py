@@ -44,7 +44,7 @@ def run_spec(spec: Path, db: Path) -> None:
 
 def measure(db: Path) -> dict[str, dict[str, float]]:
     """Per experiment, the median over repeated runs of each figure."""
-    from dsgd_cli.store import Store
+    from dsgd_cli.results.store import Store
 
     collected: dict[str, dict[str, list[float]]] = {}
     for run in Store(str(db)).runs():

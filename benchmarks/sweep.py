@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dsgd_cli.results import Results
+from dsgd_cli.results.reader import Results
 
 SPEC = """
 defaults:

@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-WORKER_MODULE = "dsgd_cli.runtime"
+WORKER_MODULE = "dsgd_cli.worker.process"
 
 
 def uss_bytes(pid: int) -> int | None:
@@ -41,7 +41,7 @@ def uss_bytes(pid: int) -> int | None:
 
 
 def worker_pids(root: int) -> list[int]:
-    """The worker processes (`python -m dsgd_cli.runtime`) below process `root`."""
+    """The worker processes (`python -m dsgd_cli.worker.process`) below process `root`."""
     children: dict[int, list[int]] = {}
     commands: dict[int, str] = {}
     for entry in os.listdir("/proc"):

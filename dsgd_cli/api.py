@@ -17,7 +17,7 @@ Each plugin class may declare `Options`, a dataclass whose fields use `option(..
 loader validates a spec section against it before anything launches and the plugin receives
 the instance as `self.options`.
 
-The worker loop (dsgd_cli/training.py) owns the order; the aggregator owns the algorithm::
+The worker loop (dsgd_cli/worker/training.py) owns the order; the aggregator owns the algorithm::
 
     aggregator.setup(ctx)
     for each step, until the run's length is reached (or `aggregator.finished()`):
@@ -41,10 +41,10 @@ import time
 import torch
 from torch import nn
 
-from dsgd_cli.batching import all_gather_flat, all_reduce_flat
-from dsgd_cli.comm import Comm, Group, Handle, NetworkModel, SharedCounter, Traffic
+from dsgd_cli.comm.batching import all_gather_flat, all_reduce_flat
+from dsgd_cli.comm.communicator import Comm, Group, Handle, NetworkModel, SharedCounter, Traffic
 from dsgd_cli.options import option
-from dsgd_cli.state import default_state, load_default_state
+from dsgd_cli.plugin_state import default_state, load_default_state
 
 __all__ = [
     "Aggregator", "AggregatorOptions", "Comm", "Compressor", "ErrorFeedback", "Group",

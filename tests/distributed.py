@@ -14,8 +14,8 @@ import torch.multiprocessing as mp
 # worker at once on a small machine. `preloaded_context()` imports them once, in a forkserver;
 # its workers are forked from it and start at once. Names that fail to import are skipped.
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch._dynamo", "pytest", "numba_kernels",
-           "dsgd_cli.api", "dsgd_cli.comm", "dsgd_cli.schedule", "dsgd_cli.spec",
-           "dsgd_cli.store", "dsgd_cli.topology", "plugins.aggregators.backup",
+           "dsgd_cli.api", "dsgd_cli.comm.communicator", "dsgd_cli.worker.schedule", "dsgd_cli.spec.experiments",
+           "dsgd_cli.results.store", "dsgd_cli.topology", "plugins.aggregators.backup",
            "plugins.aggregators.dasgd", "plugins.aggregators.gossip", "plugins.aggregators.lsgd",
            "plugins.aggregators.wagma", "plugins.compressors.casts",
            "plugins.compressors.powersgd", "plugins.compressors.quantization",

@@ -14,7 +14,7 @@ from torch import nn
 
 from distributed import run_workers
 from dsgd_cli.api import Comm, WorkerContext, flatten
-from dsgd_cli.spec import build_plugin
+from dsgd_cli.spec.experiments import build_plugin
 from plugins.aggregators.allreduce import AllReduce
 
 WORKERS = 3

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import dsgd, write_spec
-from dsgd_cli import checkpoint
-from dsgd_cli.resume import locate
-from dsgd_cli.store import Store
+from dsgd_cli.worker import checkpoint
+from dsgd_cli.launch.resume import locate
+from dsgd_cli.results.store import Store
 
 
 def save_steps(directory: Path, steps: list[int], workers: int = 2) -> None:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from conftest import dsgd, write_spec
-from dsgd_cli import checkpoint
+from dsgd_cli.worker import checkpoint
 from dsgd_cli.errors import DsgdError, SpecError
-from dsgd_cli.spec import load_spec
+from dsgd_cli.spec.experiments import load_spec
 
 SPEC = """
 defaults:

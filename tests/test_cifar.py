@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from conftest import dsgd, dsgd_in_process, write_spec
-from dsgd_cli.spec import build_plugin, load_spec
-from dsgd_cli.store import Store
-from dsgd_cli.training_data import augmentation_generator
+from dsgd_cli.spec.experiments import build_plugin, load_spec
+from dsgd_cli.results.store import Store
+from dsgd_cli.worker.data import augmentation_generator
 from plugins.tasks.cifar import CIFAR10, CIFAR100, augment, read
 
 

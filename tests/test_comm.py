@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distributed import run_workers
-from dsgd_cli.comm import Comm, NetworkModel
+from dsgd_cli.comm.communicator import Comm, NetworkModel
 
 
 def _short_then_full(rank, world_size):

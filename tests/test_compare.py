@@ -9,8 +9,8 @@ import statistics
 import pytest
 
 from conftest import dsgd_in_process as dsgd
-from dsgd_cli.output import readable
-from dsgd_cli.store import MetricRow, Store
+from dsgd_cli.commands.output import readable
+from dsgd_cli.results.store import MetricRow, Store
 
 
 def config(aggregator: str, compressor: str, seed: int, lr: float) -> dict:
@@ -253,8 +253,8 @@ def record_histories(url: str, runs: int = 12, seed: int = 0) -> Store:
 def reached_in_python(store: Store, run_ids: list[int], target) -> dict:
     """What `reach_times` answers, worked out from every record in Python: the first step whose
     mean over its records reaches the target, when its last record came, and BytesSent."""
-    from dsgd_cli.analysis import Reached
-    from dsgd_cli.history import BytesSent, load_history
+    from dsgd_cli.results.analysis import Reached
+    from dsgd_cli.results.history import BytesSent, load_history
 
     history = load_history(store, run_ids, [target.metric, "bytes_sent"])
     answers = {}
@@ -277,8 +277,8 @@ def reached_in_python(store: Store, run_ids: list[int], target) -> dict:
 @pytest.mark.parametrize("target", ["test_accuracy=0.5", "test_accuracy=0.875", "train_loss=0.75",
                                     "train_loss=1.25", "bytes_sent=250", "test_accuracy=2"])
 def test_targets_from_the_database_are_the_history_worked_out_in_python(tmp_path, target):
-    from dsgd_cli.analysis import parse_target
-    from dsgd_cli.history import reach_times
+    from dsgd_cli.results.analysis import parse_target
+    from dsgd_cli.results.history import reach_times
 
     store = record_histories(str(tmp_path / "h.db"), runs=16)
     run_ids = [run.id for run in store.runs(details=False)]
@@ -292,7 +292,7 @@ def test_the_simple_format_is_what_tabulate_draws():
 
     from tabulate import tabulate
 
-    from dsgd_cli.output import simple_table
+    from dsgd_cli.commands.output import simple_table
 
     rng = random.Random(0)
     words = ["", " ", "True", "False", "1", "-1.5e3", "nan", "None", "  x  ", "1,000", "a b"]

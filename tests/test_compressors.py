@@ -11,10 +11,10 @@ import torch
 
 from conftest import compare_json, dsgd, write_spec
 from distributed import run_workers
-from dsgd_cli import registry
+from dsgd_cli.spec import registry
 from dsgd_cli.api import ErrorFeedback
-from dsgd_cli.comm import Comm
-from dsgd_cli.spec import build_plugin
+from dsgd_cli.comm.communicator import Comm
+from dsgd_cli.spec.experiments import build_plugin
 
 COMPRESSORS = ["fp16", "bf16", "qsgd", "dqsgd", "terngrad", "sign", "ef_sign", "onebit",
                "topk", "randomk", "powersgd"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import dsgd, dsgd_in_process, write_spec
-from dsgd_cli.store import MetricRow, Store
+from dsgd_cli.results.store import MetricRow, Store
 
 SPEC = """
 experiments:

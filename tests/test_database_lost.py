@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import dsgd_in_process, write_spec
-from dsgd_cli.results import Results
+from dsgd_cli.results.reader import Results
 
 SPEC = """
 experiments:
@@ -97,7 +97,7 @@ def test_a_database_that_stops_taking_writes_mid_run(tmp_path, immutable_files):
 # -- what is kept, and what recovery stores (no root needed) -------------------------------------
 
 def _write_steps(events_dir: Path, steps: range, done: bool = False) -> None:
-    from dsgd_cli.events import EventWriter, events_path
+    from dsgd_cli.comm.events import EventWriter, events_path
 
     for rank in (0, 1):
         writer = EventWriter(events_path(events_dir, rank), rank)
@@ -112,10 +112,10 @@ def _write_steps(events_dir: Path, steps: range, done: bool = False) -> None:
 def test_recovery_stores_each_record_once_and_ends_the_run(tmp_path, monkeypatch, finished, status):
     from sqlalchemy.exc import OperationalError
 
-    from dsgd_cli import unrecorded
-    from dsgd_cli.launcher import Callbacks, _Running
-    from dsgd_cli.spec import Experiment
-    from dsgd_cli.store import Store
+    from dsgd_cli.launch import unrecorded
+    from dsgd_cli.launch.launcher import Callbacks, _Running
+    from dsgd_cli.spec.experiments import Experiment
+    from dsgd_cli.results.store import Store
     from test_store import config
 
     db, events_dir = tmp_path / "r.db", tmp_path / "events"

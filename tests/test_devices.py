@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from conftest import write_spec
-from dsgd_cli import launcher, runtime, torchrun
-from dsgd_cli.comm import Comm, Group
-from dsgd_cli.launcher import DevicePlan, choose_device
-from dsgd_cli.spec import load_spec
-from dsgd_cli.store import Store
-from dsgd_cli.training_data import Shard
+from dsgd_cli.launch import launcher
+from dsgd_cli.worker import process as runtime
+from dsgd_cli.launch import torchrun
+from dsgd_cli.comm.communicator import Comm, Group
+from dsgd_cli.launch.launcher import DevicePlan, choose_device
+from dsgd_cli.spec.experiments import load_spec
+from dsgd_cli.results.store import Store
+from dsgd_cli.spec.sharding import Shard
 
 
 @pytest.fixture

@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 from conftest import write_spec
-from dsgd_cli import launcher, torchrun
-from dsgd_cli.spec import load_spec
-from dsgd_cli.store import Store
+from dsgd_cli.launch import launcher
+from dsgd_cli.launch import torchrun
+from dsgd_cli.spec.experiments import load_spec
+from dsgd_cli.results.store import Store
 
 SPEC = """
 experiments:
@@ -100,7 +101,7 @@ def test_a_spec_that_fails_validation_stops_the_early_torchrun(tmp_path):
 
 def test_waiting_workers_leave_when_their_launcher_is_killed(tmp_path):
     spec = write_spec(tmp_path, SPEC)
-    code = ("import sys; from dsgd_cli.torchrun import early_start; "
+    code = ("import sys; from dsgd_cli.launch.torchrun import early_start; "
             f"t = early_start({str(spec)!r}, None, None, None); print(t.dir, flush=True); "
             "import time; time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -14,11 +14,11 @@ import time
 import pytest
 
 from conftest import dsgd, dsgd_in_process, write_spec
-from dsgd_cli.compute_model import (PaddedCompute, mean_factor, overrun_advice,
+from dsgd_cli.spec.compute_model import (PaddedCompute, mean_factor, overrun_advice,
                                     variation_factor)
 from dsgd_cli.errors import SpecError
-from dsgd_cli.spec import load_spec
-from dsgd_cli.store import Store
+from dsgd_cli.spec.experiments import load_spec
+from dsgd_cli.results.store import Store
 
 
 # -- the spec -----------------------------------------------------------------------------------

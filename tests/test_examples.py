@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from dsgd_cli.spec import load_spec
+from dsgd_cli.spec.experiments import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = [ROOT / "experiments.yaml", *sorted((ROOT / "examples").glob("*.yaml"))]

@@ -20,15 +20,16 @@ from rich.text import Text
 from typer.testing import CliRunner
 
 from conftest import compare_json, dsgd, write_spec
-from dsgd_cli import launcher, torchrun
+from dsgd_cli.launch import launcher
+from dsgd_cli.launch import torchrun
 from dsgd_cli.cli import app
 from dsgd_cli.commands.run import status_markup
 from dsgd_cli.errors import RunFailed, SpecError
-from dsgd_cli.events import EventReader, EventWriter, events_path
-from dsgd_cli.launcher import RunResult, run_result
+from dsgd_cli.comm.events import EventReader, EventWriter, events_path
+from dsgd_cli.launch.launcher import RunResult, run_result
 from dsgd_cli.options import option, parse_options
-from dsgd_cli.spec import load_spec
-from dsgd_cli.store import MetricRow, Store
+from dsgd_cli.spec.experiments import load_spec
+from dsgd_cli.results.store import MetricRow, Store
 
 TINY = """
 defaults:
@@ -357,7 +358,7 @@ def _workers(cli: subprocess.Popen) -> dict[int, tuple[int, str]]:
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"dsgd_cli.runtime" in args and b"torch.distributed.run" not in args:
+            if b"dsgd_cli.worker.process" in args and b"torch.distributed.run" not in args:
                 rank = [int(v[5:]) for v in environ if v.startswith(b"RANK=")][0]
                 workers[rank] = (pid, args[-2].decode())
     return workers
@@ -453,7 +454,7 @@ def test_a_launch_that_cannot_start_is_recorded_as_failed(tmp_path, monkeypatch)
 TORCHRUN_SUMMARY = """\
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
-dsgd_cli.runtime FAILED
+dsgd_cli.worker.process FAILED
 ------------------------------------------------------------
 Failures:
 [1]:
@@ -544,7 +545,7 @@ def test_processes_creating_a_new_database_at_once_all_succeed(tmp_path):
 
 DIES_AT_START = """
 import os, signal, sys
-from dsgd_cli import runtime
+from dsgd_cli.worker import process as runtime
 if os.environ["RANK"] == "1":
     {how}
 runtime.main(sys.argv[1:])
@@ -564,8 +565,8 @@ def test_a_worker_that_dies_at_start_up_is_named(tmp_path, monkeypatch, how, rea
 
     def command(shape, config, events):
         args = torchrun_command(shape, config, events)
-        at = args.index("dsgd_cli.runtime")
-        return args[:at - 1] + [str(script)] + args[at + 1:]  # instead of `-m dsgd_cli.runtime`
+        at = args.index("dsgd_cli.worker.process")
+        return args[:at - 1] + [str(script)] + args[at + 1:]  # instead of `-m dsgd_cli.worker.process`
 
     monkeypatch.setattr(torchrun, "command", command)
     (experiment,) = load_spec(tiny_spec(tmp_path, "experiments: [{name: a}]\n"))
@@ -603,7 +604,8 @@ while True:
 # `dsgd run` with the stand-in for torchrun, and no end to the wait after SIGTERM.
 STUBBORN_DSGD = """
 import sys
-from dsgd_cli import cli, torchrun
+from dsgd_cli import cli
+from dsgd_cli.launch import torchrun
 torchrun.TERMINATE_WAIT_S = 600
 torchrun.command = lambda shape, config, events: [
     sys.executable, {script!r}, str(config), str(events)]

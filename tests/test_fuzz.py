@@ -17,11 +17,11 @@ import yaml  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from dsgd_cli import registry  # noqa: E402
+from dsgd_cli.spec import registry  # noqa: E402
 from dsgd_cli.errors import DsgdError  # noqa: E402
 from dsgd_cli.options import option_fields  # noqa: E402
-from dsgd_cli.spec import load_spec  # noqa: E402
-from dsgd_cli.specfile import EXPERIMENT_DEFAULTS  # noqa: E402
+from dsgd_cli.spec.experiments import load_spec  # noqa: E402
+from dsgd_cli.spec.specfile import EXPERIMENT_DEFAULTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = [ROOT / "experiments.yaml", *sorted((ROOT / "examples").glob("*.yaml"))]

@@ -28,8 +28,8 @@ from conftest import compare_json, dsgd, dsgd_in_process, write_spec
 from distributed import preloaded_context
 from dsgd_cli.api import Comm, WorkerContext, flatten
 from dsgd_cli.errors import SpecError
-from dsgd_cli.spec import load_spec
-from dsgd_cli.store import Store
+from dsgd_cli.spec.experiments import load_spec
+from dsgd_cli.results.store import Store
 from dsgd_cli.topology import (CustomTopology, make_topology, mixing_matrix, push_matrix,
                                spectral_gap)
 from plugins.aggregators.gossip import ADPSGD, DPSGD, OSGP, SGP

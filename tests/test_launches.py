@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import dsgd, write_spec
-from dsgd_cli.launcher import plan_launches
-from dsgd_cli.spec import load_spec
-from dsgd_cli.store import Store
+from dsgd_cli.launch.launcher import plan_launches
+from dsgd_cli.spec.experiments import load_spec
+from dsgd_cli.results.store import Store
 
 SWEEP = """
 defaults:

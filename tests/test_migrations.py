@@ -14,10 +14,10 @@ from sqlalchemy import create_engine, inspect
 from sqlalchemy.exc import OperationalError
 
 from conftest import dsgd, dsgd_in_process
-from dsgd_cli.results import Results
-from dsgd_cli import store as store_module
+from dsgd_cli.results.reader import Results
+from dsgd_cli.results import store as store_module
 from dsgd_cli.errors import StoreError
-from dsgd_cli.store import SCHEMA_VERSION, Store
+from dsgd_cli.results.store import SCHEMA_VERSION, Store
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "schema1.sqlitedb"
 

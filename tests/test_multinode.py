@@ -12,7 +12,7 @@ import tempfile
 import pytest
 
 from conftest import dsgd_in_process, write_spec
-from dsgd_cli.store import Store
+from dsgd_cli.results.store import Store
 
 SPEC = """
     defaults: {{task: logreg, workers: 4, epochs: 1, steps_per_epoch: 6, log_interval: 2}}

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import dsgd_in_process as dsgd
-from dsgd_cli.results import Results
-from dsgd_cli.plotting import figure, group_lines, legend_labels, run_lines
+from dsgd_cli.results.reader import Results
+from dsgd_cli.results.plotting import figure, group_lines, legend_labels, run_lines
 from test_compare import db  # noqa: F401  (the fixture)
 
 

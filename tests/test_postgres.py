@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from conftest import dsgd_in_process
-from dsgd_cli.results import Results
+from dsgd_cli.results.reader import Results
 from test_store import fill
 
 WRITERS = 8
@@ -236,7 +236,7 @@ def test_reading_commands_change_nothing_on_postgresql(pg_url):
 
 def test_a_postgresql_user_who_may_only_read(pg_url, postgres_server):
     from dsgd_cli.errors import StoreError
-    from dsgd_cli.store import Store
+    from dsgd_cli.results.store import Store
 
     record(pg_url)
     name = database(pg_url)
@@ -253,7 +253,7 @@ def test_a_postgresql_user_who_may_only_read(pg_url, postgres_server):
 # -- migrations ----------------------------------------------------------------------------------
 
 def test_a_schema_1_database_on_postgresql_is_upgraded(pg_url):
-    from dsgd_cli.store import SCHEMA_VERSION, Store
+    from dsgd_cli.results.store import SCHEMA_VERSION, Store
 
     record(pg_url)
     store = Store(pg_url)
@@ -289,10 +289,10 @@ def _version(url: str) -> str:
 WRITER = """
 import sys, time
 from pathlib import Path
-from dsgd_cli.store import MetricRow, Store
+from dsgd_cli.results.store import MetricRow, Store
 
 url, worker, runs, batches, ready, go = sys.argv[1:]
-import dsgd_cli.store, sqlalchemy.dialects.sqlite  # everything loaded before the start
+import dsgd_cli.results.store, sqlalchemy.dialects.sqlite  # everything loaded before the start
 if url.startswith("postgresql"):
     import psycopg, sqlalchemy.dialects.postgresql
 Path(ready).touch()
@@ -360,7 +360,7 @@ def test_many_processes_write_at_once(db_url, tmp_path):
 
 def test_many_processes_open_a_schema_1_database_at_once(db_url, tmp_path):
     """The first to open it upgrades it; the others wait for it, then write."""
-    from dsgd_cli.store import Store
+    from dsgd_cli.results.store import Store
 
     store = Store(db_url)
     with store.engine.begin() as connection:
@@ -378,7 +378,7 @@ def test_targets_and_curves_are_the_same_from_sqlite_and_postgresql(tmp_path, pg
     database: both give the same answers (untidy histories, several ranks, run-wide records)."""
     from test_compare import record_histories
 
-    from dsgd_cli.plotting import _series
+    from dsgd_cli.results.plotting import _series
 
     sqlite_url = f"sqlite:///{tmp_path / 'h.db'}"
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dsgd_cli import registry
+from dsgd_cli.spec import registry
 from dsgd_cli.options import option_fields
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -48,7 +48,7 @@ def test_listing_without_check_reads_metadata_only(plugin_env):
 
 def test_the_registry_finds_plugins_without_importing_torch():
     """What keeps `dsgd plugins` quick: discovery reads metadata, loading imports."""
-    code = ("import sys; from dsgd_cli import registry; registry.discover('aggregator'); "
+    code = ("import sys; from dsgd_cli.spec import registry; registry.discover('aggregator'); "
             "print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "False", result.stderr

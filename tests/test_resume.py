@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from conftest import dsgd, dsgd_in_process, write_spec
-from dsgd_cli import checkpoint
-from dsgd_cli.resume import resumable
-from dsgd_cli.store import Store
+from dsgd_cli.worker import checkpoint
+from dsgd_cli.launch.resume import resumable
+from dsgd_cli.results.store import Store
 
 # 12 epochs of 32 steps on logistic regression; the emulated latency makes each step of
 # `ar` take 10 ms and of `local` about 5 ms, time enough to interrupt the run part-way.
@@ -157,7 +157,7 @@ def test_a_torn_checkpoint_is_never_loaded(tmp_path):
     checkpoint.save(directory, 20, 0, {"step": 20, "rank": 0}, workers=2)
     writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time, torch
-        from dsgd_cli import checkpoint
+        from dsgd_cli.worker import checkpoint
 
         def stuck(state, file):  # writes half a file, then hangs until killed
             file.write(b"PK" + bytes(4096))

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from conftest import dsgd, dsgd_in_process, write_spec
-from dsgd_cli.store import Store
+from dsgd_cli.results.store import Store
 
 LR = 0.1
 # 4 workers, 12 steps each (log_interval 1: every step's lr is recorded), in one launch.
@@ -205,8 +205,8 @@ def test_steps_past_the_last_stay_at_its_rate_and_param_groups_keep_their_ratio(
     first's lr gets half the scheduled rate."""
     import torch
 
-    from dsgd_cli.learning_rate import LearningRate
-    from dsgd_cli.spec import build_plugin
+    from dsgd_cli.spec.learning_rate import LearningRate
+    from dsgd_cli.spec.experiments import build_plugin
 
     weight, bias = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([{"params": [weight], "lr": 0.2}, {"params": [bias], "lr": 0.1}])

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from conftest import dsgd, dsgd_in_process, write_spec
-from dsgd_cli import registry
-from dsgd_cli.spec import load_spec
+from dsgd_cli.spec import registry
+from dsgd_cli.spec.experiments import load_spec
 
 GOOD = """
 defaults:
@@ -47,7 +47,7 @@ def test_defaults_merge_and_grid(tmp_path):
 def test_plugin_sections_are_the_configs_plugins(tmp_path):
     """PLUGIN_SECTIONS (whose plugin versions the launcher records with a run) is every section
     of a resolved config that names a plugin, one per registry kind."""
-    from dsgd_cli.spec import PLUGIN_SECTIONS
+    from dsgd_cli.spec.experiments import PLUGIN_SECTIONS
 
     assert sorted(PLUGIN_SECTIONS) == sorted(registry.KINDS)
     for experiment in load_spec(write_spec(tmp_path, GOOD)):
@@ -151,7 +151,7 @@ def test_dry_run_prints_plan_and_commands(tmp_path):
     # One line per experiment, one torchrun command per launch: `plain` and `other-optimizer`
     # share one; the grid's worker counts alternate (1, 2, 1, 2), so each point has its own.
     assert result.stdout.count(" workers, task logreg, ") == 6
-    assert result.stdout.count("dsgd_cli.runtime") == 5
+    assert result.stdout.count("dsgd_cli.worker.process") == 5
     assert not (tmp_path / "r.db").exists()
     assert "experiments in" not in result.stderr  # small plans are not announced
 
@@ -331,7 +331,7 @@ def test_huge_grid_is_announced_and_dry_run_completes(tmp_path):
 
 def test_check_world_gives_the_seed_to_graphs_and_to_check_world_that_asks():
     from dsgd_cli.api import Aggregator
-    from dsgd_cli.spec import check_world
+    from dsgd_cli.spec.experiments import check_world
     from dsgd_cli.topology import make_topology
 
     seen = []

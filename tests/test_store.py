@@ -11,8 +11,8 @@ import pytest
 
 from conftest import dsgd, dsgd_in_process
 from dsgd_cli.errors import StoreError
-from dsgd_cli.results import TABLE_COLUMNS, Results
-from dsgd_cli.store import Meta, MetricRow, Store
+from dsgd_cli.results.reader import TABLE_COLUMNS, Results
+from dsgd_cli.results.store import Meta, MetricRow, Store
 from sqlalchemy.orm import Session
 
 
@@ -252,7 +252,7 @@ def test_processes_creating_one_database_at_once(tmp_path):
 
 
 def test_the_readers_tables_are_the_models_tables():
-    from dsgd_cli.store import Base
+    from dsgd_cli.results.store import Base
 
     assert {table.name: tuple(column.name for column in table.columns)
             for table in Base.metadata.sorted_tables} == TABLE_COLUMNS

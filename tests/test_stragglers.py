@@ -26,9 +26,9 @@ from conftest import dsgd, dsgd_in_process, write_spec
 from distributed import run_workers
 from dsgd_cli.api import Comm, RunLength, WorkerContext, flatten
 from dsgd_cli.errors import SpecError
-from dsgd_cli.schedule import Straggling
-from dsgd_cli.spec import load_spec
-from dsgd_cli.store import Store
+from dsgd_cli.worker.schedule import Straggling
+from dsgd_cli.spec.experiments import load_spec
+from dsgd_cli.results.store import Store
 from plugins.aggregators.backup import Backup
 from plugins.aggregators.dasgd import DaSGD
 from plugins.aggregators.lsgd import LSGD

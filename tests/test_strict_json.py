@@ -10,9 +10,9 @@ import sqlite3
 import pytest
 
 from conftest import dsgd_in_process, write_spec
-from dsgd_cli import strictjson
-from dsgd_cli.spec import load_spec, network_model
-from dsgd_cli.store import MetricRow, Store
+from dsgd_cli.results import strictjson
+from dsgd_cli.spec.experiments import load_spec, network_model
+from dsgd_cli.results.store import MetricRow, Store
 
 LATENCY_ONLY = """
 defaults:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import dsgd_in_process, write_spec
-from dsgd_cli.spec import build_plugin, load_spec
+from dsgd_cli.spec.experiments import build_plugin, load_spec
 from plugins.tasks.synthetic import mlp_params, parse_count
 
 

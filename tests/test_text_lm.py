@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import dsgd, dsgd_in_process, write_spec
-from dsgd_cli.spec import build_plugin, load_spec
-from dsgd_cli.store import Store
+from dsgd_cli.spec.experiments import build_plugin, load_spec
+from dsgd_cli.results.store import Store
 from plugins.tasks.text_lm import lm_params
 
 TEXT = "".join(f"line {i}: the quick brown fox — ça va? {i * i}\n" for i in range(200))

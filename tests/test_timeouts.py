@@ -9,8 +9,8 @@ import torch
 
 from conftest import dsgd, write_spec
 from distributed import run_workers
-from dsgd_cli.comm import Comm, CommTimeout
-from dsgd_cli.store import Store
+from dsgd_cli.comm.communicator import Comm, CommTimeout
+from dsgd_cli.results.store import Store
 
 TIMEOUT_S = 1.0
 

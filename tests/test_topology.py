@@ -618,7 +618,7 @@ def test_custom_time_varying_topology():
 
 
 def test_random_regular_graph_depends_on_the_seed():
-    """The spec loader checks a gossip graph with the run's seed (dsgd_cli.spec.check_world)
+    """The spec loader checks a gossip graph with the run's seed (dsgd_cli.spec.experiments.check_world)
     because random_regular draws a different graph per seed, the same one in every process."""
     graphs = {seed: make_topology("random_regular", 8, seed=seed).adjacency().tobytes()
               for seed in range(4)}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import compare_json, dsgd, write_spec
-from dsgd_cli.store import Store
+from dsgd_cli.results.store import Store
 from plugins.tasks.logreg import LogisticRegression
 
 

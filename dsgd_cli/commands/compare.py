@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption
-from dsgd_cli.output import check_format, readable, render
+from dsgd_cli.commands.output import check_format, readable, render
 
 if TYPE_CHECKING:
-    from dsgd_cli.results import Results, RunRecord
+    from dsgd_cli.results.reader import Results, RunRecord
 
 DEFAULT_METRICS = ["test_accuracy", "test_loss", "train_loss", "wall_seconds",
                    "samples_per_second", "total_bytes_sent"]
@@ -25,7 +25,7 @@ WhereOption = Annotated[Optional[list[str]], typer.Option(
 def compare_rows(store: Results, runs: list[RunRecord],
                  extra_metrics: list[str] | None = None) -> list[dict]:
     """The plain table: one row per run with the default metrics and `extra_metrics`."""
-    from dsgd_cli.analysis import run_rows
+    from dsgd_cli.results.analysis import run_rows
 
     return run_rows(runs, store.finals([run.id for run in runs]), _metrics(extra_metrics), None)
 
@@ -49,11 +49,11 @@ def compare(
     fmt: FormatOption = "simple",
 ) -> None:
     """Tabulate past runs: configuration and final metrics, one row per run or per group."""
-    from dsgd_cli.analysis import (BASELINE_COLUMNS, TARGET_COLUMNS, add_baseline,
+    from dsgd_cli.results.analysis import (BASELINE_COLUMNS, TARGET_COLUMNS, add_baseline,
                                    baseline_values, group_rows, parse_target, run_rows,
                                    sort_rows)
-    from dsgd_cli.query import check_keys, parse_where, select_runs
-    from dsgd_cli.results import Results
+    from dsgd_cli.results.query import check_keys, parse_where, select_runs
+    from dsgd_cli.results.reader import Results
 
     check_format(fmt)
     conditions = [parse_where(text) for text in where or []]
@@ -69,7 +69,7 @@ def compare(
     metrics = _metrics(metric)
     reached = None
     if goal:
-        from dsgd_cli.history import reach_times  # SQLAlchemy, for this query only
+        from dsgd_cli.results.history import reach_times  # SQLAlchemy, for this query only
 
         reached = reach_times(store, [run.id for run in runs], goal)
     rows = run_rows(runs, store.finals([run.id for run in runs]), metrics, reached)

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Annotated, Iterator, Optional
 
 import typer
 
-from dsgd_cli import strictjson
+from dsgd_cli.results import strictjson
 from dsgd_cli.commands.common import DbOption
 from dsgd_cli.commands.compare import WhereOption
 from dsgd_cli.errors import DsgdError
 
 if TYPE_CHECKING:
-    from dsgd_cli.results import Results, RunRecord
+    from dsgd_cli.results.reader import Results, RunRecord
 
 FORMATS = ("csv", "json", "parquet")
 HISTORY_COLUMNS = ["metric", "step", "epoch", "rank", "seconds", "value"]
@@ -39,8 +39,8 @@ def export(
 ) -> None:
     """Export the recorded metric history: run id, experiment, the configuration columns asked
     for, metric, step, epoch, rank, seconds, value."""
-    from dsgd_cli.query import check_keys, parse_where, pick, select_runs
-    from dsgd_cli.results import Results
+    from dsgd_cli.results.query import check_keys, parse_where, pick, select_runs
+    from dsgd_cli.results.reader import Results
 
     if fmt not in FORMATS:
         raise DsgdError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -74,8 +74,8 @@ def _rows(store: Results, runs: list[RunRecord], keys: list[str],
           metrics: list[str] | None) -> Iterator[list]:
     from sqlalchemy import select
 
-    from dsgd_cli.query import run_value
-    from dsgd_cli.store import Metric
+    from dsgd_cli.results.query import run_value
+    from dsgd_cli.results.store import Metric
 
     by_id = {run.id: run for run in runs}
     fixed = {run.id: [run.id, run.experiment, *[_plain(run_value(run, k)) for k in keys]]

@@ -15,7 +15,7 @@ from dsgd_cli.commands.compare import WhereOption
 from dsgd_cli.errors import DsgdError
 
 if TYPE_CHECKING:
-    from dsgd_cli.results import RunRecord
+    from dsgd_cli.results.reader import RunRecord
 
 CHART_FORMATS = ("png", "pdf", "svg")
 
@@ -39,9 +39,9 @@ def plot(
 ) -> None:
     """Plot a metric of past runs: one line per run, or per group with --by."""
     # numpy, matplotlib and SQLAlchemy load here, not when the CLI starts.
-    from dsgd_cli.plotting import X_AXES, figure, group_lines, run_lines, terminal_chart
-    from dsgd_cli.query import check_keys, parse_where, pick, select_runs
-    from dsgd_cli.results import Results
+    from dsgd_cli.results.plotting import X_AXES, figure, group_lines, run_lines, terminal_chart
+    from dsgd_cli.results.query import check_keys, parse_where, pick, select_runs
+    from dsgd_cli.results.reader import Results
 
     if x not in X_AXES:
         raise DsgdError(f"--x: expected one of {', '.join(X_AXES)}, got {x!r}")
@@ -52,7 +52,7 @@ def plot(
     recorded = store.runs(details=False)
     chosen = select_runs(pick(recorded, runs or []), conditions)
     if spec is not None:
-        from dsgd_cli.spec import load_spec  # imports torch and the plugins
+        from dsgd_cli.spec.experiments import load_spec  # imports torch and the plugins
 
         chosen = newest_of(chosen, [experiment.name for experiment in load_spec(spec)])
     if last:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from dsgd_cli.output import render
+from dsgd_cli.commands.output import render
 
 
 def plugins(
@@ -17,7 +17,7 @@ def plugins(
 ) -> None:
     """List registered aggregators, compressors, optimizers and tasks from their
     distributions' metadata, without importing them; --check loads each one."""
-    from dsgd_cli import registry
+    from dsgd_cli.spec import registry
 
     rows = []
     for kind, (group, _) in registry.KINDS.items():

@@ -11,10 +11,10 @@ import typer
 from dsgd_cli.commands.common import DbOption, ExperimentOption
 from dsgd_cli.commands.compare import compare_rows
 from dsgd_cli.errors import DsgdError, RunFailed
-from dsgd_cli.output import render
+from dsgd_cli.commands.output import render
 
 if TYPE_CHECKING:
-    from dsgd_cli.launcher import Progress as RunProgress, RunResult
+    from dsgd_cli.launch.launcher import Progress as RunProgress, RunResult
 
 ANNOUNCE_OVER = 100  # a spec with more experiments says how many before anything runs
 
@@ -48,7 +48,7 @@ def run(
                                  "with --resume, where the run's checkpoints are now")] = None,
 ) -> None:
     """Run every experiment in SPEC (default ./experiments.yaml) and record it in the database."""
-    from dsgd_cli.torchrun import early_start
+    from dsgd_cli.launch.torchrun import early_start
 
     launch = {"nnodes": nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint,
               "rdzv_timeout": rdzv_timeout}
@@ -70,12 +70,12 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn)
 
-    from dsgd_cli import checkpoint
-    from dsgd_cli.launcher import Callbacks, plan_launches, run_all
-    from dsgd_cli.results import resolve_url
-    from dsgd_cli.resume import reopen, resumable
-    from dsgd_cli.spec import load_spec
-    from dsgd_cli.store import Store
+    from dsgd_cli.worker import checkpoint
+    from dsgd_cli.launch.launcher import Callbacks, plan_launches, run_all
+    from dsgd_cli.results.reader import resolve_url
+    from dsgd_cli.launch.resume import reopen, resumable
+    from dsgd_cli.spec.experiments import load_spec
+    from dsgd_cli.results.store import Store
 
     if resume is not None:
         if experiment or workers is not None:
@@ -137,7 +137,7 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
 
 def _advise_time_scale(runs) -> None:
     """One line when the real work of some runs did not fit their compute model."""
-    from dsgd_cli.compute_model import overrun_advice, overrun_steps
+    from dsgd_cli.spec.compute_model import overrun_advice, overrun_steps
 
     overran = [run for run in runs if overrun_advice(run)]
     if overran:
@@ -170,8 +170,8 @@ def _stats(p: RunProgress) -> str:
 
 
 def _print_plan(launches) -> None:
-    from dsgd_cli.launcher import launch_shape
-    from dsgd_cli.torchrun import command
+    from dsgd_cli.launch.launcher import launch_shape
+    from dsgd_cli.launch.torchrun import command
 
     lines: list[str] = []
     for number, planned in enumerate(launches, 1):

@@ -9,7 +9,7 @@ import typer
 
 from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.output import check_format, render
+from dsgd_cli.commands.output import check_format, render
 
 LIST_COLUMNS = ["id", "experiment", "status", "workers", "started", "seconds", "tags", "reason"]
 
@@ -27,7 +27,7 @@ def runs(ctx: typer.Context, db: DbOption = None, experiment: ExperimentOption =
             raise DsgdError(f"--experiment and --format belong to the listing, not to "
                             f"`dsgd runs {ctx.invoked_subcommand}`")
         return
-    from dsgd_cli.results import Results
+    from dsgd_cli.results.reader import Results
 
     check_format(fmt)
     rows = []
@@ -52,7 +52,7 @@ def delete(ctx: typer.Context, run_ids: RunIds, db: DbOption = None,
     none at all)."""
     import shutil
 
-    from dsgd_cli.store import MAX_ID, Store
+    from dsgd_cli.results.store import MAX_ID, Store
 
     store = Store(_db(ctx, db), create=False)
     checkpoints = [store.checkpoint_dir(run_id) for run_id in run_ids if 0 < run_id <= MAX_ID]
@@ -70,7 +70,7 @@ def tag(ctx: typer.Context,
         remove: Annotated[bool, typer.Option("--remove", help="Remove the tags instead")] = False,
         ) -> None:
     """Tag a run (`dsgd compare --where tag=TAG` selects by tag); --remove untags it."""
-    from dsgd_cli.store import Store
+    from dsgd_cli.results.store import Store
 
     now = Store(_db(ctx, db), create=False).tag_run(run_id, tags, remove=remove)
     typer.echo(f"run {run_id}: " + (f"tags {', '.join(now)}" if now else "no tags"))
@@ -82,7 +82,7 @@ def recover(ctx: typer.Context,
                 help="A dsgd-unrecorded-run* directory that `dsgd run` named", show_default=False)],
             db: DbOption = None) -> None:
     """Store the records of a run kept while its database could not be written; end the run."""
-    from dsgd_cli.unrecorded import recover as recover_run
+    from dsgd_cli.launch.unrecorded import recover as recover_run
 
     typer.echo(recover_run(directory, _db(ctx, db)))
 
@@ -97,8 +97,8 @@ def show(run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`")
     """Print one run: status, configuration, plugin versions and final metrics."""
     import yaml
 
-    from dsgd_cli.compute_model import overrun_advice
-    from dsgd_cli.results import Results
+    from dsgd_cli.spec.compute_model import overrun_advice
+    from dsgd_cli.results.reader import Results
 
     store = Results(db)
     run = store.get_run(run_id)

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from weakref import WeakKeyDictionary
 
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.results import RunRecord, flatten_config
+from dsgd_cli.results.reader import RunRecord, flatten_config
 
 # Keys that name a column of the run rather than a configuration key.
 RUN_COLUMNS = ("id", "experiment", "status", "task", "aggregator", "compressor", "optimizer",

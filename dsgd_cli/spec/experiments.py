@@ -15,17 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsgd_cli import registry, specfile
-from dsgd_cli.comm import NetworkModel
-from dsgd_cli.compute_model import parse_compute
-from dsgd_cli.directories import problem_without_creating
+from dsgd_cli.spec import registry, specfile
+from dsgd_cli.comm.communicator import NetworkModel
+from dsgd_cli.spec.compute_model import parse_compute
+from dsgd_cli.spec.directories import problem_without_creating
 from dsgd_cli.errors import PluginError, SpecError
-from dsgd_cli.learning_rate import SCALINGS, total_steps
-from dsgd_cli.nodes import NodePlan, check_split
+from dsgd_cli.spec.learning_rate import SCALINGS, total_steps
+from dsgd_cli.spec.nodes import NodePlan, check_split
 from dsgd_cli.options import options_to_dict, parse_options, show
-from dsgd_cli.specfile import check_keys, one_line, selected
+from dsgd_cli.spec.specfile import check_keys, one_line, selected
 from dsgd_cli.topology import TOPOLOGY_KINDS
-from dsgd_cli.training_data import Shard, steps_per_epoch
+from dsgd_cli.spec.sharding import Shard, steps_per_epoch
 
 # The sections of a resolved config that name a plugin, each a registry kind.
 PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor", "lr_schedule")

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dsgd_cli.api import flatten, unflatten_into
-from dsgd_cli.comm import Comm
+from dsgd_cli.comm.communicator import Comm
 
 EVAL_BATCH = 1024
 

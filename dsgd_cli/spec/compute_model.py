@@ -28,7 +28,7 @@ from collections import deque
 from typing import Any, Callable
 
 from dsgd_cli.errors import SpecError
-from dsgd_cli.specfile import check_keys
+from dsgd_cli.spec.specfile import check_keys
 
 MAX_STEP_SECONDS = 24 * 3600.0
 MAX_TIME_SCALE = 100_000.0

@@ -5,7 +5,7 @@ SQLAlchemy takes longer to import than such a command takes to run (0.5 s of a 1
 on a slow machine), so an SQLite database given as a path (or `sqlite:///PATH`) is read through
 Python's own sqlite3, opened read-only; any other URL (PostgreSQL) goes through SQLAlchemy. The
 queries are the same text on both: `:name` parameters and SQL that SQLite and PostgreSQL share.
-The writing side, with the schema's models and migrations, is `dsgd_cli.store`, whose `Store`
+The writing side, with the schema's models and migrations, is `dsgd_cli.results.store`, whose `Store`
 is a `Results` too.
 """
 
@@ -31,7 +31,7 @@ DEFAULT_DB = "dsgd.db"
 MAX_ID = 2**63 - 1  # the largest id a database integer holds
 IN_LIST_LIMIT = 10_000  # beyond this many ids, reading a whole table beats a huge IN list
 
-# Every table of the newest schema with its columns, as the models in `dsgd_cli.store` define
+# Every table of the newest schema with its columns, as the models in `dsgd_cli.results.store` define
 # them (a test holds the two together): a table of that name lacking one is not dsgd's.
 TABLE_COLUMNS = {
     "meta": ("key", "value"),
@@ -186,8 +186,8 @@ class Results:
     @cached_property
     def engine(self):
         """A read-only SQLAlchemy engine, made on first use: for the queries over metric
-        histories (`dsgd_cli.history`, `dsgd export`), which are built with SQLAlchemy."""
-        from dsgd_cli.store import read_only_engine
+        histories (`dsgd_cli.results.history`, `dsgd export`), which are built with SQLAlchemy."""
+        from dsgd_cli.results.store import read_only_engine
 
         return read_only_engine(self.url)
 

@@ -1,4 +1,4 @@
-"""The worker process that torchrun starts, one per worker: `python -m dsgd_cli.runtime`.
+"""The worker process that torchrun starts, one per worker: `python -m dsgd_cli.worker.process`.
 
 A worker runs its launch's experiments one after another; for each it builds its parts
 (worker.py), trains (training.py, which owns the order of the loop; the aggregator plugin owns
@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dsgd_cli.comm import DEFAULT_TIMEOUT_S
-from dsgd_cli.compute_model import time_scale
-from dsgd_cli.events import EventWriter, events_path, experiment_dir, launcher_gone, stop_path
-from dsgd_cli.training import Diverged, Stopped, StopRequest, Totals, TrainingLoop
-from dsgd_cli.worker import Worker, build_worker
-from dsgd_cli.worker_evaluation import all_sum
+from dsgd_cli.comm.communicator import DEFAULT_TIMEOUT_S
+from dsgd_cli.spec.compute_model import time_scale
+from dsgd_cli.comm.events import EventWriter, events_path, experiment_dir, launcher_gone, stop_path
+from dsgd_cli.worker.training import Diverged, Stopped, StopRequest, Totals, TrainingLoop
+from dsgd_cli.worker.parts import Worker, build_worker
+from dsgd_cli.worker.evaluation import all_sum
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,10 +23,10 @@ import math
 import torch
 
 from dsgd_cli.api import Aggregator, RunLength, flatten, unflatten_into
-from dsgd_cli.comm import Comm
-from dsgd_cli.evaluation import BackgroundEvaluation, evaluate, model_tensors
-from dsgd_cli.events import EventWriter
-from dsgd_cli.schedule import StopRule, evaluation_points
+from dsgd_cli.comm.communicator import Comm
+from dsgd_cli.worker.model_evaluation import BackgroundEvaluation, evaluate, model_tensors
+from dsgd_cli.comm.events import EventWriter
+from dsgd_cli.worker.schedule import StopRule, evaluation_points
 
 
 def all_sum(comm: Comm, values: list[float]) -> list[float]:

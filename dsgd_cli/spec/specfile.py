@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import yaml
 
 from dsgd_cli.errors import SpecError
-from dsgd_cli.nodes import NodePlan, parse_launch
+from dsgd_cli.spec.nodes import NodePlan, parse_launch
 from dsgd_cli.options import check_finite
 
 TOP_LEVEL_KEYS = ("defaults", "experiments", "launch")

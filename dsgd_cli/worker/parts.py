@@ -8,18 +8,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dsgd_cli import checkpoint
+from dsgd_cli.worker import checkpoint
 from dsgd_cli.api import Aggregator, Task, WorkerContext
-from dsgd_cli.comm import DEFAULT_TIMEOUT_S, Comm
-from dsgd_cli.compute_model import PaddedCompute, real_network, time_scale
-from dsgd_cli.events import EventWriter
-from dsgd_cli.interval_metrics import IntervalMetrics
-from dsgd_cli.learning_rate import DEFAULT_SCHEDULE, LearningRate, total_steps
-from dsgd_cli.schedule import StopRule, Straggling, run_length
-from dsgd_cli.spec import build_plugin, network_model
-from dsgd_cli.training_data import Shard, load_data, steps_per_epoch
-from dsgd_cli.warmup import warm_up
-from dsgd_cli.worker_evaluation import WorkerEvaluation
+from dsgd_cli.comm.communicator import DEFAULT_TIMEOUT_S, Comm
+from dsgd_cli.spec.compute_model import PaddedCompute, real_network, time_scale
+from dsgd_cli.comm.events import EventWriter
+from dsgd_cli.worker.interval_metrics import IntervalMetrics
+from dsgd_cli.spec.learning_rate import DEFAULT_SCHEDULE, LearningRate, total_steps
+from dsgd_cli.worker.schedule import StopRule, Straggling, run_length
+from dsgd_cli.spec.experiments import build_plugin, network_model
+from dsgd_cli.spec.sharding import Shard, steps_per_epoch
+from dsgd_cli.worker.data import load_data
+from dsgd_cli.worker.warmup import warm_up
+from dsgd_cli.worker.evaluation import WorkerEvaluation
 
 
 @dataclass

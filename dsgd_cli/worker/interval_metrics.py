@@ -3,8 +3,8 @@ when it ends."""
 
 from __future__ import annotations
 
-from dsgd_cli.comm import Traffic
-from dsgd_cli.events import EventWriter
+from dsgd_cli.comm.communicator import Traffic
+from dsgd_cli.comm.events import EventWriter
 
 
 class IntervalMetrics:

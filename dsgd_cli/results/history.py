@@ -13,9 +13,9 @@ from operator import itemgetter
 from sqlalchemy import and_, case, func, select
 from sqlalchemy.orm import aliased
 
-from dsgd_cli.analysis import Reached, Target
-from dsgd_cli.results import Record, Results, higher_is_better
-from dsgd_cli.store import Metric
+from dsgd_cli.results.analysis import Reached, Target
+from dsgd_cli.results.reader import Record, Results, higher_is_better
+from dsgd_cli.results.store import Metric
 
 
 def reach_times(store: Results, run_ids: list[int], target: Target) -> dict[int, Reached]:

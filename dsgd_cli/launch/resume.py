@@ -14,10 +14,11 @@ import os
 import sys
 from pathlib import Path
 
-from dsgd_cli import checkpoint, registry
+from dsgd_cli.worker import checkpoint
+from dsgd_cli.spec import registry
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.spec import PLUGIN_SECTIONS, Experiment
-from dsgd_cli.store import Store
+from dsgd_cli.spec.experiments import PLUGIN_SECTIONS, Experiment
+from dsgd_cli.results.store import Store
 
 RESUMABLE = ("interrupted", "failed")
 

@@ -11,7 +11,7 @@ import math
 from itertools import chain
 from typing import Any
 
-from dsgd_cli import strictjson
+from dsgd_cli.results import strictjson
 from dsgd_cli.errors import DsgdError
 
 EXTRA_FORMATS = ("csv", "json")

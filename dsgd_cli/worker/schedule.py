@@ -26,8 +26,8 @@ from collections.abc import Sequence
 import torch
 
 from dsgd_cli.api import Aggregator, RunLength
-from dsgd_cli.comm import Comm
-from dsgd_cli.compute_model import time_scale
+from dsgd_cli.comm.communicator import Comm
+from dsgd_cli.spec.compute_model import time_scale
 
 
 def run_length(config: dict, steps_per_epoch: int, comm: Comm, aggregator: Aggregator) -> RunLength:

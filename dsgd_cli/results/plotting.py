@@ -10,10 +10,10 @@ from itertools import chain
 
 import numpy as np
 
-from dsgd_cli.history import BytesSent, curve_points, load_history
+from dsgd_cli.results.history import BytesSent, curve_points, load_history
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.query import flat_config, run_value
-from dsgd_cli.results import Results, RunRecord
+from dsgd_cli.results.query import flat_config, run_value
+from dsgd_cli.results.reader import Results, RunRecord
 
 X_AXES = {"step": "step", "epoch": "epoch", "seconds": "training time (s)",
           "bytes": "bytes sent by all workers"}

@@ -6,7 +6,7 @@ metric history, and a summary table holding each metric's final and best value f
 The schema is created on first use and its version stored in `meta`. A writing open of a
 database of an older schema upgrades it in place, one step per version (`MIGRATIONS`), in one
 transaction under a lock, so concurrent dsgd processes neither race nor see half a migration.
-Reading is `dsgd_cli.results.Results`, which `Store` extends; a reading command opens a
+Reading is `dsgd_cli.results.reader.Results`, which `Store` extends; a reading command opens a
 `Results`, which changes nothing.
 """
 
@@ -29,9 +29,11 @@ from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
-from dsgd_cli import __version__, strictjson
+from dsgd_cli import __version__
+
+from dsgd_cli.results import strictjson
 from dsgd_cli.errors import StoreError
-from dsgd_cli.results import (MAX_ID, SCHEMA_VERSION, EngineReader, Results, Unreadable,
+from dsgd_cli.results.reader import (MAX_ID, SCHEMA_VERSION, EngineReader, Results, Unreadable,
                               flatten_config, higher_is_better, missing_driver_error, one_line,
                               read_only_uri, resolve_url, schema_version, shown_db, sqlite_path)
 
@@ -70,7 +72,7 @@ class Meta(Base):
 
 
 class Run(Base):
-    """One run of an experiment (read back as a `dsgd_cli.results.RunRecord`)."""
+    """One run of an experiment (read back as a `dsgd_cli.results.reader.RunRecord`)."""
 
     __tablename__ = "runs"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

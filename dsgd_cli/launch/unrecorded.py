@@ -15,13 +15,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsgd_cli import strictjson
+from dsgd_cli.results import strictjson
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.events import EventReader
-from dsgd_cli.store import MetricRow, Store
+from dsgd_cli.comm.events import EventReader
+from dsgd_cli.results.store import MetricRow, Store
 
 if TYPE_CHECKING:
-    from dsgd_cli.launcher import _Running
+    from dsgd_cli.launch.launcher import _Running
 
 STATE_FILE = "unrecorded.json"
 
@@ -55,8 +55,8 @@ def keep(running: _Running, reason: str, where: Path | None = None) -> Path:
 def recover(directory: Path, db: str | None) -> str:
     """Store what `keep` kept in `directory` into the database, end the run, remove the
     directory; returns what was done, for the user."""
-    from dsgd_cli.launcher import run_result
-    from dsgd_cli.spec import Experiment
+    from dsgd_cli.launch.launcher import run_result
+    from dsgd_cli.spec.experiments import Experiment
 
     state = _read_state(directory)
     store = Store(db, create=False)

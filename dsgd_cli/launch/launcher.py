@@ -24,13 +24,15 @@ from typing import Callable
 
 from sqlalchemy.exc import DBAPIError
 
-from dsgd_cli import nodes, registry, unrecorded
-from dsgd_cli.events import EventReader, events_path, experiment_dir, stop_path
-from dsgd_cli.results import one_line, sqlite_path
-from dsgd_cli.spec import PLUGIN_SECTIONS, Experiment
-from dsgd_cli.store import MetricRow, Store, finite_number
-from dsgd_cli.torchrun import Shape, Torchrun
-from dsgd_cli.unrecorded import RecordingLost
+from dsgd_cli.spec import nodes, registry
+
+from dsgd_cli.launch import unrecorded
+from dsgd_cli.comm.events import EventReader, events_path, experiment_dir, stop_path
+from dsgd_cli.results.reader import one_line, sqlite_path
+from dsgd_cli.spec.experiments import PLUGIN_SECTIONS, Experiment
+from dsgd_cli.results.store import MetricRow, Store, finite_number
+from dsgd_cli.launch.torchrun import Shape, Torchrun
+from dsgd_cli.launch.unrecorded import RecordingLost
 
 POLL_SECONDS = 0.5
 GRACE_AFTER_ERROR_S = 10.0  # torchrun normally stops the other workers well before this

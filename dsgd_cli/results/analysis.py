@@ -1,6 +1,6 @@
 """Answers from recorded runs' final values: one row per run, groups of runs summarised as
 mean ± std, and ratios against a baseline. When a run reached a target, worked out from its
-metric history, is `dsgd_cli.history`."""
+metric history, is `dsgd_cli.results.history`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.query import names, run_value
-from dsgd_cli.results import Results, RunRecord, higher_is_better
+from dsgd_cli.results.query import names, run_value
+from dsgd_cli.results.reader import Results, RunRecord, higher_is_better
 
 TARGET_COLUMNS = ("time_to_target", "steps_to_target", "bytes_to_target")
 # Baseline columns: (name, metric, how the run's value is set against the baseline's)

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from dsgd_cli import specfile
+from dsgd_cli.spec import specfile
 from dsgd_cli.errors import SpecError
-from dsgd_cli.events import LAUNCHER_PID
-from dsgd_cli.nodes import NodePlan, check_split, local_workers
+from dsgd_cli.comm.events import LAUNCHER_PID
+from dsgd_cli.spec.nodes import NodePlan, check_split, local_workers
 
 RUN_MARKER = "DSGD_RUN_DIR"  # set in the environment of a launch's processes
 TERMINATE_WAIT_S = 5.0  # after SIGTERM, before SIGKILL
@@ -69,7 +69,7 @@ def command(shape: Shape, plan_path: str | Path, run_dir: str | Path) -> list[st
     # lies in the launch's directory, which goes with the launch.
     log_dir = Path(run_dir) / "torchelastic"
     return [sys.executable, "-m", "torch.distributed.run", *where, "--max-restarts=0",
-            f"--log-dir={log_dir}", "-m", "dsgd_cli.runtime", str(plan_path), str(run_dir)]
+            f"--log-dir={log_dir}", "-m", "dsgd_cli.worker.process", str(plan_path), str(run_dir)]
 
 
 def environment(run_dir: str | Path) -> dict[str, str]:

@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dsgd_cli import checkpoint
+from dsgd_cli.worker import checkpoint
 from dsgd_cli.api import Task
-from dsgd_cli.events import EventWriter, launcher_gone
-from dsgd_cli.schedule import Straggling
-from dsgd_cli.training_data import augmentation_generator
-from dsgd_cli.worker import Worker
+from dsgd_cli.comm.events import EventWriter, launcher_gone
+from dsgd_cli.worker.schedule import Straggling
+from dsgd_cli.worker.data import augmentation_generator
+from dsgd_cli.worker.parts import Worker
 
 
 class Diverged(Exception):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from dsgd_cli.comm import Comm
+    from dsgd_cli.comm.communicator import Comm
 
 
 def all_reduce_flat(tensors: list[torch.Tensor], comm: "Comm", op: str = "sum") -> list[torch.Tensor]:

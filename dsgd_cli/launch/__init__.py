@@ -1,0 +1,7 @@
+"""Running experiments: the parent process of `dsgd run`.
+
+launcher.py groups consecutive experiments into launches, starts one torchrun per launch
+(torchrun.py), sends the workers their plan, tails their event files into the results store
+and ends a launch when a worker fails or the user interrupts; resume.py reopens an interrupted
+or failed run from its last checkpoint. The code that runs inside a worker is `dsgd_cli.worker`.
+"""

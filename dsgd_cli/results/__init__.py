@@ -1,0 +1,8 @@
+"""The results database and the answers drawn from it.
+
+store.py writes it (SQLAlchemy 2.x models, migrations, every write); reader.py reads it in
+plain SQL for the commands that only read (an SQLite file through Python's `sqlite3`, without
+loading SQLAlchemy); query.py selects runs (`--where`, tags); analysis.py tabulates final
+values and baselines; history.py asks a run's metric history (when a target was reached,
+curves, bytes); plotting.py draws curves.
+"""
