@@ -7,6 +7,7 @@ import sys
 
 import typer
 
+from dsgd_cli.commands.advise import advise
 from dsgd_cli.commands.compare import compare
 from dsgd_cli.commands.export import export
 from dsgd_cli.commands.plot import plot
@@ -21,6 +22,7 @@ app = typer.Typer(help="Run, record and compare distributed data-parallel SGD al
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 app.command()(run)
 app.command()(compare)
+app.command()(advise)
 app.command()(plot)
 app.command()(export)
 app.add_typer(runs_app, name="runs")  # the listing, and `runs delete`, `runs tag`

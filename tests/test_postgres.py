@@ -430,3 +430,29 @@ def test_commands_that_look_up_a_run_create_no_tables_on_postgresql(pg_url):
                          dbname=database(pg_url)) as connection:
         tables = connection.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
         assert tables.fetchall() == []
+
+
+def test_advice_is_the_same_from_sqlite_and_postgresql(tmp_path, pg_url):
+    """`dsgd advise` reads step times and target curves in plain SQL on SQLite and through
+    SQLAlchemy on PostgreSQL: the same predictions and the same advice."""
+    from test_advise import TARGET, record, steps_law, system_law
+
+    from dsgd_cli.results.store import Store
+
+    def answers(url: str) -> list[dict]:
+        store = Store(url)
+        for n in (2, 4, 8):
+            for seed in (0, 1):
+                record(store, "allreduce", n, system_law(n) * (1 + seed / 10), steps_law(n),
+                       seed=seed, tags=["paper"])
+        record(store, "sgp", 4, 0.02, 500, tags=["paper"])
+        rows = json.loads(cli("advise", "--db", url, "--target", TARGET, "-f", "json",
+                              "--where", "tag=paper"))
+        # The databases' sums may differ in the last bits.
+        return [{k: round(v, 9) if isinstance(v, float) else v for k, v in row.items()}
+                for row in rows]
+
+    on_sqlite, on_postgres = answers(f"sqlite:///{tmp_path / 'a.db'}"), answers(pg_url)
+    assert on_postgres == on_sqlite
+    assert [row["workers"] for row in on_postgres] == [2, 4, 8, 16, 32, 64, None]
+    assert on_postgres[-1]["advice"] == "runs at n = 4 only: run at n = 8 and 16"

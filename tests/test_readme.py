@@ -23,8 +23,8 @@ def test_builtin_plugin_and_options_documented(kind, name):
 
 
 def test_quick_start_and_commands_documented():
-    for text in ("make run", "make test", "dsgd run", "dsgd compare", "dsgd runs", "dsgd show",
-                 "dsgd plugins"):
+    for text in ("make run", "make test", "dsgd run", "dsgd compare", "dsgd advise", "dsgd runs",
+                 "dsgd show", "dsgd plugins"):
         assert text in README
 
 

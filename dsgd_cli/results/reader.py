@@ -343,6 +343,34 @@ class Results:
                               {"run_id": run_id, "name": name})
         return [Record(*row) for row in rows]
 
+    def step_curves(self, run_ids: list[int],
+                    name: str) -> dict[int, list[tuple[int, float, float | None]]]:
+        """Each run's course of metric `name`, by run id: (step, value, seconds) per recorded
+        step in step order, where the value is the mean over the ranks that recorded the
+        step (a per-run metric: as recorded) and the seconds the latest of theirs. The points
+        `compare --target` reads, here in plain SQL (`dsgd advise` over SQLite loads no
+        SQLAlchemy); runs without a record of the metric are absent."""
+        wanted = set(run_ids)
+        if not wanted:
+            return {}
+        params: dict[str, Any] = {"name": name}
+        where = (f" AND {_in_list('run_id', sorted(wanted), params)}"
+                 if len(wanted) <= IN_LIST_LIMIT else "")
+        rows = self._sql.rows(
+            "SELECT run_id, step, avg(value), max(seconds) FROM metrics "
+            f"WHERE name = :name AND step IS NOT NULL{where} "
+            "GROUP BY run_id, step ORDER BY run_id, step", params)
+        curves: dict[int, list[tuple[int, float, float | None]]] = defaultdict(list)
+        for run_id, step, value, seconds in rows:
+            if run_id in wanted:
+                curves[run_id].append((step, float(value), None if seconds is None else float(seconds)))
+        return dict(curves)
+
+    def metric_names(self, run_ids: list[int]) -> list[str]:
+        """The names of the metrics the runs recorded, sorted."""
+        return sorted({name for _, name in self._for_runs(
+            "SELECT DISTINCT run_id, name FROM metrics", run_ids, "name")})
+
     def count_metrics(self, run_id: int) -> int:
         """How many metric records a run holds, counted by the database. No command needs it;
         the tests do, to check what a run recorded on SQLite and PostgreSQL alike and to poll
