@@ -72,7 +72,7 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
 
     from dsgd_cli.worker import checkpoint
     from dsgd_cli.launch.launcher import Callbacks, plan_launches, run_all
-    from dsgd_cli.results.reader import resolve_url
+    from dsgd_cli.results.database import resolve_url
     from dsgd_cli.launch.resume import reopen, resumable
     from dsgd_cli.spec.experiments import load_spec
     from dsgd_cli.results.store import Store

@@ -3,5 +3,7 @@
 launcher.py groups consecutive experiments into launches, starts one torchrun per launch
 (torchrun.py), sends the workers their plan, tails their event files into the results store
 and ends a launch when a worker fails or the user interrupts; resume.py reopens an interrupted
-or failed run from its last checkpoint. The code that runs inside a worker is `dsgd_cli.worker`.
+or failed run from its last checkpoint; unrecorded.py keeps what a run's workers recorded when
+its database could not be written, for `dsgd runs recover`. The code that runs inside a worker
+is `dsgd_cli.worker`.
 """

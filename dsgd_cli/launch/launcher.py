@@ -28,7 +28,7 @@ from dsgd_cli.spec import nodes, registry
 
 from dsgd_cli.launch import unrecorded
 from dsgd_cli.comm.events import EventReader, events_path, experiment_dir, stop_path
-from dsgd_cli.results.reader import one_line, sqlite_path
+from dsgd_cli.results.database import one_line, sqlite_path
 from dsgd_cli.spec.experiments import PLUGIN_SECTIONS, Experiment
 from dsgd_cli.results.store import MetricRow, Store, finite_number
 from dsgd_cli.launch.torchrun import Shape, Torchrun

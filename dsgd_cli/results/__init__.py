@@ -1,8 +1,10 @@
 """The results database and the answers drawn from it.
 
-store.py writes it (SQLAlchemy 2.x models, migrations, every write); reader.py reads it in
-plain SQL for the commands that only read (an SQLite file through Python's `sqlite3`, without
-loading SQLAlchemy); query.py selects runs (`--where`, tags); analysis.py tabulates final
-values and baselines; history.py asks a run's metric history (when a target was reached,
-curves, bytes); plotting.py draws curves.
+database.py says where a database is and opens it (`--db` paths and URLs, SQLAlchemy
+engines); store.py writes it (SQLAlchemy 2.x models, migrations, every write); reader.py
+reads it in plain SQL for the commands that only read (an SQLite file through Python's
+`sqlite3`, without loading SQLAlchemy); strictjson.py writes JSON without NaN or infinity;
+query.py selects runs (`--where`, tags); analysis.py tabulates final values and baselines;
+history.py asks a run's metric history (when a target was reached, curves, bytes);
+plotting.py draws curves; advice.py fits the models of `dsgd advise`.
 """

@@ -12,22 +12,19 @@ is a `Results` too.
 from __future__ import annotations
 
 import json
-import os
-import re
 import sqlite3
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import cached_property
-from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
-from urllib.parse import quote, unquote
 
 from dsgd_cli.errors import StoreError
+from dsgd_cli.results.database import (missing_driver_error, one_line, read_only_uri, resolve_url,
+                                       shown_db, sqlite_path)
 
 SCHEMA_VERSION = 3
-DEFAULT_DB = "dsgd.db"
 MAX_ID = 2**63 - 1  # the largest id a database integer holds
 IN_LIST_LIMIT = 10_000  # beyond this many ids, reading a whole table beats a huge IN list
 
@@ -53,32 +50,6 @@ ADDED_IN = {"tags": 2, "checkpoints": 3}
 def tables_of_version(version: int) -> list[str]:
     """The tables a dsgd database of schema `version` has."""
     return [table for table in TABLE_COLUMNS if ADDED_IN.get(table, 1) <= version]
-
-
-# A URL starts with its scheme (`postgresql+psycopg://`, `sqlite://`); anything else is a path.
-_URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def resolve_url(db: str | None) -> str:
-    """The database `--db` names (else $DSGD_DB, else ./dsgd.db) as an SQLAlchemy URL. A path
-    names exactly that file: its characters are percent-encoded in the URL, which SQLAlchemy
-    decodes (`q%41.db` is not `qA.db`, and a `?` or `#` starts no query)."""
-    db = given_db(db)
-    if _URL_SCHEME.match(db):
-        return db
-    return "sqlite:///" + quote(str(Path(db).expanduser()), safe="/")
-
-
-def given_db(db: str | None) -> str:
-    return db or os.environ.get("DSGD_DB") or DEFAULT_DB
-
-
-def shown_db(db: str | None) -> str:
-    """The database for messages: a URL without its password, a path as `sqlite:///PATH`."""
-    db = given_db(db)
-    if _URL_SCHEME.match(db):
-        return without_password(db)
-    return f"sqlite:///{Path(db).expanduser()}"
 
 
 def higher_is_better(name: str) -> bool:
@@ -187,7 +158,7 @@ class Results:
     def engine(self):
         """A read-only SQLAlchemy engine, made on first use: for the queries over metric
         histories (`dsgd_cli.results.history`, `dsgd export`), which are built with SQLAlchemy."""
-        from dsgd_cli.results.store import read_only_engine
+        from dsgd_cli.results.database import read_only_engine
 
         return read_only_engine(self.url)
 
@@ -422,28 +393,6 @@ def _utc(value: datetime | str | None) -> datetime | None:
 
 # -- the two ways in -----------------------------------------------------------------------------
 
-_SQLITE_FILE = re.compile(r"^sqlite:///([^?]+)$")
-
-
-def sqlite_path(url: str) -> str | None:
-    """The file of a plain `sqlite:///PATH` URL (percent-decoded, as SQLAlchemy does), else
-    None (another database, an in-memory one, or options that SQLAlchemy should interpret)."""
-    match = _SQLITE_FILE.match(url)
-    path = unquote(match.group(1)) if match else None
-    return None if path in (None, ":memory:") else path
-
-
-def read_only_uri(path: str) -> str:
-    """The SQLite URI filename that opens the database file at `path` read-only (for
-    `sqlite3.connect(..., uri=True)`); a StoreError when there is no such file."""
-    if not Path(path).is_file():
-        raise StoreError(f"no results database at {path} (`dsgd run` creates one)")
-    # A database in WAL mode needs its shared-memory file even to read; in a directory
-    # nobody may write to, no writer can exist either, so the file is opened as immutable.
-    mode = "mode=ro" if os.access(Path(path).parent, os.W_OK) else "immutable=1"
-    return f"file:{quote(str(Path(path).resolve()))}?{mode}"
-
-
 class Unreadable(StoreError):
     """A database error met while reading (a damaged file, a table gone), on one line."""
 
@@ -506,25 +455,3 @@ def _sqlalchemy_errors() -> tuple[type[Exception], ...]:
     return (exc.ArgumentError, exc.DatabaseError, exc.OperationalError) if exc else ()
 
 
-def missing_driver_error(shown_url: str, error: ModuleNotFoundError) -> StoreError:
-    hint = "; pip install 'dsgd[postgres]'" if shown_url.startswith("postgres") else ""
-    return StoreError(f"cannot open results database {shown_url}: driver not installed "
-                      f"({error.name}{hint})")
-
-
-def without_password(url: str) -> str:
-    if url.startswith("sqlite"):
-        return url  # no user, no password
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        return url
-    return parsed.render_as_string(hide_password=True) if parsed.password else url
-
-
-def one_line(reason: Exception | str) -> str:
-    """A driver's message on one line (PostgreSQL's add DETAIL and HINT lines)."""
-    return " ".join(str(reason).split())

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import math
 import socket
-import sqlite3
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -23,22 +21,21 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from sqlalchemy import (JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, or_,
-                        create_engine, delete, event, insert, inspect, select, text, update)
-from sqlalchemy.engine import Connection, make_url
+                        delete, insert, inspect, select, text, update)
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
 from dsgd_cli import __version__
-
-from dsgd_cli.results import strictjson
 from dsgd_cli.errors import StoreError
+from dsgd_cli.results import strictjson
+from dsgd_cli.results.database import (make_engine, missing_driver_error, one_line, resolve_url,
+                                       shown_db, sqlite_path)
 from dsgd_cli.results.reader import (MAX_ID, SCHEMA_VERSION, EngineReader, Results, Unreadable,
-                              flatten_config, higher_is_better, missing_driver_error, one_line,
-                              read_only_uri, resolve_url, schema_version, shown_db, sqlite_path)
+                                     flatten_config, higher_is_better, schema_version)
 
 MAX_TAG_LENGTH = 128
-SQLITE_BUSY_TIMEOUT = 30  # seconds a writer waits for another's lock
 # Key of the PostgreSQL advisory lock that serializes schema creation and migrations.
 MIGRATION_LOCK = 0x64736764  # "dsgd"
 
@@ -205,7 +202,7 @@ class Store(Results):
         if not create and path is not None and not Path(path).is_file():
             raise StoreError(f"no results database at {path} (`dsgd run` creates one)")
         try:
-            self.engine = _engine(self.url, readonly=False)
+            self.engine = make_engine(self.url, readonly=False)
             self._sql = EngineReader(self.engine, self.shown_url)
             self._check_schema(missing_ok=create)
             self._migrate()
@@ -387,61 +384,6 @@ def summarize(metrics: Iterable[tuple[str, int | None, float]]) -> dict[str, tup
 
 def finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def read_only_engine(url: str):
-    """An engine that cannot change the database (for `Results.engine`)."""
-    return _engine(url, readonly=True)
-
-
-def _engine(url: str, readonly: bool):
-    if make_url(url).get_backend_name() == "postgresql":
-        # A reading command's sessions are read-only transactions: it cannot change anything.
-        options = {"options": "-c default_transaction_read_only=on"} if readonly else {}
-        return create_engine(url, connect_args=options, json_serializer=strictjson.dumps)
-    if not url.startswith("sqlite"):
-        return create_engine(url, json_serializer=strictjson.dumps)
-    path = make_url(url).database
-    in_memory = path in (None, "", ":memory:")
-    if readonly and not in_memory:
-        # The reader's own read-only connection: an SQLite URI inside an SQLAlchemy URL would
-        # be decoded twice, and a file name with `#`, `?` or `%` would open another file.
-        uri = read_only_uri(path)
-        engine = create_engine("sqlite://", creator=lambda: sqlite3.connect(uri, uri=True))
-        event.listen(engine, "connect", _sqlite_pragmas(journal=False))
-        return engine
-    # A writer waits up to 30 s for another's lock instead of failing at once.
-    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT},
-                           json_serializer=strictjson.dumps)
-    event.listen(engine, "connect", _sqlite_pragmas(journal=not readonly))
-    return engine
-
-
-def _sqlite_pragmas(journal: bool):
-    def on_connect(connection, _record) -> None:
-        cursor = connection.cursor()
-        cursor.execute("PRAGMA foreign_keys=ON")
-        if journal:  # changing the journal mode writes to the file
-            _use_wal(cursor)
-        cursor.close()
-    return on_connect
-
-
-def _use_wal(cursor) -> None:
-    """Switch the database to WAL, which it then keeps, unless it is in WAL already (asking
-    writes nothing). Processes creating a database at once all try to switch it; SQLite tells
-    all but one `database is locked` at once, without waiting (waiting could deadlock), and
-    those try again: by then it has switched."""
-    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT
-    while True:
-        try:
-            if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-                cursor.execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError as error:
-            if "locked" not in str(error) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
 
 
 def _read_only_error(error: Exception) -> bool:

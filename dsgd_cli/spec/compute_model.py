@@ -84,7 +84,7 @@ def parse_variation(raw: Any, path: str) -> dict[str, Any] | None:
         return None
     names = ", ".join(DISTRIBUTIONS)
     if not isinstance(raw, dict):
-        raise SpecError(f"expected a mapping such as {{distribution: lognormal, sigma: 0.3}}",
+        raise SpecError("expected a mapping such as {distribution: lognormal, sigma: 0.3}",
                         path=path)
     distribution = raw.get("distribution")
     if distribution not in DISTRIBUTIONS:

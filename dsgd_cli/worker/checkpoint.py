@@ -35,7 +35,7 @@ _STEP = re.compile(r"^step-(\d+)$")
 
 def default_root(db_url: str) -> Path:
     """`dsgd-checkpoints` beside an SQLite file; in the working directory for a server."""
-    from dsgd_cli.results.reader import sqlite_path
+    from dsgd_cli.results.database import sqlite_path
 
     path = sqlite_path(db_url)
     if path and not path.startswith("file:"):
