@@ -172,3 +172,13 @@ def test_dsgd_run_refuses_a_duplicate_key_before_launch(tmp_path):
     spec = write_spec(tmp_path, SPEC + "experiments:\n  - name: b\n")
     assert run_refused(tmp_path, spec) == (
         f"dsgd: error: {spec}: experiments: key 'experiments' given twice, on lines 7 and 9")
+
+
+@pytest.mark.parametrize("name, reason", [("d" * 400, "File name too long"),
+                                          ("a\x00b", "it holds a NUL character")])
+def test_a_directory_name_the_system_refuses_is_a_problem_not_a_crash(tmp_path, name, reason):
+    from dsgd_cli.spec.directories import problem_creating, problem_without_creating
+
+    for check in (problem_creating, problem_without_creating):
+        assert check(tmp_path / name) == f"not a usable path: {reason}"
+    assert list(tmp_path.iterdir()) == []  # nothing made

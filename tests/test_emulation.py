@@ -32,6 +32,8 @@ from dsgd_cli.results.store import Store
      "compute.time_scale: expected a number >= 1 and <= 100000, got 0.5"),
     ("{step_seconds: 0.1, variation: {distribution: pareto, alpha: 2}}",
      "compute.variation.distribution: expected one of lognormal, shifted_exponential, got 'pareto'"),
+    ("{step_seconds: 0.1, variation: {distribution: [lognormal], sigma: 1}}",
+     "compute.variation.distribution: expected one of lognormal, shifted_exponential, got ['lognormal']"),
     ("{step_seconds: 0.1, variation: {distribution: lognormal}}",
      "compute.variation.sigma: required for lognormal"),
     ("{step_seconds: 0.1, variation: {distribution: lognormal, sigma: -1}}",

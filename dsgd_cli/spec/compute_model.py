@@ -87,7 +87,7 @@ def parse_variation(raw: Any, path: str) -> dict[str, Any] | None:
         raise SpecError("expected a mapping such as {distribution: lognormal, sigma: 0.3}",
                         path=path)
     distribution = raw.get("distribution")
-    if distribution not in DISTRIBUTIONS:
+    if not isinstance(distribution, str) or distribution not in DISTRIBUTIONS:
         raise SpecError(f"expected one of {names}, got {distribution!r}",
                         path=f"{path}.distribution")
     option, low, high = DISTRIBUTIONS[distribution]

@@ -18,10 +18,25 @@ def blocking_file(directory: Path) -> Path | None:
     return None
 
 
+def unusable_name(directory: Path) -> str | None:
+    """Why the system refuses `directory` as a name (a component too long, a NUL byte), or None."""
+    if "\x00" in str(directory):
+        return "not a usable path: it holds a NUL character"
+    try:
+        for path in (directory, *directory.parents):
+            path.exists()
+    except (OSError, ValueError) as error:
+        return f"not a usable path: {getattr(error, 'strerror', None) or error}"
+    return None
+
+
 def problem_creating(directory: Path) -> str | None:
     """Why files cannot be written in `directory` (None: they can), found by trying: making
     it (with its parents) and a temporary file in it. What the trial made is removed again
     (the workers make the directory when they write)."""
+    unusable = unusable_name(directory)
+    if unusable:
+        return unusable
     blocker = blocking_file(directory)
     if blocker is not None:
         return (f"{blocker} is a file, not a directory" if blocker == directory
@@ -45,8 +60,11 @@ def problem_creating(directory: Path) -> str | None:
 
 def problem_without_creating(directory: Path) -> str | None:
     """Why `directory` could not be made and written to, judged without making anything (for
-    the spec's `save_dir`, which even `--dry-run` checks): a file in the way, or a nearest
-    existing directory this user may not write to."""
+    the spec's `save_dir`, which even `--dry-run` checks): a name the system refuses, a file
+    in the way, or a nearest existing directory this user may not write to."""
+    unusable = unusable_name(directory)
+    if unusable:
+        return unusable
     blocker = blocking_file(directory)
     if blocker is not None:
         return (f"{blocker} is a file, not a directory" if blocker == directory
