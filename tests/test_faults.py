@@ -527,6 +527,7 @@ def _record_one_run(path: str) -> None:
     store.finish_run(store.create_run("x", config, None, []), "completed")
 
 
+@pytest.mark.slow  # end to end; test_store's test_processes_creating_one_database_at_once covers the same race 20 times
 def test_processes_creating_a_new_database_at_once_all_succeed(tmp_path):
     import multiprocessing
 

@@ -58,6 +58,7 @@ def _record(db) -> dict[str, tuple]:
             for run in store.runs()}
 
 
+@pytest.mark.slow  # end to end; test_the_first_experiment_of_a_launch_is_timed_as_the_others and the stragglers fixture run shared launches
 def test_a_shared_launch_gives_what_separate_launches_give(tmp_path):
     records, models = {}, {}
     for mode, flags in (("shared", []), ("isolated", ["--isolate"])):

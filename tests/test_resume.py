@@ -119,6 +119,7 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(reference, tmp_p
     assert {s.name for s in store.get_run(run.id).summaries} >= {"wall_seconds", "test_accuracy"}
 
 
+@pytest.mark.slow  # end to end; the default state dict round trip is also resumed bit for bit by test_an_interrupted_run_resumes_to_the_uninterrupted_result
 def test_third_party_state_resumes_through_the_default_state_dict(tmp_path, plugin_env):
     """The test package's `slow_momentum` keeps a step counter and two vectors in plain
     attributes and writes no `state_dict()`. A run that fails at step 23 resumes from its
