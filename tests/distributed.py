@@ -76,3 +76,56 @@ def run_workers(fn, world_size: int = 2, *args, timeout: float = 120, preloaded:
     if errors:
         raise AssertionError("\n".join(errors))
     return [out[r][1] for r in range(world_size)]
+
+
+def _scenarios_entry(rank: int, world_size: int, directory: str, module: str) -> None:
+    import importlib
+
+    import torch
+
+    scenarios = importlib.import_module(module).SCENARIOS
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank,
+                            world_size=world_size)
+    results = {}
+    try:
+        for name, scenario in scenarios.items():
+            results[name] = scenario(rank, world_size)
+            dist.barrier()
+    except BaseException:
+        results["error"] = traceback.format_exc()
+        torch.save(results, os.path.join(directory, f"rank{rank}.pt"))
+        os._exit(1)
+    torch.save(results, os.path.join(directory, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def run_scenarios(module: str, world_size: int, directory, timeout: float) -> list[dict]:
+    """Every `scenario(rank, world_size)` of the test module `module`'s `SCENARIOS` dict in
+    turn, with a barrier after each, on `world_size` processes forked from
+    `preloaded_context()`'s server; one {name: result} dict per rank. Results come back
+    through files in `directory`, so tensors of any size travel. Fails if a worker fails or
+    hangs."""
+    import time
+
+    import torch
+
+    context = preloaded_context()
+    processes = [context.Process(target=_scenarios_entry,
+                                 args=(rank, world_size, str(directory), module))
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        process.join(timeout=max(1.0, deadline - time.monotonic()))
+    hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    assert not hung, f"ranks {hung} hung (deadlock?)"
+    results = [torch.load(os.path.join(directory, f"rank{rank}.pt")) for rank in range(world_size)]
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    return results

@@ -14,9 +14,7 @@ Two kinds of test:
 
 from __future__ import annotations
 
-import os
 import time
-import traceback
 
 import numpy as np
 import pytest
@@ -25,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conftest import compare_json, dsgd, dsgd_in_process, write_spec
-from distributed import preloaded_context
+from distributed import run_scenarios
 from dsgd_cli.api import Comm, WorkerContext, flatten
 from dsgd_cli.errors import SpecError
 from dsgd_cli.spec.experiments import load_spec
@@ -284,44 +282,10 @@ SCENARIOS = {
 }
 
 
-def _worker(rank: int, world_size: int, directory: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank,
-                            world_size=world_size)
-    results = {}
-    try:
-        for name, scenario in SCENARIOS.items():
-            results[name] = scenario(rank, world_size)
-            dist.barrier()
-    except BaseException:
-        results["error"] = traceback.format_exc()
-        torch.save(results, os.path.join(directory, f"rank{rank}.pt"))
-        os._exit(1)
-    torch.save(results, os.path.join(directory, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> list[dict]:
     """Every scenario on WORKERS processes; one result dict per rank."""
-    directory = tmp_path_factory.mktemp("spawned")
-    context = preloaded_context()
-    processes = [context.Process(target=_worker, args=(rank, WORKERS, str(directory)))
-                 for rank in range(WORKERS)]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + 180
-    for process in processes:
-        process.join(timeout=max(1.0, deadline - time.monotonic()))
-    hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-    assert not hung, f"ranks {hung} hung (deadlock?)"
-    results = [torch.load(directory / f"rank{rank}.pt") for rank in range(WORKERS)]
-    errors = [r["error"] for r in results if "error" in r]
-    assert not errors, errors[0]
-    return results
+    return run_scenarios(__name__, WORKERS, tmp_path_factory.mktemp("spawned"), timeout=180)
 
 
 # -- push-sum (sgp) on a non-regular directed graph ---------------------------------------------

@@ -30,17 +30,26 @@ def unusable_name(directory: Path) -> str | None:
     return None
 
 
-def problem_creating(directory: Path) -> str | None:
-    """Why files cannot be written in `directory` (None: they can), found by trying: making
-    it (with its parents) and a temporary file in it. What the trial made is removed again
-    (the workers make the directory when they write)."""
+def name_or_file_in_the_way(directory: Path) -> str | None:
+    """Why `directory` can never be made, whoever tries: a name the system refuses, or a file
+    where it or one of its ancestors should be; None if neither."""
     unusable = unusable_name(directory)
     if unusable:
         return unusable
     blocker = blocking_file(directory)
-    if blocker is not None:
-        return (f"{blocker} is a file, not a directory" if blocker == directory
-                else f"{blocker} is a file, so no directory can be made under it")
+    if blocker is None:
+        return None
+    return (f"{blocker} is a file, not a directory" if blocker == directory
+            else f"{blocker} is a file, so no directory can be made under it")
+
+
+def problem_creating(directory: Path) -> str | None:
+    """Why files cannot be written in `directory` (None: they can), found by trying: making
+    it (with its parents) and a temporary file in it. What the trial made is removed again
+    (the workers make the directory when they write)."""
+    in_the_way = name_or_file_in_the_way(directory)
+    if in_the_way:
+        return in_the_way
     missing = [path for path in (directory, *directory.parents) if not path.exists()]
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -62,13 +71,9 @@ def problem_without_creating(directory: Path) -> str | None:
     """Why `directory` could not be made and written to, judged without making anything (for
     the spec's `save_dir`, which even `--dry-run` checks): a name the system refuses, a file
     in the way, or a nearest existing directory this user may not write to."""
-    unusable = unusable_name(directory)
-    if unusable:
-        return unusable
-    blocker = blocking_file(directory)
-    if blocker is not None:
-        return (f"{blocker} is a file, not a directory" if blocker == directory
-                else f"{blocker} is a file, so no directory can be made under it")
+    in_the_way = name_or_file_in_the_way(directory)
+    if in_the_way:
+        return in_the_way
     existing = next(path for path in (directory, *directory.parents) if path.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable"
