@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import dsgd_in_process, write_spec
+from dsgd_cli.errors import StoreError
 from dsgd_cli.results.reader import Results
 
 SPEC = """
@@ -43,6 +44,16 @@ def immutable_files():
         subprocess.run(["chattr", "-i", str(path)], capture_output=True)
 
 
+def _metrics_stored(db: Path) -> int:
+    """Metrics of run 1 stored so far; 0 while `dsgd run` is still creating the database (the
+    file can exist before its tables do)."""
+    try:
+        results = Results(str(db))
+        return results.count_metrics(1) if results.runs() else 0
+    except StoreError:
+        return 0
+
+
 def test_a_database_that_stops_taking_writes_mid_run(tmp_path, immutable_files):
     spec = write_spec(tmp_path, SPEC)
     db, temporary = tmp_path / "r.db", tmp_path / "tmp"
@@ -52,7 +63,7 @@ def test_a_database_that_stops_taking_writes_mid_run(tmp_path, immutable_files):
                                cwd=tmp_path, env={**os.environ, "TMPDIR": str(temporary)})
     try:
         deadline = time.monotonic() + 180
-        while not (db.exists() and Results(str(db)).runs() and Results(str(db)).count_metrics(1) > 4):
+        while _metrics_stored(db) <= 4:
             assert process.poll() is None and time.monotonic() < deadline, process.communicate()
             time.sleep(0.5)
         stored_before = Results(str(db)).count_metrics(1)
