@@ -16,6 +16,18 @@ ROOT = Path(__file__).resolve().parent.parent
 TEST_PLUGINS = Path(__file__).resolve().parent / "plugin_pkgs" / "dsgd_testplugins"
 
 
+# The smallest real spec: one experiment of 2 workers, 2 steps (tests append keys to it).
+TINY_SPEC = """
+defaults:
+  task: {name: logreg}
+  workers: 2
+  epochs: 1
+  steps_per_epoch: 2
+experiments:
+  - name: a
+"""
+
+
 def dsgd(*args: str, env: dict | None = None, cwd: Path | None = None,
          timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `dsgd ARGS` in a subprocess, as a user would."""

@@ -11,20 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dsgd, write_spec
+from conftest import TINY_SPEC, dsgd, write_spec
 from dsgd_cli.worker import checkpoint
 from dsgd_cli.errors import DsgdError, SpecError
 from dsgd_cli.spec.experiments import load_spec
-
-SPEC = """
-defaults:
-  task: {name: logreg}
-  workers: 2
-  epochs: 1
-  steps_per_epoch: 2
-experiments:
-  - name: a
-"""
 
 
 def processes_mentioning(text: str) -> list[str]:
@@ -83,23 +73,23 @@ BEYOND = "expected a number between -3.403e+38 and 3.403e+38 (float32, which tra
     ("grid: {optimizer.lr: [0.1, 1e39]}", f"optimizer.lr: {BEYOND}, got 1e+39"),
 ], ids=["lr", "bounds first", "grid"])
 def test_float_options_beyond_float32_are_spec_errors(tmp_path, section, expected):
-    spec = write_spec(tmp_path, SPEC + f"    {section}\n")
+    spec = write_spec(tmp_path, TINY_SPEC + f"    {section}\n")
     with pytest.raises(SpecError) as caught:
         load_spec(spec)
     assert str(caught.value).endswith(expected), str(caught.value)
-    largest = write_spec(tmp_path, SPEC + "    optimizer: {name: sgd, lr: 3.4e38}\n", "ok.yaml")
+    largest = write_spec(tmp_path, TINY_SPEC + "    optimizer: {name: sgd, lr: 3.4e38}\n", "ok.yaml")
     assert load_spec(largest)[0].config["optimizer"]["lr"] == 3.4e38  # within float32: allowed
 
 
 def test_an_overflowing_learning_rate_is_refused_before_launch(tmp_path):
-    spec = write_spec(tmp_path, SPEC + "    optimizer: {name: sgd, lr: 1e300}\n")
+    spec = write_spec(tmp_path, TINY_SPEC + "    optimizer: {name: sgd, lr: 1e300}\n")
     assert run_refused(tmp_path, spec) == (
         f"dsgd: error: {spec}: experiments[0].optimizer.lr: expected a number between -3.403e+38 "
         "and 3.403e+38 (float32, which training computes in), got 1e+300")
 
 
 def test_a_checkpoint_dir_that_is_a_file_is_refused_before_launch(tmp_path):
-    spec = write_spec(tmp_path, SPEC + "    checkpoint_every: 1\n")
+    spec = write_spec(tmp_path, TINY_SPEC + "    checkpoint_every: 1\n")
     file = tmp_path / "plain-file"
     file.write_text("x")
     assert run_refused(tmp_path, spec, "--checkpoint-dir", str(file)) == (
@@ -112,7 +102,7 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused_before_launch(tmp_path):
 
 
 def test_an_unwritable_checkpoint_dir_is_refused_before_launch(tmp_path):
-    spec = write_spec(tmp_path, SPEC + "    checkpoint_every: 1\n")
+    spec = write_spec(tmp_path, TINY_SPEC + "    checkpoint_every: 1\n")
     with unwritable(tmp_path / "locked") as locked:
         message = run_refused(tmp_path, spec, "--checkpoint-dir", str(locked / "checkpoints"))
         assert message.startswith(f"dsgd: error: --checkpoint-dir {locked / 'checkpoints'}: "
@@ -133,7 +123,7 @@ def test_dsgd_checkpoints_that_is_a_file_is_named(tmp_path, monkeypatch):
 def test_a_save_dir_that_is_a_file_is_refused_before_launch(tmp_path):
     file = tmp_path / "models"
     file.write_text("x")
-    spec = write_spec(tmp_path, SPEC + f"    save_dir: {file}\n")
+    spec = write_spec(tmp_path, TINY_SPEC + f"    save_dir: {file}\n")
     assert run_refused(tmp_path, spec) == (
         f"dsgd: error: {spec}: experiments[0].save_dir: cannot save models in {file}: "
         f"{file} is a file, not a directory")
@@ -169,7 +159,7 @@ def test_merge_keys_and_aliases_are_not_duplicates(tmp_path):
 
 
 def test_dsgd_run_refuses_a_duplicate_key_before_launch(tmp_path):
-    spec = write_spec(tmp_path, SPEC + "experiments:\n  - name: b\n")
+    spec = write_spec(tmp_path, TINY_SPEC + "experiments:\n  - name: b\n")
     assert run_refused(tmp_path, spec) == (
         f"dsgd: error: {spec}: experiments: key 'experiments' given twice, on lines 7 and 9")
 

@@ -10,18 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dsgd, dsgd_in_process, write_spec
+from conftest import TINY_SPEC, dsgd, dsgd_in_process, write_spec
 from test_store import fill
-
-TINY = """
-defaults:
-  task: {name: logreg}
-  workers: 2
-  epochs: 1
-  steps_per_epoch: 2
-experiments:
-  - name: a
-"""
 
 
 def files(directory: Path) -> set[str]:
@@ -46,7 +36,7 @@ def one_line_error(result) -> str:
 
 def test_a_db_path_with_percent_question_mark_and_hash_is_that_file(tmp_path):
     name = "a#b%20?q%41.db"
-    spec = write_spec(tmp_path, TINY)
+    spec = write_spec(tmp_path, TINY_SPEC)
     result = dsgd("run", str(spec), "--db", name, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert name in files(tmp_path)
