@@ -88,9 +88,13 @@ class Task(Plugin):
     so all workers start from the same parameters.
 
     `reports_perplexity`: `test_loss` is a mean cross-entropy per token (language models), and
-    its exponential is recorded with it as `test_perplexity`."""
+    its exponential is recorded with it as `test_perplexity`.
+
+    `one_label_per_example`: `train_y` holds one integer class per example, so the spec's
+    `data_split: by_label` can sort by it; a task whose targets are sequences says False."""
 
     reports_perplexity: ClassVar[bool] = False
+    one_label_per_example: ClassVar[bool] = True
 
     @abstractmethod
     def load_data(self, seed: int) -> TaskData:

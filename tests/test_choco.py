@@ -407,6 +407,7 @@ def test_torchrun_choco_and_dcd_converge_resume_bit_for_bit_and_count_payload_by
     # dcd: the models once, then k = 5 values (random-k's indices come from a shared seed)
     assert rows["dcd-randomk"]["total_bytes_sent"] == 4 * 2 * 40 + steps * 4 * 2 * 5 * 4
     (tmp_path / "models").rename(tmp_path / "uninterrupted")
+    sent = {name: row["total_bytes_sent"] for name, row in rows.items()}
     store = Store(str(db))
     # gamma: auto was chosen at validation: the configuration records the γ every step used
     auto, = [run for run in store.runs() if run.experiment == "choco-qsgd"]
@@ -424,6 +425,9 @@ def test_torchrun_choco_and_dcd_converge_resume_bit_for_bit_and_count_payload_by
             resumed = torch.load(tmp_path / "models" / run.experiment / f"rank{rank}.pt")
             uninterrupted = torch.load(tmp_path / "uninterrupted" / run.experiment / f"rank{rank}.pt")
             assert all(torch.equal(resumed[key], uninterrupted[key]) for key in resumed), run.experiment
+    # The resumed runs sent what the uninterrupted ones did: dcd's set-up exchange of the
+    # models is not repeated (its memory comes from the checkpoint).
+    assert {row["experiment"]: row["total_bytes_sent"] for row in compare_json(db)} == sent
 
 
 def test_gamma_auto_is_chosen_at_validation_and_recorded_in_the_configuration(tmp_path):

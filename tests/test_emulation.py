@@ -9,6 +9,7 @@ steps where it did not fit are recorded as overrun and left out where a test com
 from __future__ import annotations
 
 import math
+import shutil
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from conftest import dsgd, dsgd_in_process, write_spec
 from dsgd_cli.spec.compute_model import (PaddedCompute, mean_factor, overrun_advice,
                                     variation_factor)
 from dsgd_cli.errors import SpecError
+from dsgd_cli.worker import checkpoint
 from dsgd_cli.spec.experiments import load_spec
 from dsgd_cli.results.store import Store
 
@@ -340,6 +342,36 @@ def test_a_run_that_overran_is_told_to_raise_the_time_scale(timeline):
     for name in ("seed0-a", "scale4", "scale8"):  # those fit: no advice
         assert _final(runs[name], "overrun_steps") <= 0.05
         assert "emulation:" not in dsgd("show", str(runs[name].id), "--db", str(db)).stdout
+
+
+def test_a_resumed_run_goes_on_counting_its_overrun_steps(tmp_path):
+    """Every step of a 10-microsecond model overruns. Resumed from its step-4 checkpoint, a run
+    writes a step-8 checkpoint that counts 8 emulated steps, 8 overrun, not the 4 since the
+    resume, and the run's overrun_steps covers all its steps."""
+    spec = write_spec(tmp_path, """
+        defaults: {task: logreg, workers: 2, steps_per_epoch: 12, checkpoint_every: 4,
+                   compute: {step_seconds: 0.00001}}
+        experiments:
+          - {name: a}
+    """)
+    db, checkpoints = tmp_path / "r.db", tmp_path / "ck"
+    result = dsgd("run", str(spec), "--db", str(db), "--checkpoint-dir", str(checkpoints))
+    assert result.returncode == 0, result.stdout + result.stderr
+    store = Store(str(db))
+    (run,) = store.runs()
+    directory = store.checkpoint_dir(run.id)
+    assert checkpoint.steps(directory) == [4, 8]
+    assert [checkpoint.load(directory, 4, rank)["progress"]["padding"] for rank in (0, 1)] \
+        == [(4, 4), (4, 4)]
+    shutil.rmtree(checkpoint.step_directory(directory, 8))
+    store.finish_run(run.id, "failed", "recorded as failed by the test")
+    result = dsgd("run", "--resume", str(run.id), "--db", str(db))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [entry["step"] for entry in store.resumes(run.id)] == [4]
+    assert [checkpoint.load(directory, 8, rank)["progress"]["padding"] for rank in (0, 1)] \
+        == [(8, 8), (8, 8)]
+    (run,) = store.runs()
+    assert _final(run, "overrun_steps") == 1.0
 
 
 # -- many workers ----------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from dsgd_cli.spec.nodes import NodePlan, check_split
 from dsgd_cli.options import options_to_dict, parse_options, show
 from dsgd_cli.spec.specfile import check_keys, one_line, selected
 from dsgd_cli.topology import TOPOLOGY_KINDS
-from dsgd_cli.spec.sharding import Shard, steps_per_epoch
+from dsgd_cli.spec.sharding import DATA_SPLITS, Shard, steps_per_epoch
 
 # The sections of a resolved config that name a plugin, each a registry kind.
 PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor", "lr_schedule")
@@ -119,6 +119,10 @@ def validate_experiment(raw: dict, path: str, name: str,
     config["timeout"] = _number(raw, "timeout", path, low=0, high=MAX_TIMEOUT_S, low_open=True)
     config["steps_per_epoch"] = (None if raw["steps_per_epoch"] is None
                                  else _int(raw, "steps_per_epoch", path, low=1, high=MAX_COUNT))
+    config["data_split"] = raw["data_split"]
+    if not isinstance(raw["data_split"], str) or raw["data_split"] not in DATA_SPLITS:
+        raise SpecError(f"expected one of {', '.join(DATA_SPLITS)}, got {show(raw['data_split'])}",
+                        path=f"{path}.data_split")
     target = raw["target_accuracy"]
     if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
                                or not 0 < target <= 1):
@@ -149,6 +153,12 @@ def validate_experiment(raw: dict, path: str, name: str,
                                                          f"{path}.aggregator")
     config["compressor"], compressor_key = cache.section("compressor", compressor_raw,
                                                          f"{path}.aggregator.compressor")
+    if config["data_split"] == "by_label":
+        task_cls = registry.load("task", config["task"]["name"])
+        if not task_cls.one_label_per_example:
+            raise SpecError(f"by_label needs a task with one class label per example; task "
+                            f"{config['task']['name']!r} has other targets",
+                            path=f"{path}.data_split")
     examples = cache.train_examples(config["task"], task_key, f"{path}.task")
     if examples is not None and config["workers"] > examples:
         raise SpecError(f"{config['workers']} workers but task {config['task']['name']!r} has "

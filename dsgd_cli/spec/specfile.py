@@ -34,6 +34,7 @@ EXPERIMENT_DEFAULTS: dict[str, Any] = {
     "batch_size": 32,
     "seed": 0,
     "steps_per_epoch": None,   # cap on steps per epoch, for quick runs
+    "data_split": "random",    # each epoch a random part of the set (random) or one by label
     "log_interval": 10,        # steps between logged training metrics
     "target_accuracy": None,   # records time_to_accuracy when reached
     "network": None,

@@ -79,7 +79,8 @@ def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
     comm = Comm(rank, world_size, network, device,
                 timeout_s=config.get("timeout", DEFAULT_TIMEOUT_S), namespace=namespace)
     interval = IntervalMetrics()
-    shard = Shard(len(train_y), rank, world_size, seed)
+    shard = Shard(len(train_y), rank, world_size, seed, config.get("data_split", "random"),
+                  data.train_y)
     per_epoch = steps_per_epoch(shard, config["batch_size"], config["steps_per_epoch"])
     # Runs recorded before schedules existed (resumed) have neither key: a constant lr.
     learning_rate = LearningRate(

@@ -100,6 +100,8 @@ class TrainingLoop:
             train_seconds, elapsed = resumed["train_seconds"], resumed["elapsed"]
             evaluation.reached_at = resumed["reached_at"]
             interval.restore(resumed["interval"])
+            if worker.padding is not None and resumed.get("padding") is not None:
+                worker.padding.steps, worker.padding.overran_steps = resumed["padding"]
         with worker.comm.untracked():
             worker.comm.barrier()  # a common start: budgets in seconds count from here
         started = time.perf_counter() - elapsed
@@ -149,7 +151,9 @@ class TrainingLoop:
                     "step": step, "samples": samples, "total_sent": total_sent,
                     "train_seconds": train_seconds, "elapsed": time.perf_counter() - started,
                     "seconds": events.seconds(), "reached_at": evaluation.reached_at,
-                    "interval": interval.state()})
+                    "interval": interval.state(),
+                    "padding": (worker.padding.steps, worker.padding.overran_steps)
+                    if worker.padding is not None else None})
             if stopping:
                 raise Stopped(step)
         worker.aggregator.finish()

@@ -168,6 +168,7 @@ class TextLM(Task):
 
     Options = TextLMOptions
     reports_perplexity = True
+    one_label_per_example = False  # a target is a window of tokens
 
     def _data(self) -> tuple[torch.Tensor, int]:
         return read_tokens(self.options.path, self.options.level)

@@ -15,7 +15,7 @@ it; Tang et al. need an unbiased C of small variance and, in practice, small ste
 Memory: worker i keeps s_i = Σ_j w_ij x_j^t (j over i and its neighbours) instead of one
 replica per neighbour; receiving q_j changes it by w_ij q_j. The models start equal in a
 `dsgd run` (the run's seed); `setup` still exchanges them once, uncompressed, so that s_i is
-exact whatever they are.
+exact whatever they are (a resumed run takes s_i from its checkpoint instead).
 
 The local optimizer runs on x_i^t; its change Δ (plain SGD: −η∇F_i(x_i^t)) stands for the
 gradient term: x_i^{t+½} = s_i + Δ.
@@ -54,7 +54,10 @@ class DCD(CompressedGossip):
 
     def setup(self, ctx):
         super().setup(ctx)
-        self.mixed = self._exchange_models(self.vector.read())  # s_i = Σ_j w_ij x_j
+        # s_i = Σ_j w_ij x_j. A resumed run restores it from the checkpoint (load_state_dict
+        # runs after setup): exchanging the models again would send and count them twice.
+        resuming = ctx.config.get("resume_step") is not None
+        self.mixed = None if resuming else self._exchange_models(self.vector.read())
         self.start: torch.Tensor | None = None
 
     def _exchange_models(self, x: torch.Tensor) -> torch.Tensor:
