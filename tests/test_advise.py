@@ -216,11 +216,12 @@ def test_predictions_follow_the_known_laws_and_flag_extrapolation(scaling_db):
 def test_too_few_worker_counts_get_advice_not_a_number(scaling_db):
     rows = advise(scaling_db, "--workers", "4,16")
     sgp = [row for row in rows if row["aggregator"] == "sgp"]
-    assert len(sgp) == 1
-    assert sgp[0]["advice"] == "runs at n = 4 only: run at n = 8 and 16"
-    for column in ("workers", "seconds_per_step", "steps_to_target", "time_to_target",
-                   "time_low", "time_high", "fit_error", "rank"):
-        assert sgp[0][column] is None
+    assert [row["workers"] for row in sgp] == [4, 16]  # one row per (group, n), as every group
+    for row in sgp:
+        assert row["advice"] == "runs at n = 4 only: run at n = 8 and 16"
+        for column in ("seconds_per_step", "steps_to_target", "time_to_target", "time_low",
+                       "time_high", "extrapolated", "fit_error", "rank", "best"):
+            assert row[column] is None
     assert {row["aggregator"] for row in rows if row["advice"] is None} == {"allreduce"}
 
 
@@ -229,13 +230,14 @@ def test_runs_that_never_approach_the_target_get_advice(tmp_path):
     for n in (2, 4, 8):
         record(store, "allreduce", n, 0.01, 10_000, last_step=200)
     rows = advise(tmp_path / "r.db")
-    assert len(rows) == 1 and rows[0]["time_to_target"] is None
+    assert [row["workers"] for row in rows] == [2, 4, 8, 16, 32, 64]
+    assert all(row["time_to_target"] is None for row in rows)
     assert rows[0]["advice"].startswith("no run reached test_accuracy=0.85 (best 0.5): run longer")
     # Reached at one count only: one point of the convergence curve is no curve.
     record(store, "allreduce", 4, 0.01, 100, seed=1)
     rows = advise(tmp_path / "r.db")
-    assert [row["advice"] for row in rows] == [
-        "only the runs at n = 4 reached test_accuracy=0.85: run those at n = 2 and 8 longer"]
+    assert {row["advice"] for row in rows} == {
+        "only the runs at n = 4 reached test_accuracy=0.85: run those at n = 2 and 8 longer"}
 
 
 def test_the_advised_best_switches_where_the_curves_cross(tmp_path):
@@ -356,9 +358,9 @@ def test_a_real_run_is_read(tmp_path):
     db = tmp_path / "r.db"
     result = dsgd("run", str(spec), "--db", str(db))
     assert result.returncode == 0, result.stderr
-    rows = advise(db, "--target", "test_accuracy=0.01")
-    assert [(row["aggregator"], row["advice"]) for row in rows] == [
-        ("allreduce", "runs at n = 2 only: run at n = 4 and 8")]
+    rows = advise(db, "--target", "test_accuracy=0.01", "--workers", "2,4")
+    assert [(row["aggregator"], row["workers"], row["advice"]) for row in rows] == [
+        ("allreduce", n, "runs at n = 2 only: run at n = 4 and 8") for n in (2, 4)]
 
 
 def test_intervals_cover_the_recorded_counts_and_widen_beyond_them(tmp_path):

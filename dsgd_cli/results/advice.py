@@ -258,6 +258,7 @@ class GroupAdvice:
     predictions: list[Prediction] = field(default_factory=list)
     fit_error: float | None = None
     advice: str | None = None
+    workers: list[int] = field(default_factory=list)  # the counts asked for
 
 
 class Fit:
@@ -334,7 +335,7 @@ def advise_group(label: tuple, observations: list[Observation], workers: list[in
                  target: Target, seed: int = 0) -> GroupAdvice:
     advice = refusal(observations, target)
     if advice is not None:
-        return GroupAdvice(label, advice=advice)
+        return GroupAdvice(label, advice=advice, workers=workers)
     fit = Fit(observations)
     points = fit.time(workers)
     low, high = bootstrap_interval(observations, workers, seed)
@@ -481,7 +482,8 @@ ROW_COLUMNS = ["workers", "seconds_per_step", "steps_to_target", "time_to_target
 def advice_rows(groups: list[GroupAdvice], keys: list[str]) -> list[dict[str, Any]]:
     """One row per (group, n) with a prediction, ordered by n and, within each n, fastest
     first: `rank` among the groups at that n, `best` "overall" for the soonest of all and "at
-    n" for the soonest at its n; then one row per group that gets no number, with `advice`."""
+    n" for the soonest at its n; then, for each group that gets no number, one row per n
+    with only `workers` and `advice`."""
     rows = []
     for group in groups:
         for p in group.predictions:
@@ -501,8 +503,8 @@ def advice_rows(groups: list[GroupAdvice], keys: list[str]) -> list[dict[str, An
         min(rows, key=lambda row: row["time_to_target"])["best"] = "overall"
     for group in groups:
         if group.advice is not None:
-            rows.append({**dict(zip(keys, group.label)), **{c: None for c in ROW_COLUMNS},
-                         "advice": group.advice})
+            rows.extend({**dict(zip(keys, group.label)), **{c: None for c in ROW_COLUMNS},
+                         "workers": n, "advice": group.advice} for n in group.workers)
     return rows
 
 
