@@ -320,6 +320,63 @@ def test_cluster_arithmetic_at_8_workers(cluster):
     assert sum(steps) / len(steps) == pytest.approx(T + ring, rel=0.1)
 
 
+@pytest.fixture(scope="module")
+def plugin_clocks(tmp_path_factory):
+    """wagma waiting for a straggler, osgp waiting for a slow link, each at time scales 4 and
+    8: one `dsgd run`."""
+    tmp = tmp_path_factory.mktemp("plugin_clocks")
+    spec = write_spec(tmp, f"""
+        defaults:
+          task: {{name: logreg}}
+          workers: 4
+          batch_size: {BATCH}
+          steps_per_epoch: 10
+          log_interval: 1
+        experiments:
+          - name: wagma
+            grid: {{compute.time_scale: [4, 8]}}
+            compute: {{step_seconds: 0.02, time_scale: 4}}
+            aggregator: {{name: wagma, group_size: 2, tau: 1}}
+            stragglers: {{ranks: [3], slowdown: 3}}
+          - name: osgp
+            grid: {{compute.time_scale: [4, 8]}}
+            task: {{name: mnist1d_mlp}}
+            compute: {{step_seconds: 0.02, time_scale: 4}}
+            aggregator: {{name: osgp, tau: 1}}
+            network: {{bandwidth: 10Mbit, latency: 1ms}}
+    """)
+    db = tmp / "results.db"
+    result = dsgd("run", str(spec), "--db", str(db), timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    store = Store(str(db))
+    return {run.experiment: run for run in store.runs()}, store
+
+
+def _mean_after_first_step(store, run, metric: str, rank: int) -> float:
+    values = [m.value for m in store.metric_history(run.id, metric) if m.rank == rank and m.step > 1]
+    assert len(values) == 9, values
+    return sum(values) / len(values)
+
+
+def test_plugins_record_their_waits_in_modeled_seconds(plugin_clocks):
+    """A plugin's own clock (wagma's `wait_seconds`, osgp's `gossip_wait_seconds`) is modeled
+    time: the same at time scales 4 and 8. With tau 1 every wagma round is global and
+    synchronous, so rank 0 waits for the straggler's extra 2T each step; an osgp round of
+    a 15,210-parameter model over 10 Mbit/s (50 ms) hides only 20 ms of it behind a step."""
+    runs, store = plugin_clocks
+    for run in runs.values():
+        assert _final(run, "overrun_steps") <= 0.05, run.experiment
+    waits = {name: _mean_after_first_step(store, run, metric, rank=0)
+             for name, run in runs.items()
+             for metric in ["wait_seconds" if name.startswith("wagma") else "gossip_wait_seconds"]}
+    wagma4, wagma8 = waits["wagma[compute.time_scale=4]"], waits["wagma[compute.time_scale=8]"]
+    osgp4, osgp8 = waits["osgp[compute.time_scale=4]"], waits["osgp[compute.time_scale=8]"]
+    assert wagma4 == pytest.approx(2 * 0.02, rel=0.25) and wagma8 == pytest.approx(wagma4, rel=0.2)
+    link = LATENCY + MLP_PARAMETERS * 4 / BANDWIDTH  # 50 ms
+    assert osgp4 == pytest.approx(link - 0.02, rel=0.35), waits
+    assert osgp8 == pytest.approx(osgp4, rel=0.3), waits
+
+
 def test_a_seconds_budget_is_in_modeled_seconds(timeline):
     runs, store, _, _ = timeline
     steps = {m.rank: m.step for m in store.metric_history(runs["budget"].id, "step_seconds")}
