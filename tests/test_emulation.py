@@ -282,7 +282,11 @@ def cluster(tmp_path_factory):
             aggregator: allreduce
             network: {{bandwidth: 10Mbit, latency: 1ms}}
     """)
-    db = tmp / "results.db"
+    return _run_by_name(spec, tmp / "results.db")
+
+
+def _run_by_name(spec, db) -> tuple[dict, Store]:
+    """`dsgd run SPEC` into DB: its runs by experiment name, and the store."""
     result = dsgd("run", str(spec), "--db", str(db), timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     store = Store(str(db))
@@ -345,11 +349,7 @@ def plugin_clocks(tmp_path_factory):
             aggregator: {{name: osgp, tau: 1}}
             network: {{bandwidth: 10Mbit, latency: 1ms}}
     """)
-    db = tmp / "results.db"
-    result = dsgd("run", str(spec), "--db", str(db), timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    store = Store(str(db))
-    return {run.experiment: run for run in store.runs()}, store
+    return _run_by_name(spec, tmp / "results.db")
 
 
 def _mean_after_first_step(store, run, metric: str, rank: int) -> float:
