@@ -43,6 +43,9 @@ from dsgd_cli.results.store import Store
     ("{step_seconds: 0.1, variation: {distribution: shifted_exponential, sigma: 1}}",
      "compute.variation.sigma: unknown key"),
     ("{step_seconds: 0.1, slots: 3}", "compute.slots: unknown key"),
+    # An integer beyond the floats (the fuzz tests found it crashing with OverflowError)
+    ("{step_seconds: 0.1, time_scale: 1" + "0" * 400 + "}",
+     "compute.time_scale: expected a number >= 1 and <= 100000, got 1000000000000000000000"),
     ("0.1", "compute: expected a mapping with keys step_seconds, variation, time_scale"),
     ("{step_seconds: 10, time_scale: 100}",
      "compute: a step lasts 1000 real seconds (step_seconds × time_scale × slowdown), not "

@@ -28,6 +28,7 @@ from collections import deque
 from typing import Any, Callable
 
 from dsgd_cli.errors import SpecError
+from dsgd_cli.options import show
 from dsgd_cli.spec.specfile import check_keys
 
 MAX_STEP_SECONDS = 24 * 3600.0
@@ -51,11 +52,14 @@ DISTRIBUTIONS: dict[str, tuple[str, float, float]] = {
 def _number(raw: dict, key: str, path: str, low: float, high: float, low_open: bool) -> float:
     value = raw[key]
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    number = float(value) if ok else math.nan
+    try:
+        number = float(value) if ok else math.nan
+    except OverflowError:  # an integer beyond the floats (more than 1.8e308)
+        number = math.inf
     if not (math.isfinite(number) and (number > low if low_open else number >= low)
             and number <= high):
         bound = f"> {low:g}" if low_open else f">= {low:g}"
-        raise SpecError(f"expected a number {bound} and <= {high:g}, got {value!r}",
+        raise SpecError(f"expected a number {bound} and <= {high:g}, got {show(value)}",
                         path=f"{path}.{key}")
     return number
 
@@ -88,7 +92,7 @@ def parse_variation(raw: Any, path: str) -> dict[str, Any] | None:
                         path=path)
     distribution = raw.get("distribution")
     if not isinstance(distribution, str) or distribution not in DISTRIBUTIONS:
-        raise SpecError(f"expected one of {names}, got {distribution!r}",
+        raise SpecError(f"expected one of {names}, got {show(distribution)}",
                         path=f"{path}.distribution")
     option, low, high = DISTRIBUTIONS[distribution]
     check_keys(raw, path, {"distribution", option})
