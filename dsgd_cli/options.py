@@ -40,6 +40,17 @@ def show(value: Any) -> str:
     return text
 
 
+def as_float(value: Any) -> float | None:
+    """A number of the spec as a float; None for anything else, or for an integer beyond
+    the floats (more than 1.8e308)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
 def option(default: Any = dataclasses.MISSING, *, min: float | None = None,
            max: float | None = None, help: str = "") -> Any:
     """A dataclass field with bounds and a help text for docs and `dsgd plugins`."""

@@ -318,6 +318,16 @@ def test_gamma_auto_without_compression_is_1():
 
 # -- bad input -------------------------------------------------------------------------------------
 
+def _bad_spec(tmp_path, aggregator: str):
+    return write_spec(tmp_path, f"""
+        experiments:
+          - name: bad
+            task: {{name: logreg}}
+            workers: 4
+            aggregator: {aggregator}
+    """)
+
+
 @pytest.mark.parametrize("aggregator, path, message", [
     ("{name: choco, topology: time_varying_exponential}", "aggregator",
      "topology 'time_varying_exponential' is directed; choco needs an undirected graph with "
@@ -341,13 +351,7 @@ def test_gamma_auto_without_compression_is_1():
      "error_feedback: choco compresses x_i − x̂_i"),
 ])
 def test_bad_choco_and_dcd_specs_are_refused(tmp_path, aggregator, path, message):
-    spec = write_spec(tmp_path, f"""
-        experiments:
-          - name: bad
-            task: {{name: logreg}}
-            workers: 4
-            aggregator: {aggregator}
-    """)
+    spec = _bad_spec(tmp_path, aggregator)
     with pytest.raises(SpecError) as error:
         load_spec(spec)
     assert message in str(error.value)
@@ -360,13 +364,7 @@ def test_bad_choco_and_dcd_specs_are_refused(tmp_path, aggregator, path, message
     ("{name: choco, compressor: sign}", "without a scale"),
 ])
 def test_bad_choco_spec_exits_2_naming_file_and_key(tmp_path, aggregator, message):
-    spec = write_spec(tmp_path, f"""
-        experiments:
-          - name: bad
-            task: {{name: logreg}}
-            workers: 4
-            aggregator: {aggregator}
-    """)
+    spec = _bad_spec(tmp_path, aggregator)
     result = dsgd_in_process("run", str(spec), "--db", str(tmp_path / "r.db"))
     assert result.returncode == 2
     line, = result.stderr.strip().splitlines()

@@ -28,7 +28,7 @@ from collections import deque
 from typing import Any, Callable
 
 from dsgd_cli.errors import SpecError
-from dsgd_cli.options import show
+from dsgd_cli.options import as_float, show
 from dsgd_cli.spec.specfile import check_keys
 
 MAX_STEP_SECONDS = 24 * 3600.0
@@ -51,13 +51,9 @@ DISTRIBUTIONS: dict[str, tuple[str, float, float]] = {
 
 def _number(raw: dict, key: str, path: str, low: float, high: float, low_open: bool) -> float:
     value = raw[key]
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    try:
-        number = float(value) if ok else math.nan
-    except OverflowError:  # an integer beyond the floats (more than 1.8e308)
-        number = math.inf
-    if not (math.isfinite(number) and (number > low if low_open else number >= low)
-            and number <= high):
+    number = as_float(value)
+    if number is None or not (math.isfinite(number) and number <= high
+                              and (number > low if low_open else number >= low)):
         bound = f"> {low:g}" if low_open else f">= {low:g}"
         raise SpecError(f"expected a number {bound} and <= {high:g}, got {show(value)}",
                         path=f"{path}.{key}")

@@ -22,7 +22,7 @@ from dsgd_cli.spec.directories import problem_without_creating
 from dsgd_cli.errors import PluginError, SpecError
 from dsgd_cli.spec.learning_rate import SCALINGS, total_steps
 from dsgd_cli.spec.nodes import NodePlan, check_split
-from dsgd_cli.options import options_to_dict, parse_options, show
+from dsgd_cli.options import as_float, options_to_dict, parse_options, show
 from dsgd_cli.spec.specfile import check_keys, one_line, selected
 from dsgd_cli.topology import TOPOLOGY_KINDS
 from dsgd_cli.spec.sharding import DATA_SPLITS, Shard, steps_per_epoch
@@ -474,7 +474,7 @@ def parse_network(raw: Any, path: str) -> dict[str, float | None] | None:
     if "bandwidth" in raw:
         value = raw["bandwidth"]
         match = _BANDWIDTH.match(str(value)) if isinstance(value, str) else None
-        bits = _as_float(value)
+        bits = as_float(value)
         if bits is not None and bits > 0:
             result["bytes_per_second"] = bits / 8  # a bare number is bits per second
         elif match and 0 < float(match.group(1)) < math.inf:
@@ -487,7 +487,7 @@ def parse_network(raw: Any, path: str) -> dict[str, float | None] | None:
     if "latency" in raw:
         value = raw["latency"]
         match = _DURATION.match(value) if isinstance(value, str) else None
-        seconds = _as_float(value)
+        seconds = as_float(value)
         if seconds is None and match:
             seconds = float(match.group(1)) * _SECONDS[match.group(2)]
         if seconds is None or not 0 <= seconds < math.inf:
@@ -495,17 +495,6 @@ def parse_network(raw: Any, path: str) -> dict[str, float | None] | None:
                             path=f"{path}.latency")
         result["latency_s"] = seconds
     return result
-
-
-def _as_float(value: Any) -> float | None:
-    """A number of the spec as a float; None for anything else, or for an integer beyond
-    the floats (more than 1.8e308)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        return float(value)
-    except OverflowError:
-        return None
 
 
 def network_model(config: dict[str, Any]) -> NetworkModel | None:
@@ -521,7 +510,7 @@ def _number(raw: dict, key: str, path: str, *, low: float, high: float | None = 
             low_open: bool = False) -> float:
     """A finite number in [low, high] (or (low, high] with `low_open`)."""
     value = raw[key]
-    number = _as_float(value)
+    number = as_float(value)
     if (number is None or not math.isfinite(number) or (number <= low if low_open else number < low)
             or (high is not None and number > high)):
         bound = f"> {low}" if low_open else f">= {low}"
