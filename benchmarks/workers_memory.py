@@ -8,7 +8,8 @@ worker; USS is what each worker adds.
 
 Printed per worker count: start-up (from `dsgd run` starting to every worker's first training
 step: the first `step_seconds` record), the median and the largest peak USS per worker, the
-workers' total peak USS, and the whole `dsgd run`'s time.
+workers' total peak USS, the total peak USS of the launch's other processes (torchrun, its
+per-rank relays, the fork server), and the whole `dsgd run`'s time.
 
     python benchmarks/workers_memory.py [--workers 16 32 64] [--task mnist1d_mlp]
 """
@@ -40,10 +41,13 @@ def uss_bytes(pid: int) -> int | None:
     return kib * 1024
 
 
-def worker_pids(root: int) -> list[int]:
-    """The worker processes (`python -m dsgd_cli.worker.process`) below process `root`."""
+def launch_processes(root: int) -> dict[int, str]:
+    """The processes below process `root` (`dsgd run`), each named by what it is: "worker"
+    (forked by the fork server, which names it dsgd-rank-N; or, without one, started as
+    `python -m dsgd_cli.worker.process`) or "other" (torchrun, the relays, the fork server)."""
     children: dict[int, list[int]] = {}
     commands: dict[int, str] = {}
+    names: dict[int, str] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -53,34 +57,41 @@ def worker_pids(root: int) -> list[int]:
                 errors="replace").replace("\0", " ")
         except OSError:
             continue
+        names[int(entry)] = stat[stat.index("(") + 1:stat.rindex(")")]
         parent = int(stat.rsplit(")", 1)[1].split()[1])
         children.setdefault(parent, []).append(int(entry))
-    found, stack = [], [root]
+    found, stack = {}, [root]
     while stack:
         pid = stack.pop()
         for child in children.get(pid, []):
             stack.append(child)
             command = commands.get(child, "")
-            if WORKER_MODULE in command and "torch.distributed.run" not in command:
-                found.append(child)
+            started_as_worker = (WORKER_MODULE in command and "torch.distributed.run" not in command
+                                 and "dsgd_cli.launch.relay" not in command)
+            is_worker = names.get(child, "").startswith("dsgd-rank-") or started_as_worker
+            found[child] = "worker" if is_worker else "other"
     return found
 
 
 class Sampler(threading.Thread):
-    """Peak USS per worker process, sampled until `stop`."""
+    """Peak USS per process of the launch, sampled until `stop`."""
 
     def __init__(self, root: int):
         super().__init__(daemon=True)
-        self.root, self.peak = root, {}
+        self.root, self.peak, self.kind = root, {}, {}
         self.stopping = threading.Event()
 
     def run(self) -> None:
         while not self.stopping.is_set():
-            for pid in worker_pids(self.root):
+            for pid, kind in launch_processes(self.root).items():
                 size = uss_bytes(pid)
                 if size is not None:
                     self.peak[pid] = max(self.peak.get(pid, 0), size)
+                    self.kind[pid] = kind
             self.stopping.wait(0.2)
+
+    def peaks(self, kind: str) -> list[int]:
+        return sorted(size for pid, size in self.peak.items() if self.kind[pid] == kind)
 
 
 def first_step_at(db: Path) -> float | None:
@@ -127,11 +138,11 @@ def measure(workers: int, task: str, directory: Path) -> dict:
     output = process.stdout.read()
     if process.returncode != 0:
         raise SystemExit(f"{workers} workers: dsgd run failed:\n{output}")
-    peaks = sorted(sampler.peak.values())
+    peaks = sampler.peaks("worker")
     return {"workers": workers, "startup_s": (first_step or time.time()) - started,
             "run_s": total, "uss_median_mib": statistics.median(peaks) / 2**20,
             "uss_max_mib": peaks[-1] / 2**20, "uss_total_gib": sum(peaks) / 2**30,
-            "sampled": len(peaks)}
+            "others_gib": sum(sampler.peaks("other")) / 2**30, "sampled": len(peaks)}
 
 
 def main() -> None:
@@ -140,12 +151,13 @@ def main() -> None:
     parser.add_argument("--task", default="mnist1d_mlp")
     args = parser.parse_args()
     print(f"{'workers':>7} {'start-up s':>10} {'USS median MiB':>14} {'USS max MiB':>11} "
-          f"{'USS total GiB':>13} {'run s':>6}")
+          f"{'USS total GiB':>13} {'others GiB':>10} {'run s':>6}")
     with tempfile.TemporaryDirectory() as tmp:
         for workers in args.workers:
             row = measure(workers, args.task, Path(tmp))
             print(f"{row['workers']:>7} {row['startup_s']:>10.1f} {row['uss_median_mib']:>14.1f} "
-                  f"{row['uss_max_mib']:>11.1f} {row['uss_total_gib']:>13.2f} {row['run_s']:>6.1f}"
+                  f"{row['uss_max_mib']:>11.1f} {row['uss_total_gib']:>13.2f} {row['others_gib']:>10.2f} "
+                  f"{row['run_s']:>6.1f}"
                   + ("" if row["sampled"] == workers else f"  ({row['sampled']} sampled)"),
                   flush=True)
 

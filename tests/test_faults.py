@@ -345,8 +345,9 @@ def test_a_real_worker_that_diverges_keeps_the_steps_before(tmp_path):
 # -- signals and launch failures ----------------------------------------------------------------
 
 def _workers(cli: subprocess.Popen) -> dict[int, tuple[int, str]]:
-    """rank -> (pid, temp dir) of the workers a `dsgd run` process has started (its
-    grandchildren, under torchrun), once they are there."""
+    """rank -> (pid, temp dir) of the workers a `dsgd run` process has started (the children
+    of its fork server, each named dsgd-rank-N, with the server's arguments), once they are
+    there."""
     workers, parents = {}, [cli.pid]
     while parents:
         children = subprocess.run(["pgrep", "-P", ",".join(map(str, parents))],
@@ -355,12 +356,11 @@ def _workers(cli: subprocess.Popen) -> dict[int, tuple[int, str]]:
         for pid in parents:
             try:
                 args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
             except OSError:
                 continue
-            if b"dsgd_cli.worker.process" in args and b"torch.distributed.run" not in args:
-                rank = [int(v[5:]) for v in environ if v.startswith(b"RANK=")][0]
-                workers[rank] = (pid, args[-2].decode())
+            if name.startswith("dsgd-rank-"):
+                workers[int(name.removeprefix("dsgd-rank-"))] = (pid, args[-2].decode())
     return workers
 
 
@@ -566,8 +566,9 @@ def test_a_worker_that_dies_at_start_up_is_named(tmp_path, monkeypatch, how, rea
 
     def command(shape, config, events):
         args = torchrun_command(shape, config, events)
-        at = args.index("dsgd_cli.worker.process")
-        return args[:at - 1] + [str(script)] + args[at + 1:]  # instead of `-m dsgd_cli.worker.process`
+        at = args.index("dsgd_cli.launch.relay")
+        # instead of `-m dsgd_cli.launch.relay dsgd_cli.worker.process`
+        return args[:at - 1] + [str(script)] + args[at + 2:]
 
     monkeypatch.setattr(torchrun, "command", command)
     (experiment,) = load_spec(tiny_spec(tmp_path, "experiments: [{name: a}]\n"))

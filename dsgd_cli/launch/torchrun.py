@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from dsgd_cli.launch import forkserver
 from dsgd_cli.spec import specfile
 from dsgd_cli.errors import SpecError
 from dsgd_cli.comm.events import LAUNCHER_PID
 from dsgd_cli.spec.nodes import NodePlan, check_split, local_workers
 
+WORKER_MODULE = "dsgd_cli.worker.process"
 RUN_MARKER = "DSGD_RUN_DIR"  # set in the environment of a launch's processes
 TERMINATE_WAIT_S = 5.0  # after SIGTERM, before SIGKILL
 # glibc: allocations under 64 MiB come from the heap, which keeps up to 256 MiB free.
@@ -68,8 +70,10 @@ def command(shape: Shape, plan_path: str | Path, run_dir: str | Path) -> list[st
     # torchrun's own log directory (else a `torchelastic_*` in $TMPDIR that nobody removes)
     # lies in the launch's directory, which goes with the launch.
     log_dir = Path(run_dir) / "torchelastic"
+    # Each rank's process is a relay to the launch's fork server, which forks the worker.
     return [sys.executable, "-m", "torch.distributed.run", *where, "--max-restarts=0",
-            f"--log-dir={log_dir}", "-m", "dsgd_cli.worker.process", str(plan_path), str(run_dir)]
+            f"--log-dir={log_dir}", "-m", "dsgd_cli.launch.relay", WORKER_MODULE,
+            str(plan_path), str(run_dir)]
 
 
 def environment(run_dir: str | Path) -> dict[str, str]:
@@ -100,13 +104,34 @@ class Torchrun:
         self.plan_path = self.dir / "experiments.json"
         self.log_path = self.dir / "torchrun.log"
         self.process: subprocess.Popen | None = None
+        self.fork_server: subprocess.Popen | None = None
 
     def start(self) -> None:
-        """Start torchrun (OSError if it cannot be); its workers wait for the plan."""
+        """Start the fork server and torchrun (OSError if torchrun cannot be started); the
+        workers wait for the plan. Without a fork server (its socket cannot be made) each
+        rank's process becomes its worker itself."""
+        env = environment(self.dir)
         with open(self.log_path, "w") as log:
+            self.fork_server = self._start_fork_server(env, log)
+            if self.fork_server is not None:
+                env[forkserver.SOCKET_VARIABLE] = str(forkserver.socket_path(self.dir))
             self.process = subprocess.Popen(
                 command(self.shape, self.plan_path, self.dir), stdout=log,
-                stderr=subprocess.STDOUT, env=environment(self.dir), start_new_session=True)
+                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def _start_fork_server(self, env: dict[str, str], log) -> subprocess.Popen | None:
+        """The server, listening on a socket made here, before torchrun starts: a relay then
+        always finds it, and waits in its backlog while the server imports torch."""
+        try:
+            listener = forkserver.listen(forkserver.socket_path(self.dir))
+        except OSError:
+            return None
+        with listener:
+            return subprocess.Popen(
+                [sys.executable, "-m", "dsgd_cli.launch.forkserver", str(listener.fileno()),
+                 str(self.dir)],
+                pass_fds=[listener.fileno()], stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True)
 
     def write_plan(self, plan: dict[str, Any]) -> None:
         """Written whole or not at all: workers may be polling for it already."""
@@ -149,6 +174,8 @@ class Torchrun:
     def close(self) -> None:
         """Stop what is left of the launch and delete its directory."""
         self.stop()
+        if self.fork_server is not None:
+            self.fork_server.wait()
         self._directory.cleanup()
 
 

@@ -1,0 +1,142 @@
+"""The fork server and its relays (dsgd_cli/launch/forkserver.py, relay.py): a relay's worker
+is forked by the server with the relay's environment, directory and streams; the relay passes
+signals on and ends as its worker ended; a relay that is killed takes its worker with it;
+without a server the relay runs the worker itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from dsgd_cli.comm.events import LAUNCHER_PID
+from dsgd_cli.launch import forkserver
+
+# The "worker" the relays ask for: reports where and what it runs, then does as told.
+PROBE = textwrap.dedent("""
+    import json, os, signal, sys, time
+
+    def main(args):
+        action, report = args
+        with open(report, "w") as file:
+            json.dump({"pid": os.getpid(), "parent": os.getppid(), "cwd": os.getcwd(),
+                       "probe_value": os.environ.get("PROBE_VALUE"), "argv": sys.argv,
+                       "name": open("/proc/self/comm").read().strip()}, file)
+        print("hello from the worker", flush=True)
+        if action.startswith("exit"):
+            sys.exit(int(action[4:]))
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action == "term":
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+        time.sleep(120)
+
+    if __name__ == "__main__":
+        main(sys.argv[1:])
+""")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A fork server of the probe's directory, as torchrun.py starts one."""
+    directory = tmp_path_factory.mktemp("forkserver")
+    (directory / "forkprobe.py").write_text(PROBE)
+    path = forkserver.socket_path(directory)
+    with forkserver.listen(path) as listener:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "dsgd_cli.launch.forkserver", str(listener.fileno()),
+             str(directory)], pass_fds=[listener.fileno()], cwd=directory,
+            env={**os.environ, LAUNCHER_PID: str(os.getpid())})
+    yield process, directory, path
+    process.terminate()
+    process.wait()
+
+
+def _relay(socket_path, directory: Path, action: str, tmp_path: Path, **popen):
+    env = {**os.environ, "PROBE_VALUE": action, "PYTHONPATH": str(directory)}
+    if socket_path is not None:
+        env[forkserver.SOCKET_VARIABLE] = str(socket_path)
+    return subprocess.Popen([sys.executable, "-m", "dsgd_cli.launch.relay", "forkprobe",
+                             action, str(tmp_path / "report.json")], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, text=True, **popen)
+
+
+def _report(tmp_path: Path) -> dict:
+    import json
+
+    path = tmp_path / "report.json"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):  # not yet written, or half-written
+            assert time.monotonic() < deadline, "the worker did not start"
+            time.sleep(0.05)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
+
+
+def test_the_worker_is_forked_with_the_relays_environment_directory_and_streams(server, tmp_path):
+    process, directory, path = server
+    relay = _relay(path, directory, "exit3", tmp_path)
+    out, _ = relay.communicate(timeout=60)
+    assert relay.returncode == 3  # the worker's exit code
+    assert out == "hello from the worker\n"  # through the relay's own stdout
+    report = _report(tmp_path)
+    assert report["parent"] == process.pid and report["pid"] != relay.pid
+    assert (report["cwd"], report["probe_value"]) == (str(tmp_path), "exit3")
+    assert report["argv"] == ["forkprobe", "exit3", str(tmp_path / "report.json")]
+    assert report["name"] == "dsgd-rank-?"  # no RANK: not started by torchrun
+
+
+def test_a_worker_killed_by_a_signal_kills_its_relay_with_it(server, tmp_path):
+    _, directory, path = server
+    relay = _relay(path, directory, "kill", tmp_path)
+    relay.communicate(timeout=60)
+    assert relay.returncode == -signal.SIGKILL
+
+
+def test_the_relay_passes_signals_on(server, tmp_path):
+    _, directory, path = server
+    relay = _relay(path, directory, "term", tmp_path)
+    report = _report(tmp_path)
+    assert relay.stdout.readline() == "hello from the worker\n"  # its handler is in place
+    relay.send_signal(signal.SIGTERM)
+    relay.communicate(timeout=60)
+    assert relay.returncode == 7  # the worker's handler ran and chose the code
+    assert _gone(report["pid"])
+
+
+def test_a_killed_relay_takes_its_worker_with_it(server, tmp_path):
+    _, directory, path = server
+    relay = _relay(path, directory, "sleep", tmp_path)
+    report = _report(tmp_path)
+    relay.kill()  # no chance to pass anything on: the server sees its connection close
+    relay.wait()
+    deadline = time.monotonic() + 30
+    while not _gone(report["pid"]):
+        assert time.monotonic() < deadline, "the worker outlived its relay"
+        time.sleep(0.05)
+
+
+def test_without_a_server_the_relay_runs_the_worker_itself(server, tmp_path):
+    _, directory, _ = server
+    for socket_path in (None, tmp_path / "nobody-listens.sock"):
+        relay = _relay(socket_path, directory, "exit0", tmp_path)
+        out, _ = relay.communicate(timeout=60)
+        assert relay.returncode == 0 and out == "hello from the worker\n"
+        report = _report(tmp_path)
+        assert report["pid"] == relay.pid  # the relay became the worker
+        (tmp_path / "report.json").unlink()
