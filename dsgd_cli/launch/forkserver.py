@@ -132,9 +132,10 @@ class ForkServer:
                 else:
                     self.relay_left(key.fileobj, key.data)
             self.reap()  # a SIGCHLD that arrived between select() calls
-            if launcher_gone():
-                self.selector.unregister(self.listener)
-                self.listener.close()
+            if launcher_gone():  # no new workers; the last one's end ends the server
+                if self.listener in self.selector.get_map():
+                    self.selector.unregister(self.listener)
+                    self.listener.close()
                 if not self.workers:
                     return
 

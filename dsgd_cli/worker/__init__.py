@@ -1,4 +1,6 @@
-"""Inside one worker process: what torchrun starts, `python -m dsgd_cli.worker.process`.
+"""Inside one worker process: `dsgd_cli.worker.process.main`, run in a process the launch's
+fork server forks for each of torchrun's ranks (or, without one, `python -m
+dsgd_cli.worker.process`).
 
 process.py is the process: it waits for the launcher's plan and runs each experiment of the
 launch. parts.py builds a worker's parts for one experiment (data, model, optimizer, `Comm`,

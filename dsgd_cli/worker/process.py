@@ -1,4 +1,5 @@
-"""The worker process that torchrun starts, one per worker: `python -m dsgd_cli.worker.process`.
+"""The worker process, one per rank: forked by the launch's fork server for the relay torchrun
+started (dsgd_cli/launch/forkserver.py), which calls `main`; or `python -m dsgd_cli.worker.process`.
 
 A worker runs its launch's experiments one after another; for each it builds its parts
 (worker.py), trains (training.py, which owns the order of the loop; the aggregator plugin owns
