@@ -140,3 +140,82 @@ def test_without_a_server_the_relay_runs_the_worker_itself(server, tmp_path):
         report = _report(tmp_path)
         assert report["pid"] == relay.pid  # the relay became the worker
         (tmp_path / "report.json").unlink()
+
+
+def _start_server(directory: Path) -> subprocess.Popen:
+    with forkserver.listen(forkserver.socket_path(directory)) as listener:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dsgd_cli.launch.forkserver", str(listener.fileno()),
+             str(directory)], pass_fds=[listener.fileno()], cwd=directory,
+            env={**os.environ, LAUNCHER_PID: str(os.getpid())})
+
+
+def test_a_stopped_server_reports_its_workers_exits_then_leaves(tmp_path):
+    """SIGTERM (the launcher stopping the launch) ends the serving, not the reporting: a
+    running worker's relay still ends as its worker did; a relay that comes later runs its
+    worker itself; the server leaves with its last worker."""
+    (tmp_path / "forkprobe.py").write_text(PROBE)
+    server = _start_server(tmp_path)
+    path = forkserver.socket_path(tmp_path)
+    running_dir = tmp_path / "running"
+    running_dir.mkdir()
+    relay = _relay(path, tmp_path, "sleep", running_dir)
+    worker = _report(running_dir)
+    assert worker["parent"] == server.pid
+    server.terminate()
+    later_dir = tmp_path / "later"
+    later_dir.mkdir()
+    deadline = time.monotonic() + 30
+    while path.exists() and (tmp_path / "forkserver.sock").exists():
+        later = _relay(path, tmp_path, "exit0", later_dir)
+        later.communicate(timeout=60)
+        if _report(later_dir)["pid"] == later.pid:  # not forked: the server stopped serving
+            break
+        (later_dir / "report.json").unlink()
+        assert time.monotonic() < deadline, "the server went on forking after SIGTERM"
+    assert server.poll() is None  # still there for its running worker
+    relay.send_signal(signal.SIGTERM)  # passed on; the probe dies of it
+    relay.communicate(timeout=60)
+    assert relay.returncode == -signal.SIGTERM
+    assert server.wait(timeout=30) == 0
+
+
+def test_the_server_preloads_without_threads_or_cuda(tmp_path):
+    """Forking is safe only from a process with one thread and no CUDA context: in the
+    environment a launch gives its server (OMP_NUM_THREADS=1: else OpenBLAS, loaded with
+    numpy, starts a thread per core), the imports start neither."""
+    from dsgd_cli.launch import torchrun
+
+    code = ("import importlib, os, torch; from dsgd_cli.launch import forkserver\n"
+            "for name in forkserver.PRELOAD: importlib.import_module(name)\n"
+            "print(len(os.listdir('/proc/self/task')), torch.cuda.is_initialized())")
+    env = {**torchrun.environment(tmp_path), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.stdout.split() == ["1", "False"], result.stderr
+
+
+def test_a_launch_whose_torchrun_cannot_start_leaves_no_fork_server(tmp_path, monkeypatch):
+    from conftest import write_spec
+    from dsgd_cli.launch import launcher, torchrun
+    from dsgd_cli.results.store import Store
+    from dsgd_cli.spec.experiments import load_spec
+
+    real_popen, servers = subprocess.Popen, []
+
+    def torchrun_refused(args, **kwargs):
+        if "torch.distributed.run" in args:
+            raise OSError("no such program")
+        servers.append(real_popen(args, **kwargs))
+        return servers[-1]
+
+    monkeypatch.setattr(torchrun.subprocess, "Popen", torchrun_refused)
+    spec = write_spec(tmp_path, """
+        experiments:
+          - {name: a, task: {name: logreg, samples: 64}, steps_per_epoch: 2}
+    """)
+    (experiment,) = load_spec(spec)
+    result = launcher.launch(experiment, Store(str(tmp_path / "r.db")), str(spec))
+    assert (result.status, result.reason) == ("failed", "cannot start torchrun: no such program")
+    (server,) = servers
+    assert server.poll() is not None  # stopped and reaped

@@ -41,12 +41,14 @@ import struct
 import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 SOCKET_VARIABLE = "DSGD_FORK_SERVER"  # the socket's path, in the environment of torchrun's workers
 SOCKET_NAME = "forkserver.sock"
 # What every worker imports before it trains; torch._dynamo is imported by torch.optim on
 # first use (torch 2.x), and costs as much CPU as torch itself.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "dsgd_cli.worker.process")
+WORKER_MODULE = "dsgd_cli.worker.process"  # what the relays ask for
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", WORKER_MODULE)
 STREAMS = 3  # stdin, stdout, stderr
 REQUEST_TIMEOUT_S = 30.0
 _LENGTH = struct.Struct("!I")
@@ -103,56 +105,73 @@ def listen(path: Path) -> socket.socket:
 
 class ForkServer:
     """Accepts requests, forks a worker for each, and reports each worker's pid and exit code
-    on its relay's connection. A relay that disappears takes its worker with it."""
+    on its relay's connection. A relay that disappears takes its worker with it.
+
+    SIGTERM (the launcher stopping the launch) and the launcher's death end the serving of
+    new requests, not the server: it goes on reporting its workers' exits, so each relay
+    ends as its worker did, and leaves once the last worker has ended."""
 
     def __init__(self, listener: socket.socket):
         self.listener = listener
         self.selector = selectors.DefaultSelector()
         self.workers: dict[int, socket.socket] = {}  # pid -> its relay's connection
-        # SIGCHLD wakes the selector through a pipe: the handler itself does nothing.
+        self.stopping = False  # SIGTERM came
+        self.serving = True  # the listener is open
+        # Signals wake the selector through a pipe; their handlers only take note.
         self.wakeup_read, self.wakeup_write = os.pipe()
         os.set_blocking(self.wakeup_write, False)
         signal.set_wakeup_fd(self.wakeup_write)
         signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, self._stop)
         self.selector.register(listener, selectors.EVENT_READ, "accept")
-        self.selector.register(self.wakeup_read, selectors.EVENT_READ, "reap")
+        self.selector.register(self.wakeup_read, selectors.EVENT_READ, "signal")
+
+    def _stop(self, *_) -> None:
+        self.stopping = True
 
     def serve(self) -> None:
-        """Until the launcher that started the launch is gone and no worker is left (the
-        launcher normally ends the server itself, with SIGTERM)."""
         from dsgd_cli.comm.events import launcher_gone
 
         while True:
             for key, _ in self.selector.select(timeout=1.0):
                 if key.data == "accept":
                     self.accept()
-                elif key.data == "reap":
+                elif key.data == "signal":
                     os.read(self.wakeup_read, 4096)
-                    self.reap()
-                else:
+                elif self.workers.get(key.data) is key.fileobj:  # not reaped in this round
                     self.relay_left(key.fileobj, key.data)
-            self.reap()  # a SIGCHLD that arrived between select() calls
-            if launcher_gone():  # no new workers; the last one's end ends the server
-                if self.listener in self.selector.get_map():
+            self.reap()
+            if self.stopping or launcher_gone():
+                if self.serving:
                     self.selector.unregister(self.listener)
-                    self.listener.close()
+                    self.listener.close()  # relays that come now start their workers themselves
+                    self.serving = False
                 if not self.workers:
                     return
 
     def accept(self) -> None:
-        connection, _ = self.listener.accept()
+        try:
+            connection, _ = self.listener.accept()
+        except OSError:  # e.g. out of file descriptors: the relay waits, or gives up
+            return
         connection.settimeout(REQUEST_TIMEOUT_S)
         try:
             request, fds = read_request(connection)
         except (OSError, ValueError, ConnectionError):
             connection.close()  # the relay starts its worker itself
             return
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:  # out of processes or memory: the relay starts its worker itself
+            pid = None
         if pid == 0:
             connection.close()
-            self.become_worker(request, fds)  # never returns
+            self.become_worker(request, fds)
         for fd in fds:
             os.close(fd)
+        if pid is None:
+            connection.close()
+            return
         self.workers[pid] = connection
         self.selector.register(connection, selectors.EVENT_READ, pid)
         try:
@@ -160,13 +179,14 @@ class ForkServer:
         except OSError:
             self.relay_left(connection, pid)
 
-    def become_worker(self, request: dict, fds: list[int]) -> None:
+    def become_worker(self, request: dict, fds: list[int]) -> NoReturn:
         """In the forked child: drop the server's state, take the relay's environment,
         directory and streams, and run the worker's `main(args)`."""
         code = 1
         try:
             signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for sig in (signal.SIGCHLD, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
             self.selector.close()
             self.listener.close()
             os.close(self.wakeup_read)
@@ -175,7 +195,9 @@ class ForkServer:
                 connection.close()
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)
+            for fd in set(fds) - {0, 1, 2}:
                 os.close(fd)
+            os.setsid()  # a session of its own, as torchrun gives each process it starts
             os.environ.clear()
             os.environ.update(request["env"])
             os.chdir(request["cwd"])
@@ -191,9 +213,11 @@ class ForkServer:
         except BaseException:
             traceback.print_exc()
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:  # whatever happens, never back into the server's loop
+                os._exit(code)
 
     def reap(self) -> None:
         """Report every worker that has exited to its relay."""
@@ -218,7 +242,7 @@ class ForkServer:
     def relay_left(self, connection: socket.socket, pid: int) -> None:
         """A relay's connection became readable: relays send nothing after their request, so
         the relay is gone (killed: torchrun gave up on it). Its worker must not outlive it;
-        reap() collects it."""
+        reap() collects it. (`pid` is still unreaped here, so it is still the worker's.)"""
         self.selector.unregister(connection)
         try:
             os.kill(pid, signal.SIGKILL)

@@ -14,10 +14,12 @@ It imports only the standard library: it starts in milliseconds.
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import sys
 import time
+from typing import NoReturn
 
 from dsgd_cli.launch.forkserver import SOCKET_VARIABLE, send_request
 
@@ -36,17 +38,20 @@ def main(argv: list[str] | None = None) -> None:
         try:
             send_request(connection, module, args)
             pid = _reply(replies, "pid")
-        except (OSError, ValueError):  # the server went away before it forked a worker
+        except (OSError, ValueError):
             pid = None
+        # No pid: the server forked no worker for this relay (it is stopping, could not
+        # fork, or died before it got this far).
         if pid is None:
             _become_worker(module, args)
         for sig in FORWARDED:
             signal.signal(sig, lambda signum, _, pid=pid: _forward(pid, signum))
         code = _reply(replies, "exit")
-    if code is None:  # the server was stopped (with the launch) before its worker ended
+    if code is None:  # the server was killed before its worker ended
         _wait_until_gone(pid)
         sys.exit(f"dsgd: the fork server is gone; the exit code of worker {pid} is unknown")
-    if code < 0:  # killed by a signal: die of the same one
+    if code < 0:  # killed by a signal: die of the same one (without a core file of its own)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
         try:
             signal.signal(-code, signal.SIG_DFL)
         except (OSError, ValueError):  # SIGKILL and SIGSTOP have no handler to reset
@@ -87,16 +92,22 @@ def _forward(pid: int, signum: int) -> None:
 
 
 def _wait_until_gone(pid: int) -> None:
-    """Until process `pid` has ended (it is not this process's child: no wait() for it)."""
+    """Until process `pid` has ended (it is not this process's child: no wait() for it). A
+    zombie has ended: its new parent may never reap it."""
     while True:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except OSError:  # gone (or no /proc: ask the kernel)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
         time.sleep(0.1)
 
 
-def _become_worker(module: str, args: list[str]) -> None:
+def _become_worker(module: str, args: list[str]) -> NoReturn:
     os.execv(sys.executable, [sys.executable, "-m", module, *args])
 
 

@@ -27,7 +27,6 @@ from dsgd_cli.errors import SpecError
 from dsgd_cli.comm.events import LAUNCHER_PID
 from dsgd_cli.spec.nodes import NodePlan, check_split, local_workers
 
-WORKER_MODULE = "dsgd_cli.worker.process"
 RUN_MARKER = "DSGD_RUN_DIR"  # set in the environment of a launch's processes
 TERMINATE_WAIT_S = 5.0  # after SIGTERM, before SIGKILL
 # glibc: allocations under 64 MiB come from the heap, which keeps up to 256 MiB free.
@@ -72,7 +71,7 @@ def command(shape: Shape, plan_path: str | Path, run_dir: str | Path) -> list[st
     log_dir = Path(run_dir) / "torchelastic"
     # Each rank's process is a relay to the launch's fork server, which forks the worker.
     return [sys.executable, "-m", "torch.distributed.run", *where, "--max-restarts=0",
-            f"--log-dir={log_dir}", "-m", "dsgd_cli.launch.relay", WORKER_MODULE,
+            f"--log-dir={log_dir}", "-m", "dsgd_cli.launch.relay", forkserver.WORKER_MODULE,
             str(plan_path), str(run_dir)]
 
 
@@ -130,8 +129,8 @@ class Torchrun:
             return subprocess.Popen(
                 [sys.executable, "-m", "dsgd_cli.launch.forkserver", str(listener.fileno()),
                  str(self.dir)],
-                pass_fds=[listener.fileno()], stdout=log, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True)
+                pass_fds=[listener.fileno()], stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def write_plan(self, plan: dict[str, Any]) -> None:
         """Written whole or not at all: workers may be polling for it already."""
@@ -157,8 +156,10 @@ class Torchrun:
 
     def processes(self) -> set[int]:
         """The live processes of the launch: torchrun and whatever carries the launch's marker
-        in its environment. torchrun starts each worker in a session of its own, so a signal
-        to torchrun's process group misses them, and they outlive a torchrun that was killed."""
+        in its environment: the relays torchrun started, the fork server and the workers it
+        forked (whose /proc environment is the server's). Each relay and each worker has a
+        session of its own, so a signal to torchrun's process group misses them, and they
+        outlive a torchrun that was killed."""
         if self.process is None:
             return set()
         pids = {self.process.pid} if self.process.poll() is None else set()
@@ -175,6 +176,7 @@ class Torchrun:
         """Stop what is left of the launch and delete its directory."""
         self.stop()
         if self.fork_server is not None:
+            self.fork_server.kill()  # nothing happens if stop() ended it
             self.fork_server.wait()
         self._directory.cleanup()
 
