@@ -1,11 +1,13 @@
-"""One torchrun of a launch: its command, its environment, its directory and its processes.
+"""One torchrun of a launch: its command, its environment, its directory and its processes
+(torchrun, the launch's fork server, the relays torchrun starts and the workers the server
+forks: forkserver.py).
 
 Nothing here imports torch. `dsgd run` starts the torchrun of the spec's first launch as soon
 as the spec is read this far (`early_start`), before the launcher imports torch and the plugins
-to validate it: torchrun's start and its workers' imports then overlap the validation, and the
-workers wait for the launch's plan, which the launcher writes once everything is valid. When
-validation fails, or the validated first launch differs from the guess, that torchrun is
-stopped unused.
+to validate it: torchrun's start and the fork server's imports then overlap the validation,
+and the workers wait for the launch's plan, which the launcher writes once everything is
+valid. When validation fails, or the validated first launch differs from the guess, that
+torchrun is stopped unused.
 """
 
 from __future__ import annotations
