@@ -42,23 +42,28 @@ PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A fork server of the probe's directory, as torchrun.py starts one."""
-    directory = tmp_path_factory.mktemp("forkserver")
-    (directory / "forkprobe.py").write_text(PROBE)
-    path = forkserver.socket_path(directory)
-    with forkserver.listen(path) as listener:
-        process = subprocess.Popen(
+def _start_server(directory: Path) -> subprocess.Popen:
+    """A fork server of `directory`, as torchrun.py starts one (its working directory is
+    where the forked workers import the probe from)."""
+    with forkserver.listen(forkserver.socket_path(directory)) as listener:
+        return subprocess.Popen(
             [sys.executable, "-m", "dsgd_cli.launch.forkserver", str(listener.fileno()),
              str(directory)], pass_fds=[listener.fileno()], cwd=directory,
             env={**os.environ, LAUNCHER_PID: str(os.getpid())})
-    yield process, directory, path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("forkserver")
+    (directory / "forkprobe.py").write_text(PROBE)
+    process = _start_server(directory)
+    yield process, directory, forkserver.socket_path(directory)
     process.terminate()
     process.wait()
 
 
 def _relay(socket_path, directory: Path, action: str, tmp_path: Path, **popen):
+    # PYTHONPATH: for a relay that runs the probe itself (forked ones import it in the server)
     env = {**os.environ, "PROBE_VALUE": action, "PYTHONPATH": str(directory)}
     if socket_path is not None:
         env[forkserver.SOCKET_VARIABLE] = str(socket_path)
@@ -142,14 +147,6 @@ def test_without_a_server_the_relay_runs_the_worker_itself(server, tmp_path):
         (tmp_path / "report.json").unlink()
 
 
-def _start_server(directory: Path) -> subprocess.Popen:
-    with forkserver.listen(forkserver.socket_path(directory)) as listener:
-        return subprocess.Popen(
-            [sys.executable, "-m", "dsgd_cli.launch.forkserver", str(listener.fileno()),
-             str(directory)], pass_fds=[listener.fileno()], cwd=directory,
-            env={**os.environ, LAUNCHER_PID: str(os.getpid())})
-
-
 def test_a_stopped_server_reports_its_workers_exits_then_leaves(tmp_path):
     """SIGTERM (the launcher stopping the launch) ends the serving, not the reporting: a
     running worker's relay still ends as its worker did; a relay that comes later runs its
@@ -166,7 +163,7 @@ def test_a_stopped_server_reports_its_workers_exits_then_leaves(tmp_path):
     later_dir = tmp_path / "later"
     later_dir.mkdir()
     deadline = time.monotonic() + 30
-    while path.exists() and (tmp_path / "forkserver.sock").exists():
+    while True:
         later = _relay(path, tmp_path, "exit0", later_dir)
         later.communicate(timeout=60)
         if _report(later_dir)["pid"] == later.pid:  # not forked: the server stopped serving

@@ -157,7 +157,7 @@ class ForkServer:
         connection.settimeout(REQUEST_TIMEOUT_S)
         try:
             request, fds = read_request(connection)
-        except (OSError, ValueError, ConnectionError):
+        except (OSError, ValueError):  # ConnectionError is an OSError
             connection.close()  # the relay starts its worker itself
             return
         try:
