@@ -4,37 +4,50 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dsgd-installed
+TEST_STAMP := $(VENV)/.dsgd-test-installed
 
-# torch: the CPU build on machines without an NVIDIA GPU (pip would otherwise pull a
-# multi-GB CUDA build); with a GPU, pip picks a CUDA build within pyproject's range.
+# torch: pinned to 2.13.0 on machines without an NVIDIA GPU; with a GPU, pip picks a build within
+# pyproject's range. Which build a pin gets depends on where pip looks: PyPI serves CUDA builds
+# for Linux x86_64 (several GB), so on such a machine without a GPU name PyTorch's CPU index:
+#   make setup TORCH_INDEX=<PyTorch's CPU wheel index URL>
+# Empty (the default) uses pip's own configuration.
 ifeq ($(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu),gpu)
 TORCH := torch>=2.4,<2.15
 else
 TORCH := torch==2.13.0
 endif
+TORCH_INDEX ?=
+TORCH_SOURCE := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 
-.PHONY: setup run test test-all bench clean
+.PHONY: setup setup-test run test test-all bench clean
 
 setup: $(STAMP)
 
+# `make run` needs dsgd alone; `make test` adds the test extras on top.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet "$(TORCH)" -e ".[test]"
+	$(PY) -m pip install --quiet $(TORCH_SOURCE) "$(TORCH)"
+	$(PY) -m pip install --quiet "$(TORCH)" -e .
 	touch $(STAMP)
+
+setup-test: $(TEST_STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet "$(TORCH)" -e ".[test]"
+	touch $(TEST_STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/dsgd run experiments.yaml
 	$(VENV)/bin/dsgd plot --spec experiments.yaml --x seconds -o results.png
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
-test-all: $(STAMP)
+test-all: $(TEST_STAMP)
 	$(PY) -m pytest -q -m ""
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(PY) benchmarks/overhead.py
 
 clean:
