@@ -82,6 +82,9 @@ def test_where_filters_on_columns_configuration_and_status(db):
     (["--target", "test_accuracy=nan"], "expected METRIC=NUMBER"),
     (["--baseline", "nosuch"], "--baseline 'nosuch': no recorded run has this id or experiment name"),
     (["--sort", "nosuch"], "--sort: no column 'nosuch'"),
+    (["-e", "bsae"], "--experiment 'bsae': no recorded run has this experiment name "
+                     "(recorded: base, gossip, q)"),
+    (["-e", "base", "-e", "qq"], "--experiment 'qq'"),
 ])
 def test_malformed_questions_exit_2_in_one_line(db, args, message):
     result = dsgd("compare", "--db", str(db), *args)
@@ -313,3 +316,27 @@ def test_the_simple_format_is_what_tabulate_draws():
     assert simple_table([["日本"]], ["x"]) is None
     assert simple_table([["a\nb"]], ["x"]) is None
     assert simple_table([], ["x"]) is None
+
+
+@pytest.mark.parametrize("command", [("runs",), ("advise", "--target", "test_accuracy=0.8")])
+def test_an_experiment_name_that_selects_nothing_is_an_error_everywhere(db, command):
+    result = dsgd(*command, "--db", str(db), "-e", "nosuch")
+    assert result.returncode == 2, result.stderr
+    assert "--experiment 'nosuch': no recorded run" in result.stderr, result.stderr
+
+
+def test_short_options_mean_one_thing_across_commands():
+    """`-w` is --where wherever runs are selected; `run` names its worker override `-n`."""
+    from typer.main import get_command
+    from dsgd_cli.cli import app
+
+    meaning: dict[str, set[str]] = {}
+    def visit(command):
+        for param in getattr(command, "params", []):
+            for opt in param.opts:
+                if not opt.startswith("--"):
+                    meaning.setdefault(opt, set()).add(param.name)
+        for sub in getattr(command, "commands", {}).values():
+            visit(sub)
+    visit(get_command(app))
+    assert {name: names for name, names in meaning.items() if len(names) > 1} == {}

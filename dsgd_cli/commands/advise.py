@@ -33,7 +33,7 @@ def advise(
     from dsgd_cli.results.advice import ROW_COLUMNS, advise as advise_rows
     from dsgd_cli.results.advice import default_keys, parse_workers
     from dsgd_cli.results.analysis import parse_target
-    from dsgd_cli.results.query import check_keys, parse_where, select_runs
+    from dsgd_cli.results.query import check_experiment_names, check_keys, parse_where, select_runs
     from dsgd_cli.results.reader import Results
 
     check_format(fmt)
@@ -42,6 +42,7 @@ def advise(
     counts = parse_workers(workers) if workers is not None else None
     store = Results(db)
     recorded = store.runs(experiments=experiment, details=False)
+    check_experiment_names(experiment, recorded, lambda: [r.experiment for r in store.runs(details=False)])
     runs = select_runs(recorded, conditions)
     if not runs:
         raise DsgdError("no recorded run matches the selection (--experiment, --where)"

@@ -52,7 +52,7 @@ def compare(
     from dsgd_cli.results.analysis import (BASELINE_COLUMNS, TARGET_COLUMNS, add_baseline,
                                    baseline_values, group_rows, parse_target, run_rows,
                                    sort_rows)
-    from dsgd_cli.results.query import check_keys, parse_where, select_runs
+    from dsgd_cli.results.query import check_experiment_names, check_keys, parse_where, select_runs
     from dsgd_cli.results.reader import Results
 
     check_format(fmt)
@@ -61,6 +61,7 @@ def compare(
     keys = [key.strip() for key in by.split(",") if key.strip()] if by else []
     store = Results(db)
     recorded = store.runs(experiments=experiment, details=False)
+    check_experiment_names(experiment, recorded, lambda: [r.experiment for r in store.runs(details=False)])
     runs = select_runs(recorded, conditions)
     if last:
         runs = runs[-last:]

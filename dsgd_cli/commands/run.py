@@ -24,7 +24,7 @@ def run(
     experiment: ExperimentOption = None,
     db: DbOption = None,
     workers: Annotated[Optional[int], typer.Option(
-        "--workers", "-w", help="Override every experiment's worker count")] = None,
+        "--workers", "-n", help="Override every experiment's worker count")] = None,
     isolate: Annotated[bool, typer.Option(
         "--isolate", help="One torchrun per experiment, instead of one per run of consecutive "
                           "experiments with the same workers, device and timeout")] = False,

@@ -27,11 +27,15 @@ def runs(ctx: typer.Context, db: DbOption = None, experiment: ExperimentOption =
             raise DsgdError(f"--experiment and --format belong to the listing, not to "
                             f"`dsgd runs {ctx.invoked_subcommand}`")
         return
+    from dsgd_cli.results.query import check_experiment_names
     from dsgd_cli.results.reader import Results
 
     check_format(fmt)
     rows = []
-    for run in Results(db).runs(experiments=experiment, details=False):
+    store = Results(db)
+    listed = store.runs(experiments=experiment, details=False)
+    check_experiment_names(experiment, listed, lambda: [r.experiment for r in store.runs(details=False)])
+    for run in listed:
         duration = (run.ended_at - run.started_at).total_seconds() if run.ended_at else None
         tags = run.tag_names
         rows.append({"id": run.id, "experiment": run.experiment, "status": run.status,

@@ -141,6 +141,18 @@ def pick(runs: list[RunRecord], selectors: list[str]) -> list[RunRecord]:
     return [run for run in runs if run.id in chosen]
 
 
+def check_experiment_names(experiments: list[str] | None, selected: list[RunRecord],
+                           recorded_names: Callable[[], list[str]]) -> None:
+    """An `--experiment` name that selected no run is a typo, as an unknown `--where` key is:
+    say so, with the names that are recorded, rather than show an empty table."""
+    for name in experiments or []:
+        if not any(names(run, name) for run in selected):
+            known = sorted(set(recorded_names()))
+            shown = ", ".join(known[:20]) + (", ..." if len(known) > 20 else "")
+            raise DsgdError(f"--experiment {name!r}: no recorded run has this experiment name "
+                            f"(recorded: {shown or 'none'})")
+
+
 def names(run: RunRecord, selector: str) -> bool:
     """Whether `selector` (a run id, an experiment name or a grid's base name) names `run`."""
     if selector.isdigit():
