@@ -314,7 +314,7 @@ def test_every_format_has_the_same_rows(scaling_db):
      "(recorded: step_seconds, test_accuracy, wall_seconds)"),
     (["--target", "wall_seconds=3"], "--target: metric 'wall_seconds' is recorded once per run"),
     (["--target", TARGET, "--where", "workers>100"], "no recorded run matches the selection"),
-    (["--target", TARGET, "-e", "nosuch"], "no recorded run matches the selection"),
+    (["--target", TARGET, "-e", "nosuch"], "--experiment 'nosuch': no recorded run has this experiment name"),
     (["--target", TARGET, "--workers", "2,x"], "--workers '2,x': expected positive worker counts"),
     (["--target", TARGET, "--workers", "0"], "expected positive worker counts"),
     (["--target", TARGET, "--by", "optimizer.momentum"], "--by: unknown key 'optimizer.momentum'"),

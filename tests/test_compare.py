@@ -125,13 +125,26 @@ def test_groups_give_mean_and_sample_std_over_their_runs(db):
     assert gossip["test_accuracy_std"] is None  # a single run has no spread
 
 
+def test_groups_give_the_students_t_interval_of_the_mean_and_its_run_count(db):
+    plain, quantized, gossip = compare(db, "--by", "aggregator,compressor")
+    # finals 0.80 and 0.84: mean 0.82, s = 0.02828, t(0.975, 1) = 12.706: 0.82 ± 0.2541
+    half = 12.706204736174707 * statistics.stdev([0.8, 0.84]) / 2 ** 0.5
+    assert plain["test_accuracy_ci_low"] == pytest.approx(0.82 - half)
+    assert plain["test_accuracy_ci_high"] == pytest.approx(0.82 + half)
+    assert plain["test_accuracy_n"] == 2
+    assert quantized["test_accuracy_n"] == 2  # the failed run's last value counts too
+    assert gossip["test_accuracy_n"] == 1  # a single run: no interval
+    assert gossip["test_accuracy_ci_low"] is None and gossip["test_accuracy_ci_high"] is None
+
+
 def test_a_table_shows_group_means_with_their_spread(db):
     result = dsgd("compare", "--db", str(db), "--by", "compressor", "--where", "status=completed")
     assert result.returncode == 0, result.stderr
     none_row = next(line for line in result.stdout.splitlines() if line.startswith("none"))
-    # runs 1, 2 and 5: final test accuracy 0.80, 0.84 and 0.70, samples/s 100, 120 and 200
-    assert none_row.split()[:5] == ["none", "3", "0.7800", "±", "0.0721"], none_row
-    assert "140 ± 53" in none_row  # samples per second: no decimals
+    # runs 1, 2 and 5: final test accuracy 0.80, 0.84 and 0.70, samples/s 100, 120 and 200;
+    # ± the half-width of the 95% interval, t(0.975, 2) · s / √3
+    assert none_row.split()[:6] == ["none", "3", "0.7800", "±", "0.1791", "(n=3)"], none_row
+    assert "140 ± 131 (n=3)" in none_row  # samples per second: no decimals
 
 
 def test_tables_show_bytes_and_seconds_for_people_and_csv_keeps_raw_values(db):
@@ -217,7 +230,8 @@ def test_sort_ascending_and_descending_with_blanks_last(db):
 def test_csv_keeps_the_spread_in_its_own_columns(db):
     result = dsgd("compare", "--db", str(db), "--by", "seed", "--format", "csv")
     header = result.stdout.splitlines()[0].split(",")
-    assert header[:4] == ["seed", "runs", "test_accuracy", "test_accuracy_std"]
+    assert header[:7] == ["seed", "runs", "test_accuracy", "test_accuracy_std",
+                          "test_accuracy_ci_low", "test_accuracy_ci_high", "test_accuracy_n"]
 
 
 def record_histories(url: str, runs: int = 12, seed: int = 0) -> Store:

@@ -101,20 +101,23 @@ def _metrics(extra: list[str] | None) -> list[str]:
 
 
 def _with_spread(row: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """For a table: each group mean shown as `mean ± std` (std over the group's runs)."""
+    """For a table: each group mean shown as `mean ± h (n=k)`, h the half-width of the 95%
+    confidence interval over the group's k runs; a single run shows its value alone."""
     shown = dict(row)
     for name in names:
-        mean, std = row.get(name), row.get(f"{name}_std")
-        if mean is not None and std is not None:
-            shown[name] = f"{readable(mean, name)} ± {readable(std, name)}"
+        mean, low, high = row.get(name), row.get(f"{name}_ci_low"), row.get(f"{name}_ci_high")
+        if mean is not None and low is not None:
+            half = (high - low) / 2
+            shown[name] = f"{readable(mean, name)} ± {readable(half, name)} (n={row[f'{name}_n']})"
     return shown
 
 
 def _with_std_columns(columns: list[str], names: list[str]) -> list[str]:
-    """For csv and json: each mean column followed by its `_std` column."""
+    """For csv and json: each mean column followed by its spread: `_std`, `_ci_low`, `_ci_high`
+    (the 95% interval of the mean) and `_n` (the runs behind them)."""
     result = []
     for column in columns:
         result.append(column)
         if column in names:
-            result.append(f"{column}_std")
+            result += [f"{column}_{part}" for part in ("std", "ci_low", "ci_high", "n")]
     return result

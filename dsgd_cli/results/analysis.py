@@ -1,5 +1,5 @@
 """Answers from recorded runs' final values: one row per run, groups of runs summarised as
-mean ± std, and ratios against a baseline. When a run reached a target, worked out from its
+mean, std and confidence interval, and ratios against a baseline. When a run reached a target, worked out from its
 metric history, is `dsgd_cli.results.history`."""
 
 from __future__ import annotations
@@ -80,8 +80,10 @@ def run_rows(runs: list[RunRecord], finals: dict[int, dict[str, float]], metrics
 def group_rows(runs: list[RunRecord], rows: list[dict[str, Any]], keys: list[str],
                values: list[str]) -> list[dict[str, Any]]:
     """One row per distinct combination of `keys`, in order of first appearance: the keys, the
-    number of runs, and for each of `values` the mean (`name`) and the sample standard
-    deviation (`name_std`, none for a single value) over the runs that have it."""
+    number of runs, and for each of `values` the mean (`name`), the sample standard deviation
+    (`name_std`), the 95% confidence interval of the mean (`name_ci_low`, `name_ci_high`) and
+    the number of runs behind them (`name_n`), over the runs that have it. With one run there
+    is no spread and no interval (None)."""
     groups: dict[tuple, list[dict]] = {}
     for run, row in zip(runs, rows):
         label = tuple(_label(run_value(run, key)) for key in keys)
@@ -94,11 +96,27 @@ def group_rows(runs: list[RunRecord], rows: list[dict[str, Any]], keys: list[str
             present = [row[name] for row in members if row.get(name) is not None]
             group[name] = statistics.fmean(present) if present else None
             group[f"{name}_std"] = statistics.stdev(present) if len(present) > 1 else None
+            group[f"{name}_n"] = len(present)
+            group[f"{name}_ci_low"], group[f"{name}_ci_high"] = mean_interval(present)
         if "time_to_target" in values:
             reached = sum(row.get("time_to_target") is not None for row in members)
             group["reached"] = f"{reached}/{len(members)}"
         result.append(group)
     return result
+
+
+def mean_interval(values: list[float], level: float = 0.95) -> tuple[float | None, float | None]:
+    """The Student-t confidence interval of the mean of `values` (independent runs, such as
+    seeds): mean ± t(level, n − 1) · s / √n. None, None for fewer than two values, where the
+    sample says nothing about its spread."""
+    n = len(values)
+    if n < 2:
+        return None, None
+    from scipy.stats import t  # scipy comes with scikit-learn; loaded only for groups
+
+    half = float(t.ppf(0.5 + level / 2, n - 1)) * statistics.stdev(values) / math.sqrt(n)
+    mean = statistics.fmean(values)
+    return mean - half, mean + half
 
 
 def _label(value: Any) -> Any:
