@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -9,7 +10,7 @@ import typer
 
 from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.commands.output import check_format, render
+from dsgd_cli.commands.output import check_format, readable, render
 
 LIST_COLUMNS = ["id", "experiment", "status", "workers", "started", "seconds", "tags", "reason"]
 
@@ -102,14 +103,14 @@ def show(run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`")
     import yaml
 
     from dsgd_cli.spec.compute_model import overrun_advice
-    from dsgd_cli.results.reader import Results
+    from dsgd_cli.results.reader import Results, has_direction
 
     store = Results(db)
     run = store.get_run(run_id)
     if run is None:
         raise DsgdError(f"no run with id {run_id}")
     typer.echo(f"run {run.id}: {run.experiment}")
-    typer.echo(f"status: {run.status}" + (f" ({run.reason})" if run.reason else ""))
+    typer.echo(f"status: {_status_line(run.status, run.reason)}")
     ended = run.ended_at.strftime("%Y-%m-%d %H:%M:%S") if run.ended_at else "-"
     typer.echo(f"started: {run.started_at:%Y-%m-%d %H:%M:%S}  ended: {ended}  host: {run.host}  "
                f"dsgd {run.dsgd_version}  spec: {run.spec_file or '-'}")
@@ -123,10 +124,33 @@ def show(run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`")
         resumes = "; ".join(f"{r['at']} from step {r['step']}" for r in store.resumes(run.id))
         typer.echo(f"checkpoints: {checkpoints}" + (f"  resumed: {resumes}" if resumes else ""))
     typer.echo("\nconfiguration:")
-    typer.echo(yaml.safe_dump(run.config, sort_keys=False).rstrip())
+    typer.echo(yaml.safe_dump(_shown_numbers(run.config), sort_keys=False).rstrip())
     typer.echo("\nplugins:")
     typer.echo(render([{"kind": p.kind, "name": p.name, "distribution": p.distribution,
                         "version": p.version} for p in run.plugins]))
     typer.echo("\nmetrics:")
-    typer.echo(render([{"metric": s.name, "final": s.final, "best": s.best}
+    # Each value in its metric's units (bytes in MB, seconds to three digits); a best value
+    # only where the metric has a direction.
+    typer.echo(render([{"metric": s.name, "final": readable(s.final, s.name),
+                        "best": readable(s.best, s.name) if has_direction(s.name) else ""}
                        for s in sorted(run.summaries, key=lambda s: s.name)]))
+
+
+def _status_line(status: str, reason: str | None) -> str:
+    """`failed (rank 1: ...)`; a reason that already starts with the status word is not
+    repeated (`interrupted by SIGINT`, not `interrupted (interrupted by SIGINT)`)."""
+    if not reason:
+        return status
+    return reason if reason.startswith(status) else f"{status} ({reason})"
+
+
+def _shown_numbers(value):
+    """The configuration with floats as people write them: 1e-4, not 9.999999999999999e-05
+    (the stored values are unchanged; 12 significant digits keep every number a spec holds)."""
+    if isinstance(value, dict):
+        return {key: _shown_numbers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_shown_numbers(item) for item in value]
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.12g}")
+    return value

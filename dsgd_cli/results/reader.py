@@ -56,6 +56,13 @@ def higher_is_better(name: str) -> bool:
     return "accuracy" in name or name == "samples_per_second"
 
 
+def has_direction(name: str) -> bool:
+    """Whether a best value of this metric means something: accuracies and throughput are
+    better higher, losses and perplexities lower; bytes, counts, rates and times are what they
+    are (a run that sent fewer bytes in one step did not do better)."""
+    return higher_is_better(name) or "loss" in name or "perplexity" in name
+
+
 def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat = {}
     for key, value in config.items():
