@@ -138,7 +138,8 @@ def test_groups_give_the_students_t_interval_of_the_mean_and_its_run_count(db):
 
 
 def test_a_table_shows_group_means_with_their_spread(db):
-    result = dsgd("compare", "--db", str(db), "--by", "compressor", "--where", "status=completed")
+    result = dsgd("compare", "--db", str(db), "--by", "compressor", "--where", "status=completed",
+                  "--columns", "compressor,runs,test_accuracy,samples_per_second")
     assert result.returncode == 0, result.stderr
     none_row = next(line for line in result.stdout.splitlines() if line.startswith("none"))
     # runs 1, 2 and 5: final test accuracy 0.80, 0.84 and 0.70, samples/s 100, 120 and 200;
@@ -148,7 +149,8 @@ def test_a_table_shows_group_means_with_their_spread(db):
 
 
 def test_tables_show_bytes_and_seconds_for_people_and_csv_keeps_raw_values(db):
-    result = dsgd("compare", "--db", str(db), "--where", "id<=2")
+    result = dsgd("compare", "--db", str(db), "--where", "id<=2", "--columns",
+                  "id,test_accuracy,wall_seconds,samples_per_second,total_bytes_sent")
     assert result.returncode == 0, result.stderr
     header, _, first, second = result.stdout.splitlines()
     assert header.split()[-3:] == ["wall_seconds", "samples_per_second", "total_bytes_sent"]
@@ -354,3 +356,40 @@ def test_short_options_mean_one_thing_across_commands():
             visit(sub)
     visit(get_command(app))
     assert {name: names for name, names in meaning.items() if len(names) > 1} == {}
+
+
+def test_terminal_tables_fit_their_width_and_say_what_they_left_out(db, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    wide = dsgd("compare", "--db", str(db), "--baseline", "base", "--target", "test_accuracy=0.8")
+    assert wide.returncode == 0, wide.stderr
+    lines = wide.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 100, wide.stdout
+    # columns equal in every row are said once, above the table
+    assert lines[0] == "all runs: optimizer sgd, task logreg, workers 2, clock measured"
+    assert lines[1].split()[:4] == ["id", "experiment", "aggregator", "status"]
+    assert "(8 more columns: total_bytes_sent, time_to_target" in wide.stdout
+    assert "accuracy_diff; choose with --columns, or -f csv)" in wide.stdout
+    monkeypatch.setenv("COLUMNS", "300")
+    assert "more columns" not in dsgd("compare", "--db", str(db), "--baseline", "base").stdout
+
+
+def test_columns_picks_the_table_and_csv_keeps_everything(db):
+    picked = dsgd("compare", "--db", str(db), "--columns", "experiment,id")
+    assert picked.stdout.splitlines()[0].split() == ["experiment", "id"]
+    assert picked.stdout.splitlines()[2].split() == ["base", "1"]
+    everything = dsgd("compare", "--db", str(db), "-f", "csv", "--columns", "id")
+    assert everything.stdout.splitlines()[0].startswith("id,experiment,aggregator,optimizer,task")
+    bad = dsgd("compare", "--db", str(db), "--columns", "id,nosuch")
+    assert bad.returncode == 2 and "--columns: no column 'nosuch'" in bad.stderr
+
+
+def test_a_comparison_across_clocks_says_so(tmp_path):
+    store = Store(str(tmp_path / "r.db"))
+    for name, compute in (("real", None), ("emulated", {"step_seconds": 0.1, "time_scale": 2})):
+        cfg = config("allreduce", "none", 0, 0.1) | ({"compute": compute} if compute else {})
+        store.finish_run(store.create_run(name, cfg, None, []), "completed")
+    rows = compare(tmp_path / "r.db")
+    assert [(r["experiment"], r["clock"]) for r in rows] == [("real", "measured"), ("emulated", "modeled")]
+    result = dsgd("compare", "--db", str(tmp_path / "r.db"))
+    assert "note: 1 of these 2 runs have modeled times" in result.stderr
+    assert compare(tmp_path / "r.db", "--where", "clock=modeled")[0]["experiment"] == "emulated"

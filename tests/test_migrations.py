@@ -112,7 +112,7 @@ def test_a_reading_open_reads_an_old_database_as_it_is(old_db):
         result = dsgd_in_process(*args, "--db", str(old_db))
         assert (result.returncode, result.stderr) == (0, ""), args
     listed = json.loads(dsgd_in_process("runs", "-f", "json", "--db", str(old_db)).stdout)
-    assert [(row["id"], row["tags"], row["seconds"]) for row in listed] == [(1, [], 90.5), (2, [], 10.0)]
+    assert [(row["id"], row["tags"], row["real_seconds"]) for row in listed] == [(1, [], 90.5), (2, [], 10.0)]
     assert old_db.read_bytes() == before and version(old_db) == "1"
     assert not Path(f"{old_db}-wal").exists()
 

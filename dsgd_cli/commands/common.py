@@ -10,3 +10,9 @@ FormatOption = Annotated[str, typer.Option(
     "--format", "-f", help="Any tabulate format (simple, github, grid, ...), csv or json")]
 ExperimentOption = Annotated[Optional[list[str]], typer.Option(
     "--experiment", "-e", help="Only this experiment (repeatable; a grid's base name selects all its points)")]
+ColumnsOption = Annotated[Optional[str], typer.Option(
+    "--columns", help="The table's columns, in this order (a,b,c); csv and json keep them all")]
+
+
+def split_columns(text: str | None) -> list[str] | None:
+    return [name.strip() for name in text.split(",") if name.strip()] if text else None

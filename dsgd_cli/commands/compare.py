@@ -7,15 +7,15 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption
-from dsgd_cli.commands.output import check_format, readable, render
+from dsgd_cli.commands.common import ColumnsOption, DbOption, ExperimentOption, FormatOption, split_columns
+from dsgd_cli.commands.output import check_format, fitted, readable, render
 
 if TYPE_CHECKING:
     from dsgd_cli.results.reader import Results, RunRecord
 
 DEFAULT_METRICS = ["test_accuracy", "test_loss", "train_loss", "wall_seconds",
                    "samples_per_second", "total_bytes_sent"]
-RUN_COLUMNS = ["id", "experiment", "aggregator", "optimizer", "task", "workers", "status"]
+RUN_COLUMNS = ["id", "experiment", "aggregator", "optimizer", "task", "workers", "clock", "status"]
 
 WhereOption = Annotated[Optional[list[str]], typer.Option(
     "--where", "-w", help="Only runs where KEY OP VALUE holds: a column (status, aggregator, "
@@ -47,12 +47,14 @@ def compare(
     metric: Annotated[Optional[list[str]], typer.Option(
         "--metric", "-m", help="Another metric column (repeatable)")] = None,
     fmt: FormatOption = "simple",
+    shown: ColumnsOption = None,
 ) -> None:
     """Tabulate past runs: configuration and final metrics, one row per run or per group."""
     from dsgd_cli.results.analysis import (BASELINE_COLUMNS, TARGET_COLUMNS, add_baseline,
                                    baseline_values, group_rows, parse_target, run_rows,
                                    sort_rows)
-    from dsgd_cli.results.query import check_experiment_names, check_keys, parse_where, select_runs
+    from dsgd_cli.results.query import (check_experiment_names, check_keys, clocks_note, parse_where,
+                                        select_runs)
     from dsgd_cli.results.reader import Results
 
     check_format(fmt)
@@ -93,7 +95,13 @@ def compare(
         rows = [_with_spread(row, metrics + (list(TARGET_COLUMNS) if goal else [])) for row in rows]
     elif keys:
         columns = _with_std_columns(columns, metrics + (list(TARGET_COLUMNS) if goal else []))
-    typer.echo(render(rows, fmt, columns))
+    if fmt == "simple":
+        typer.echo(fitted(rows, columns, picked=split_columns(shown)))
+    else:
+        typer.echo(render(rows, fmt, columns))
+    note = clocks_note(runs)
+    if note:
+        typer.echo(note, err=True)
 
 
 def _metrics(extra: list[str] | None) -> list[str]:

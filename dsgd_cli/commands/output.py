@@ -8,6 +8,8 @@ from __future__ import annotations
 import csv
 import io
 import math
+import shutil
+import textwrap
 from itertools import chain
 from typing import Any
 
@@ -62,6 +64,69 @@ def simple_table(table: list[list[str]], headers: list[str]) -> str | None:
     lines = [headers, ["-" * width for width in widths], *table]
     return "\n".join("  ".join(text.ljust(width) for text, width in zip(line, widths)).rstrip()
                      for line in lines)
+
+
+def fitted(rows: list[dict[str, Any]], columns: list[str], width: int | None = None,
+           picked: list[str] | None = None) -> str:
+    """A `simple` table for the terminal, made to fit `width` characters (default: the
+    terminal's, or $COLUMNS): columns that hold the same value in every row go to one line
+    above the table (`all runs: optimizer sgd, task mnist1d_mlp`), long texts are shortened
+    in the middle, and columns that still do not fit are left out, saying which. `picked`
+    (`--columns`) chooses the columns and their order. csv and json never come here: they
+    keep every column, raw."""
+    if picked:
+        unknown = [name for name in picked if name not in columns]
+        if unknown:
+            raise DsgdError(f"--columns: no column {unknown[0]!r} (columns: {', '.join(columns)})")
+        columns = picked
+    width = width or shutil.get_terminal_size((100, 24)).columns
+    header = []
+    empty = [c for c in columns if rows and all(row.get(c) is None for row in rows)]
+    if empty and not picked:  # a column blank in every row says nothing but its name
+        columns = [c for c in columns if c not in empty]
+    if len(rows) > 1 and not picked:
+        same = [c for c in columns if len({cell(row.get(c)) for row in rows}) == 1
+                and rows[0].get(c) is not None]
+        header = [f"{c} {readable(rows[0].get(c), c)}" for c in same]
+        columns = [c for c in columns if c not in same]
+    table = [[readable(row.get(c), c) for c in columns] for row in rows]
+    table = [[_middle(text, MAX_CELL) for text in line] for line in table]
+    left_out = []
+    while len(columns) > 1 and _table_width(table, columns) > width:
+        left_out.append(columns.pop())
+        table = [line[:-1] for line in table]
+    lines = []
+    if header:
+        lines += textwrap.wrap("all runs: " + ", ".join(header), width, subsequent_indent="  ")
+    lines.append(simple_table(table, columns) or _tabulated(table, columns))
+    if empty and not picked:
+        lines += textwrap.wrap(f"(not recorded by any of these runs: {', '.join(empty)})", width)
+    if left_out:
+        lines += textwrap.wrap(f"({len(left_out)} more columns: {', '.join(reversed(left_out))}; "
+                               f"choose with --columns, or -f csv)", width)
+    return "\n".join(lines)
+
+
+MAX_CELL = 32  # longer names are shortened in the middle: `sgp-ring-...-lr0.1`
+
+
+def _middle(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    keep = limit - 1
+    return text[: (keep + 1) // 2] + "…" + text[len(text) - keep // 2:]
+
+
+def _table_width(table: list[list[str]], columns: list[str]) -> int:
+    widths = [max(len(header) + 2, *(len(line[i]) for line in table)) if table else len(header) + 2
+              for i, header in enumerate(columns)]
+    return sum(widths) + 2 * (len(widths) - 1)
+
+
+def _tabulated(table: list[list[str]], columns: list[str]) -> str:
+    from tabulate import tabulate
+
+    return tabulate(table, headers=columns, tablefmt="simple", disable_numparse=True)
 
 
 BYTE_UNITS = ("B", "kB", "MB", "GB", "TB", "PB")

@@ -10,9 +10,11 @@ import typer
 
 from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.commands.output import check_format, readable, render
+from dsgd_cli.commands.output import check_format, fitted, readable, render
 
-LIST_COLUMNS = ["id", "experiment", "status", "workers", "started", "seconds", "tags", "reason"]
+# real_seconds: how long the run took on this machine's clock, whatever clock its metrics are on
+LIST_COLUMNS = ["id", "experiment", "status", "workers", "clock", "started", "real_seconds", "tags",
+                "reason"]
 
 runs_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
                        add_completion=False, pretty_exceptions_enable=False)
@@ -40,10 +42,11 @@ def runs(ctx: typer.Context, db: DbOption = None, experiment: ExperimentOption =
         duration = (run.ended_at - run.started_at).total_seconds() if run.ended_at else None
         tags = run.tag_names
         rows.append({"id": run.id, "experiment": run.experiment, "status": run.status,
-                     "workers": run.workers, "started": run.started_at.strftime("%Y-%m-%d %H:%M:%S"),
-                     "seconds": duration, "tags": tags if fmt == "json" else ",".join(tags),
+                     "workers": run.workers, "clock": run.clock,
+                     "started": run.started_at.strftime("%Y-%m-%d %H:%M:%S"),
+                     "real_seconds": duration, "tags": tags if fmt == "json" else ",".join(tags),
                      "reason": run.reason})
-    typer.echo(render(rows, fmt, LIST_COLUMNS))
+    typer.echo(fitted(rows, LIST_COLUMNS) if fmt == "simple" else render(rows, fmt, LIST_COLUMNS))
 
 
 RunIds = Annotated[list[int], typer.Argument(help="Run ids from `dsgd runs`", show_default=False)]
@@ -111,6 +114,9 @@ def show(run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`")
         raise DsgdError(f"no run with id {run_id}")
     typer.echo(f"run {run.id}: {run.experiment}")
     typer.echo(f"status: {_status_line(run.status, run.reason)}")
+    typer.echo("clock: " + ("modeled (an emulated cluster: every time below is modeled seconds, "
+                            "real time ÷ compute.time_scale)" if run.clock == "modeled" else
+                            "measured (seconds of this machine's clock)"))
     ended = run.ended_at.strftime("%Y-%m-%d %H:%M:%S") if run.ended_at else "-"
     typer.echo(f"started: {run.started_at:%Y-%m-%d %H:%M:%S}  ended: {ended}  host: {run.host}  "
                f"dsgd {run.dsgd_version}  spec: {run.spec_file or '-'}")

@@ -67,7 +67,7 @@ def run_rows(runs: list[RunRecord], finals: dict[int, dict[str, float]], metrics
         aggregator = run.aggregator if run.compressor == "none" else f"{run.aggregator}+{run.compressor}"
         row = {"id": run.id, "experiment": run.experiment, "aggregator": aggregator,
                "optimizer": run.optimizer, "task": run.task, "workers": run.workers,
-               "status": run.status}
+               "clock": run.clock, "status": run.status}
         row.update({name: finals.get(run.id, {}).get(name) for name in metrics})
         if reached is not None:
             when = reached.get(run.id)

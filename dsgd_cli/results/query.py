@@ -15,7 +15,7 @@ from dsgd_cli.results.reader import RunRecord, flatten_config
 
 # Keys that name a column of the run rather than a configuration key.
 RUN_COLUMNS = ("id", "experiment", "status", "task", "aggregator", "compressor", "optimizer",
-               "workers", "host", "tag")
+               "workers", "host", "tag", "clock")
 OPERATORS: dict[str, Callable[[Any, Any], bool]] = {
     ">=": operator.ge, "<=": operator.le, "!=": operator.ne,
     "=": operator.eq, ">": operator.gt, "<": operator.lt,
@@ -151,6 +151,17 @@ def check_experiment_names(experiments: list[str] | None, selected: list[RunReco
             shown = ", ".join(known[:20]) + (", ..." if len(known) > 20 else "")
             raise DsgdError(f"--experiment {name!r}: no recorded run has this experiment name "
                             f"(recorded: {shown or 'none'})")
+
+
+def clocks_note(runs: list[RunRecord]) -> str | None:
+    """One line for a comparison or plot whose runs' times are on different clocks (modeled
+    on an emulated cluster, measured otherwise): their seconds cannot be set side by side."""
+    clocks = {run.clock for run in runs}
+    if len(clocks) < 2:
+        return None
+    modeled = sum(run.clock == "modeled" for run in runs)
+    return (f"note: {modeled} of these {len(runs)} runs have modeled times (an emulated cluster) "
+            f"and {len(runs) - modeled} measured ones: their seconds are not comparable")
 
 
 def names(run: RunRecord, selector: str) -> bool:

@@ -135,6 +135,13 @@ class RunRecord:
         of runs that shows no configuration key never decodes it)."""
         return _json(self.config_json)
 
+    @property
+    def clock(self) -> str:
+        """Which clock the run's times are on: `modeled` on an emulated cluster (a compute
+        model: every recorded time is modeled seconds, real time ÷ time_scale), `measured`
+        otherwise (seconds of this machine's clock, as noisy as the machine)."""
+        return "modeled" if self.config.get("compute") else "measured"
+
 
 # -- the reader ----------------------------------------------------------------------------------
 
