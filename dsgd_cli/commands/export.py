@@ -37,8 +37,8 @@ def export(
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", help="The file to write (csv and json: stdout without it)")] = None,
 ) -> None:
-    """Export the recorded metric history: run id, experiment, the configuration columns asked
-    for, metric, step, epoch, rank, seconds, value."""
+    """Export the recorded metric history: run id, experiment, clock, the configuration columns
+    asked for, metric, step, epoch, rank, seconds, value."""
     from dsgd_cli.results.query import check_keys, parse_where, pick, select_runs
     from dsgd_cli.results.reader import Results
 
@@ -52,7 +52,8 @@ def export(
     recorded = store.runs(details=False)
     chosen = select_runs(pick(recorded, runs or []), conditions)
     check_keys(keys, recorded, "--config")
-    columns = ["run_id", "experiment", *keys, *HISTORY_COLUMNS]
+    # clock: whether the seconds column is modeled (an emulated cluster) or measured
+    columns = ["run_id", "experiment", "clock", *keys, *HISTORY_COLUMNS]
     rows = _rows(store, chosen, keys, metric)
     try:
         if fmt == "parquet":
@@ -78,7 +79,7 @@ def _rows(store: Results, runs: list[RunRecord], keys: list[str],
     from dsgd_cli.results.store import Metric
 
     by_id = {run.id: run for run in runs}
-    fixed = {run.id: [run.id, run.experiment, *[_plain(run_value(run, k)) for k in keys]]
+    fixed = {run.id: [run.id, run.experiment, run.clock, *[_plain(run_value(run, k)) for k in keys]]
              for run in runs}
     query = (select(Metric.run_id, Metric.name, Metric.step, Metric.epoch, Metric.rank,
                     Metric.seconds, Metric.value)

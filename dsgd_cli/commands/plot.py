@@ -27,7 +27,9 @@ def plot(
     db: DbOption = None,
     where: WhereOption = None,
     by: Annotated[Optional[str], typer.Option(
-        "--by", help="One line per group of runs with equal KEY[,KEY]: mean and ±std band")] = None,
+        "--by", help="One line per group of runs with equal KEY[,KEY]: the mean with a band")] = None,
+    band: Annotated[str, typer.Option(
+        "--band", help="What a group's band shows: ci (the 95% interval of the mean) or std")] = "ci",
     metric: Annotated[str, typer.Option("--metric", "-m", help="The metric to plot")] = "test_accuracy",
     x: Annotated[str, typer.Option("--x", help="The x axis: step, epoch, seconds or bytes")] = "step",
     last: Annotated[Optional[int], typer.Option("--last", min=1, help="Only the newest N runs")] = None,
@@ -39,12 +41,15 @@ def plot(
 ) -> None:
     """Plot a metric of past runs: one line per run, or per group with --by."""
     # numpy, matplotlib and SQLAlchemy load here, not when the CLI starts.
-    from dsgd_cli.results.plotting import X_AXES, figure, group_lines, run_lines, terminal_chart
-    from dsgd_cli.results.query import check_keys, parse_where, pick, select_runs
+    from dsgd_cli.results.plotting import (BANDS, X_AXES, figure, group_lines, run_lines,
+                                            terminal_chart)
+    from dsgd_cli.results.query import check_keys, clocks_note, parse_where, pick, select_runs
     from dsgd_cli.results.reader import Results
 
     if x not in X_AXES:
         raise DsgdError(f"--x: expected one of {', '.join(X_AXES)}, got {x!r}")
+    if band not in BANDS:
+        raise DsgdError(f"--band: expected one of {', '.join(BANDS)}, got {band!r}")
     file_format = None if output is None else chart_format(output)
     conditions = [parse_where(text) for text in where or []]
     keys = [key.strip() for key in by.split(",") if key.strip()] if by else []
@@ -60,14 +65,19 @@ def plot(
     check_keys(keys, recorded, "--by")
     if not chosen:
         raise DsgdError("no recorded run matches: nothing to plot")
-    lines = (group_lines(store, chosen, keys, metric, x) if keys
+    lines = (group_lines(store, chosen, keys, metric, x, band) if keys
              else run_lines(store, chosen, metric, x))
+    clocks = {run.clock for run in chosen}
+    clock = clocks.pop() if len(clocks) == 1 else "mixed"
+    note = clocks_note(chosen)
+    if note:
+        typer.echo(note, err=True)
     if output is None:
         size = shutil.get_terminal_size((100, 30))
         typer.echo(terminal_chart(lines, metric, x, size.columns, max(15, size.lines - 5),
-                                  color=sys.stdout.isatty()))
+                                  color=sys.stdout.isatty(), clock=clock))
         return
-    write_chart(figure(lines, metric, x), output, file_format)
+    write_chart(figure(lines, metric, x, clock, keys), output, file_format)
     typer.echo(f"wrote {output}")
 
 

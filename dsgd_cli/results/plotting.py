@@ -15,9 +15,11 @@ from dsgd_cli.errors import DsgdError
 from dsgd_cli.results.query import flat_config, run_value
 from dsgd_cli.results.reader import Results, RunRecord
 
-X_AXES = {"step": "step", "epoch": "epoch", "seconds": "training time (s)",
-          "bytes": "bytes sent by all workers"}
+X_AXES = {"step": "step", "epoch": "epoch", "seconds": "training time",
+          "bytes": "sent by all workers"}
 IGNORED_IN_LEGEND = ("name",)
+BANDS = {"ci": "95% CI", "std": "1 std"}  # what a group's shaded band shows
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")  # one per line, in the legend's order
 
 
 @dataclass
@@ -26,20 +28,24 @@ class Line:
     x: np.ndarray
     y: np.ndarray
     std: np.ndarray | None = None  # a group's sample standard deviation at each x
+    low: np.ndarray | None = None  # a group's band at each x (NaN where one run has data)
+    high: np.ndarray | None = None
 
 
 def run_lines(store: Results, runs: list[RunRecord], metric: str, x_axis: str) -> list[Line]:
-    """One line per run that recorded `metric`, labelled by what differs between the runs."""
+    """One line per run that recorded `metric`, labelled by its experiment's name (and what
+    differs between runs of the same experiment)."""
     xy = _series(store, runs, metric, x_axis)
     labels = legend_labels(runs)
     return [Line(labels[run.id], *xy[run.id]) for run in runs if run.id in xy]
 
 
 def group_lines(store: Results, runs: list[RunRecord], keys: list[str], metric: str,
-                x_axis: str) -> list[Line]:
+                x_axis: str, band: str = "ci") -> list[Line]:
     """One line per group of runs with equal values of `keys`: the mean of the runs' curves,
     each interpolated at every x any of them recorded (only where it has data on both sides),
-    and their sample standard deviation where at least two runs have data."""
+    their sample standard deviation where at least two runs have data, and a band around the
+    mean: the 95% Student-t interval of the mean (`band="ci"`) or ±1 std (`"std"`)."""
     xy = _series(store, runs, metric, x_axis)
     groups: dict[tuple, list[RunRecord]] = {}
     for run in runs:
@@ -55,14 +61,40 @@ def group_lines(store: Results, runs: list[RunRecord], keys: list[str], metric: 
             warnings.simplefilter("ignore", RuntimeWarning)
             mean = np.nanmean(curves, axis=0)
             std = np.nanstd(curves, axis=0, ddof=1) if len(members) > 1 else None
+        low = high = None
         if std is not None:
             std = np.where(present > 1, std, np.nan)
+            half = std if band == "std" else _t_quantiles(present) * std / np.sqrt(present)
+            low, high = mean - half, mean + half
         label = ", ".join(f"{_short(k)}={v}" for k, v in zip(keys, values))
-        lines.append(Line(f"{label} ({len(members)} runs)", grid, mean, std))
+        shown = f"mean ± {BANDS[band]}, {len(members)} runs" if len(members) > 1 else "1 run"
+        lines.append(Line(f"{label} ({shown})", grid, mean, std, low, high))
     return lines
 
 
+def _t_quantiles(counts: np.ndarray) -> np.ndarray:
+    """Student's t at 97.5% for each count of runs (n − 1 degrees of freedom); NaN below 2."""
+    from scipy.stats import t
+
+    return np.where(counts > 1, t.ppf(0.975, np.maximum(counts - 1, 1)), np.nan)
+
+
 def legend_labels(runs: list[RunRecord]) -> dict[int, str]:
+    """For each run, its experiment's name; where several runs share it, the name with what
+    differs between them (`allreduce: seed=1`), or the run id where nothing does."""
+    by_name: dict[str, list[RunRecord]] = {}
+    for run in runs:
+        by_name.setdefault(run.experiment, []).append(run)
+    labels = {}
+    for name, same in by_name.items():
+        if len({run.id for run in same}) == 1:
+            labels.update({run.id: name for run in same})
+        else:
+            labels.update({run_id: f"{name}: {text}" for run_id, text in differences(same).items()})
+    return labels
+
+
+def differences(runs: list[RunRecord]) -> dict[int, str]:
     """For each run, the configuration keys whose values differ between `runs` (`lr=0.1,
     aggregator=sgp`), leaving out options that differ only because the plugin does; the run
     id where nothing differs or two runs would look the same."""
@@ -136,21 +168,50 @@ def _series(store: Results, runs: list[RunRecord], metric: str,
     return series
 
 
-def figure(lines: list[Line], metric: str, x_axis: str):
-    """A matplotlib figure of the lines, without a display (for files and for tests)."""
+def figure(lines: list[Line], metric: str, x_axis: str, clock: str | None = None,
+           grouped_by: list[str] | None = None):
+    """A matplotlib figure of the lines, without a display (for files and for tests): a title
+    saying what is drawn against what (and by what it is grouped), axes with their units and
+    clock, each line with its own marker, and the legend beside the data, never over it."""
     Figure = _figure_class()
-    fig = Figure(figsize=(8, 5), layout="constrained")
+    fig = Figure(figsize=(9, 5), layout="constrained")
     ax = fig.add_subplot()
-    for line in lines:
-        (drawn,) = ax.plot(line.x, line.y, label=line.label, marker="o" if len(line.x) < 20 else None)
-        if line.std is not None:
-            ax.fill_between(line.x, line.y - line.std, line.y + line.std,
-                            color=drawn.get_color(), alpha=0.2, linewidth=0)
-    ax.set_xlabel(X_AXES[x_axis])
-    ax.set_ylabel(_metric_label(metric))
+    scale, unit = _byte_scale(lines) if x_axis == "bytes" else (1.0, "")
+    for index, line in enumerate(lines):
+        x = line.x / scale
+        (drawn,) = ax.plot(x, line.y, label=line.label, marker=MARKERS[index % len(MARKERS)],
+                           markevery=max(1, len(x) // 12), markersize=4)
+        if line.low is not None:
+            ax.fill_between(x, line.low, line.high, color=drawn.get_color(), alpha=0.2, linewidth=0)
+    x_label = x_axis_label(x_axis, clock, unit)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(_metric_label(metric, clock))
+    title = f"{metric} against {x_label}"
+    ax.set_title(title + (f", by {', '.join(_short(k) for k in grouped_by)}" if grouped_by else ""),
+                 fontsize="medium")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    if lines:
+        fig.legend(loc="outside right upper", fontsize="small")
     return fig
+
+
+def x_axis_label(x_axis: str, clock: str | None, unit: str = "") -> str:
+    """`modeled seconds`, `MB sent by all workers`, `step`: the axis with its unit and clock."""
+    if x_axis == "seconds":
+        return {"modeled": "modeled seconds", "measured": "measured seconds",
+                "mixed": "seconds (modeled and measured: not comparable)"}.get(clock or "", "seconds")
+    if x_axis == "bytes":
+        return f"{unit} {X_AXES['bytes']}"
+    return X_AXES[x_axis]
+
+
+def _byte_scale(lines: list[Line]) -> tuple[float, str]:
+    """The unit bytes are drawn in, by the largest value: kB below 1 MB, GB from 10 GB on, MB
+    between (powers of 1000, as tables show them)."""
+    largest = max((float(np.nanmax(line.x)) for line in lines if len(line.x)), default=0.0)
+    if largest < 1e6:
+        return 1e3, "kB"
+    return (1e9, "GB") if largest >= 1e10 else (1e6, "MB")
 
 
 def _figure_class():
@@ -179,7 +240,7 @@ TERMINAL_MARKERS = ("braille", "x", "+", "o", "*", "dot")  # tell lines apart wi
 
 
 def terminal_chart(lines: list[Line], metric: str, x_axis: str, width: int, height: int,
-                   color: bool) -> str:
+                   color: bool, clock: str | None = None) -> str:
     """The same chart as text, drawn by plotext (group means only: no shaded bands)."""
     import plotext
 
@@ -188,15 +249,15 @@ def terminal_chart(lines: list[Line], metric: str, x_axis: str, width: int, heig
     for index, line in enumerate(lines):
         plotext.plot(line.x.tolist(), line.y.tolist(), label=line.label,
                      marker=TERMINAL_MARKERS[index % len(TERMINAL_MARKERS)])
-    plotext.xlabel(X_AXES[x_axis])
-    plotext.ylabel(_metric_label(metric))
+    plotext.xlabel(x_axis_label(x_axis, clock, "bytes"))
+    plotext.ylabel(_metric_label(metric, clock))
     chart = plotext.build()
     return chart if color else plotext.uncolorize(chart)
 
 
-def _metric_label(metric: str) -> str:
-    if metric.endswith("seconds"):
-        return f"{metric} (s)"
+def _metric_label(metric: str, clock: str | None = None) -> str:
+    if metric.endswith("seconds") or metric.startswith("time_to_"):
+        return f"{metric} ({clock} s)" if clock in ("modeled", "measured") else f"{metric} (s)"
     if metric.startswith("bytes") or metric.endswith("bytes_sent"):
         return f"{metric} (bytes)"
     return metric
