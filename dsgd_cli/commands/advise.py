@@ -11,7 +11,7 @@ import typer
 
 from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption
 from dsgd_cli.commands.compare import WhereOption
-from dsgd_cli.commands.output import check_format, render
+from dsgd_cli.commands.output import check_format, fitted, render
 from dsgd_cli.errors import DsgdError
 
 
@@ -53,7 +53,10 @@ def advise(
     rows = [_finite(row) for row in advise_rows(store, runs, goal, keys, counts)]
     if fmt not in ("csv", "json"):
         rows = [{**row, "extrapolated": "yes" if row["extrapolated"] else ""} for row in rows]
-    typer.echo(render(rows, fmt, keys + ROW_COLUMNS))
+    if fmt == "simple":
+        typer.echo(fitted(rows, keys + ROW_COLUMNS, every="every row"))
+    else:
+        typer.echo(render(rows, fmt, keys + ROW_COLUMNS))
 
 
 def _finite(row: dict[str, Any]) -> dict[str, Any]:

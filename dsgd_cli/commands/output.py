@@ -67,11 +67,12 @@ def simple_table(table: list[list[str]], headers: list[str]) -> str | None:
 
 
 def fitted(rows: list[dict[str, Any]], columns: list[str], width: int | None = None,
-           picked: list[str] | None = None) -> str:
+           picked: list[str] | None = None, every: str = "all runs") -> str:
     """A `simple` table for the terminal, made to fit `width` characters (default: the
     terminal's, or $COLUMNS): columns that hold the same value in every row go to one line
     above the table (`all runs: optimizer sgd, task mnist1d_mlp`), long texts are shortened
-    in the middle, and columns that still do not fit are left out, saying which. `picked`
+    in the middle, and columns that still do not fit are left out, saying which. `every`
+    names what the rows are in that line. `picked`
     (`--columns`) chooses the columns and their order. csv and json never come here: they
     keep every column, raw."""
     if picked:
@@ -81,7 +82,7 @@ def fitted(rows: list[dict[str, Any]], columns: list[str], width: int | None = N
         columns = picked
     width = width or shutil.get_terminal_size((100, 24)).columns
     header = []
-    empty = [c for c in columns if rows and all(row.get(c) is None for row in rows)]
+    empty = [c for c in columns if rows and all(row.get(c) in (None, "") for row in rows)]
     if empty and not picked:  # a column blank in every row says nothing but its name
         columns = [c for c in columns if c not in empty]
     if len(rows) > 1 and not picked:
@@ -90,14 +91,14 @@ def fitted(rows: list[dict[str, Any]], columns: list[str], width: int | None = N
         header = [f"{c} {readable(rows[0].get(c), c)}" for c in same]
         columns = [c for c in columns if c not in same]
     table = [[readable(row.get(c), c) for c in columns] for row in rows]
-    table = [[_middle(text, MAX_CELL) for text in line] for line in table]
+    table = _shortened(table, columns, width)
     left_out = []
     while len(columns) > 1 and _table_width(table, columns) > width:
         left_out.append(columns.pop())
         table = [line[:-1] for line in table]
     lines = []
     if header:
-        lines += textwrap.wrap("all runs: " + ", ".join(header), width, subsequent_indent="  ")
+        lines += textwrap.wrap(f"{every}: " + ", ".join(header), width, subsequent_indent="  ")
     lines.append(simple_table(table, columns) or _tabulated(table, columns))
     if empty and not picked:
         lines += textwrap.wrap(f"(not recorded by any of these runs: {', '.join(empty)})", width)
@@ -107,7 +108,21 @@ def fitted(rows: list[dict[str, Any]], columns: list[str], width: int | None = N
     return "\n".join(lines)
 
 
-MAX_CELL = 32  # longer names are shortened in the middle: `sgp-ring-...-lr0.1`
+MIN_CELL = 24  # texts are shortened in the middle down to this width, no further
+
+
+def _shortened(table: list[list[str]], columns: list[str], width: int) -> list[list[str]]:
+    """The widest columns' texts shortened in the middle (`sgp-ring-…-lr0.1`), widest first,
+    as far as the table is too wide and no column below MIN_CELL."""
+    while table and (excess := _table_width(table, columns) - width) > 0:
+        widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+        widest = max(range(len(columns)), key=lambda i: widths[i])
+        limit = max(MIN_CELL, len(columns[widest]) + 2, widths[widest] - excess)
+        if limit >= widths[widest]:
+            break  # nothing left to shorten: columns go instead
+        table = [[_middle(text, limit) if i == widest else text for i, text in enumerate(line)]
+                 for line in table]
+    return table
 
 
 def _middle(text: str, limit: int) -> str:
@@ -138,7 +153,7 @@ def readable(value: Any, column: str) -> str:
         return cell(value)
     if "bytes" in column and not column.endswith("_ratio"):
         return readable_bytes(value)
-    if column.endswith("seconds") or column.startswith("time_to_"):
+    if column.endswith("seconds") or column.startswith("time_"):  # time_to_target, time_low
         return readable_seconds(value)
     if column.endswith("_per_second"):
         return f"{value:.0f}"

@@ -99,6 +99,10 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 # -- the two models ------------------------------------------------------------------------------
 
+SYSTEM_PARAMETERS = 4       # θ0..θ3 below
+CONVERGENCE_PARAMETERS = 3  # β0..β2
+
+
 def system_features(workers: Iterable[float]) -> np.ndarray:
     """Ernest's features of a cluster of n workers: 1, 1/n, log n, n."""
     n = np.asarray(list(workers), dtype=float)
@@ -247,6 +251,7 @@ class Prediction:
     time_low: float | None
     time_high: float | None
     extrapolated: bool
+    warnings: list[str] = field(default_factory=list)  # why this number is less sure than it looks
 
 
 @dataclass
@@ -318,11 +323,14 @@ def refusal(observations: list[Observation], target: Target) -> str | None:
 
 
 def next_counts(recorded: list[int], how_many: int) -> list[int]:
-    """Worker counts to add to `recorded`: doubling from the largest (from 2 if none)."""
-    counts, n = [], (max(recorded) if recorded else 1)
+    """The cheapest worker counts to add to `recorded`: the smallest powers of two from 2 that
+    it lacks (a run costs about n times its time, so the small counts are the cheap ones:
+    with runs at 8 only, 2 and 4 rather than 16 and 32)."""
+    counts, n = [], 2
     while len(counts) < how_many:
+        if n not in recorded:
+            counts.append(n)
         n *= 2
-        counts.append(n)
     return counts
 
 
@@ -339,17 +347,46 @@ def advise_group(label: tuple, observations: list[Observation], workers: list[in
     fit = Fit(observations)
     points = fit.time(workers)
     low, high = bootstrap_interval(observations, workers, seed)
+    fit_error = leave_one_out_error(observations)
+    group_warnings = fit_warnings(observations, fit_error)
     predictions = []
     for index, n in enumerate(workers):
         time = float(points[index])
         if not (math.isfinite(time) and time > 0):
             continue  # no coefficient survived: nothing to say at this n
+        time_low = None if low is None else float(low[index])
+        time_high = None if high is None else float(high[index])
+        warnings = list(group_warnings)
+        if time_low is None:
+            warnings.append("no interval: too few resamples could be fitted")
+        elif not (time_low < time * (1 - EDGE) and time * (1 + EDGE) < time_high):
+            # The interval is the bootstrap's, never widened to hold the estimate: an estimate
+            # on or outside its edge says the fit hangs on a few runs.
+            warnings.append("estimate not inside its interval")
         predictions.append(Prediction(
             n, float(fit.seconds_per_step([n])[0]), float(fit.steps([n])[0]), time,
-            None if low is None else min(float(low[index]), time),
-            None if high is None else max(float(high[index]), time),
-            not fit.low <= n <= fit.high))
-    return GroupAdvice(label, predictions, leave_one_out_error(observations))
+            time_low, time_high, not fit.low <= n <= fit.high, warnings))
+    return GroupAdvice(label, predictions, fit_error)
+
+
+MAX_FIT_ERROR = 0.25  # a leave-one-out error above this is flagged
+EDGE = 1e-6  # an estimate within this relative distance of its interval's edge is on it
+
+
+def fit_warnings(observations: list[Observation], fit_error: float | None) -> list[str]:
+    """What makes every number of a group unsure: fewer runs than a model has parameters
+    (its interval then comes from fits that interpolate their runs exactly), or a large
+    leave-one-out error."""
+    warnings = []
+    timed = sum(o.seconds_per_step is not None for o in observations)
+    curves = sum(o.steps is not None for o in observations)
+    for name, runs, parameters in (("step-time", timed, SYSTEM_PARAMETERS),
+                                   ("convergence", curves, CONVERGENCE_PARAMETERS)):
+        if runs < parameters:
+            warnings.append(f"{runs} runs for the {parameters}-parameter {name} model")
+    if fit_error is not None and fit_error > MAX_FIT_ERROR:
+        warnings.append(f"fit error {fit_error:.0%}")
+    return warnings
 
 
 def bootstrap_interval(observations: list[Observation], workers: list[int],
@@ -476,14 +513,15 @@ def parse_workers(text: str) -> list[int]:
 
 
 ROW_COLUMNS = ["workers", "seconds_per_step", "steps_to_target", "time_to_target", "time_low",
-               "time_high", "extrapolated", "rank", "best", "fit_error", "advice"]
+               "time_high", "extrapolated", "rank", "best", "fit_error", "warning", "advice"]
 
 
 def advice_rows(groups: list[GroupAdvice], keys: list[str]) -> list[dict[str, Any]]:
     """One row per (group, n) with a prediction, ordered by n and, within each n, fastest
     first: `rank` among the groups at that n, `best` "overall" for the soonest of all and "at
-    n" for the soonest at its n; then, for each group that gets no number, one row per n
-    with only `workers` and `advice`."""
+    n" for the soonest at its n, each only where it is clearly ahead (its interval below the
+    runner-up's), and `warning` for what makes the number unsure; then, for each group that
+    gets no number, one row per n with only `workers` and `advice`."""
     rows = []
     for group in groups:
         for p in group.predictions:
@@ -492,20 +530,41 @@ def advice_rows(groups: list[GroupAdvice], keys: list[str]) -> list[dict[str, An
                          "steps_to_target": p.steps_to_target, "time_to_target": p.time_to_target,
                          "time_low": p.time_low, "time_high": p.time_high,
                          "extrapolated": p.extrapolated, "rank": None, "best": None,
-                         "fit_error": group.fit_error, "advice": None})
+                         "fit_error": group.fit_error, "warning": list(p.warnings), "advice": None})
     rows.sort(key=lambda row: (row["workers"], row["time_to_target"]))
     for n in sorted({row["workers"] for row in rows}):
         at_n = [row for row in rows if row["workers"] == n]
         for rank, row in enumerate(at_n, start=1):
             row["rank"] = rank
-        at_n[0]["best"] = "at n"
-    if rows:
-        min(rows, key=lambda row: row["time_to_target"])["best"] = "overall"
+        _claim_best(at_n, "at n", keys)
+    _claim_best(sorted(rows, key=lambda row: row["time_to_target"]), "overall", keys)
+    for row in rows:
+        row["warning"] = "; ".join(row["warning"]) or None
     for group in groups:
         if group.advice is not None:
             rows.extend({**dict(zip(keys, group.label)), **{c: None for c in ROW_COLUMNS},
                          "workers": n, "advice": group.advice} for n in group.workers)
     return rows
+
+
+def _claim_best(ranked: list[dict[str, Any]], claim: str, keys: list[str]) -> None:
+    """Mark the first of `ranked` (fastest first) best with `claim` where nothing is close
+    behind: alone, or with its whole interval below the runner-up's. Otherwise say which
+    runner-up it cannot be told apart from."""
+    if not ranked:
+        return
+    first = ranked[0]
+    if len(ranked) == 1:
+        first["best"] = claim
+        return
+    second = ranked[1]
+    apart = (first["time_high"] is not None and second["time_low"] is not None
+             and first["time_high"] < second["time_low"])
+    if apart:
+        first["best"] = claim
+    else:
+        who = ", ".join(f"{second[k]}" for k in keys) or "the runner-up"
+        first["warning"].append(f"no clear best {claim}: intervals overlap {who} at n = {second['workers']}")
 
 
 def advise(store: Results, runs: list[RunRecord], target: Target, keys: list[str],
