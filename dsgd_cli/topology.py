@@ -47,6 +47,12 @@ __all__ = [
     "CompleteTopology",
     "ExponentialTopology",
     "TimeVaryingExponentialTopology",
+    "HopScheduleTopology",
+    "DynamicDirectedExponentialTopology",
+    "NPeerDynamicDirectedExponentialTopology",
+    "DynamicBipartiteExponentialTopology",
+    "DynamicDirectedLinearTopology",
+    "DynamicBipartiteLinearTopology",
     "HypercubeTopology",
     "RandomRegularTopology",
     "CustomTopology",
@@ -129,6 +135,21 @@ class Topology(ABC):
         for i in range(n):
             adj[i, self.out_peers(i, step)] = True
         return adj
+
+    def out_counts(self, rank: int, step: int = 0) -> dict[int, int]:
+        """How many shares ``rank`` sends each of its out-peers at ``step``: one each, except
+        on a schedule that lists a peer twice in one step (:class:`HopScheduleTopology`)."""
+        return dict.fromkeys(self.out_peers(rank, step), 1)
+
+    def count_matrix(self, step: int = 0) -> np.ndarray:
+        """``C[i, j]``: how many shares ``i`` sends ``j`` at ``step`` (float64; the adjacency
+        matrix where no peer is listed twice)."""
+        n = self.world_size
+        counts = np.zeros((n, n), dtype=np.float64)
+        for i in range(n):
+            for peer, count in self.out_counts(i, step).items():
+                counts[i, peer] = count
+        return counts
 
     def __repr__(self) -> str:
         kind = "directed" if self.directed else "undirected"
@@ -240,6 +261,10 @@ class TimeVaryingExponentialTopology(Topology):
     The period is ``K / gcd(K, peers_per_step)`` (``peers_per_step`` is capped
     at ``K``).  For ``n`` a power of two and ``peers_per_step=1``, one period
     of push-sum with weights 1/2 averages exactly.
+
+    With one peer per step this is the SGP reference's n-peer graph with one peer
+    (:class:`NPeerDynamicDirectedExponentialTopology`); with more it is not: the
+    reference then hops ``j * (p + 1)^i``, this graph powers of two.
     """
 
     name = "time_varying_exponential"
@@ -270,6 +295,157 @@ class TimeVaryingExponentialTopology(Topology):
 
     def _in(self, rank, step):
         return [rank - h for h in self.hops_at(step)]
+
+
+class HopScheduleTopology(Topology):
+    """A directed circulant graph that cycles through a list of hops: the graphs of the SGP
+    reference implementation (Assran, Loizou, Ballas, Rabbat, ICML 2019, "Stochastic Gradient
+    Push for Distributed Deep Learning", whose code keeps the list as each worker's "phone
+    book").
+
+    Every worker has the same list of hops ``h_0, h_1, ..., h_(L-1)`` (signed: ``-2`` is two
+    ranks back), repeats included. At step ``t`` worker ``i`` sends to ``i + h`` for the
+    ``peers_per_step`` hops from position ``t * peers_per_step`` on, wrapping around the list,
+    so the period is ``L / gcd(L, peers_per_step)``. A hop listed twice in one step sends two
+    shares to that peer (:meth:`out_counts`), as the reference does; a hop that is a multiple
+    of ``n`` (the worker itself, which the reference does not handle) is left out of the step.
+    Subclasses give the list (:meth:`schedule`).
+    """
+
+    def __init__(self, world_size: int, peers_per_step: int = 1):
+        super().__init__(world_size, directed=True)
+        if isinstance(peers_per_step, bool) or not isinstance(peers_per_step, (int, np.integer)) \
+                or peers_per_step < 1:
+            raise ValueError(f"peers_per_step must be an int >= 1, got {peers_per_step!r}")
+        self.peers_per_step = int(peers_per_step)
+        self.hops = self.schedule() if self.world_size > 1 else []
+        if self.peers_per_step > max(len(self.hops), 1):
+            raise ValueError(
+                f"{self.name} with {self.world_size} workers cycles through {len(self.hops)} "
+                f"hops, so peers_per_step must be at most {len(self.hops)}, got "
+                f"{self.peers_per_step}")
+
+    @abstractmethod
+    def schedule(self) -> list[int]:
+        """The signed hops, in the order the steps use them (``world_size`` >= 2)."""
+
+    @property
+    def period(self) -> int:
+        length = len(self.hops)
+        return length // math.gcd(length, self.peers_per_step) if length else 1
+
+    def hops_at(self, step: int) -> list[int]:
+        """The hops used at ``step``, in schedule order, repeats included."""
+        if not self.hops:
+            return []
+        start = (step % self.period) * self.peers_per_step
+        return [self.hops[(start + j) % len(self.hops)] for j in range(self.peers_per_step)]
+
+    def _out(self, rank, step):
+        return [rank + hop for hop in self.hops_at(step)]
+
+    def _in(self, rank, step):
+        return [rank - hop for hop in self.hops_at(step)]
+
+    def out_counts(self, rank: int, step: int = 0) -> dict[int, int]:
+        self._check_rank(rank)
+        n = self.world_size
+        counts: dict[int, int] = {}
+        for hop in self.hops_at(step):
+            if hop % n:
+                peer = (rank + hop) % n
+                counts[peer] = counts.get(peer, 0) + 1
+        return dict(sorted(counts.items()))
+
+
+def _powers(base: int, limit: int) -> list[int]:
+    """``base^0, base^1, ...`` up to and including ``limit`` (exact integers, no logarithms)."""
+    powers, power = [], 1
+    while power <= limit:
+        powers.append(power)
+        power *= base
+    return powers
+
+
+def _both_ways(hops: Iterable[int]) -> list[int]:
+    """Each hop forward, then the same hop backward: ``[h0, -h0, h1, -h1, ...]``."""
+    return [signed for hop in hops for signed in (hop, -hop)]
+
+
+class DynamicDirectedExponentialTopology(HopScheduleTopology):
+    """The SGP reference's directed exponential graph (its graph_type 0, used by its job
+    scripts): hops ``+1, -1, +2, -2, +4, -4, ...`` for every ``2^k <= n - 1``, one per step by
+    default. Repeats are kept: with 2 workers ``+1`` and ``-1`` are the same peer, and the
+    period is still 2."""
+
+    name = "dynamic_directed_exponential"
+
+    def schedule(self):
+        return _both_ways(_powers(2, self.world_size - 1))
+
+
+class NPeerDynamicDirectedExponentialTopology(HopScheduleTopology):
+    """The SGP reference's n-peer exponential graph (its default): with ``p`` peers per step,
+    forward hops ``j * (p + 1)^i`` for ``j = 1..p`` and every ``(p + 1)^i <= n - 1``, listed
+    ``i`` by ``i``, so step ``t`` uses the ``p`` hops of ``i = t mod (number of powers)``.
+    With 8 workers and 2 peers: ``{1, 2}``, then ``{3, 6}``. With one peer it is
+    ``time_varying_exponential``. ``peers_per_step`` is at most ``n - 1``."""
+
+    name = "npeer_dynamic_directed_exponential"
+
+    def schedule(self):
+        p, n = self.peers_per_step, self.world_size
+        if p > n - 1:
+            raise ValueError(f"{self.name} with {n} workers takes peers_per_step at most {n - 1}, "
+                             f"got {p}")
+        return [j * power for power in _powers(p + 1, n - 1) for j in range(1, p + 1)]
+
+
+def _check_even(topology: Topology) -> None:
+    n = topology.world_size
+    if n % 2:
+        raise ValueError(f"{topology.name} needs an even number of workers (even ranks on one "
+                         f"side, odd ranks on the other), got {n}")
+
+
+def _crossing(hops: list[int]) -> list[int]:
+    """The hops that join the even and the odd ranks: the odd ones, for an even ``n``."""
+    return [hop for hop in hops if hop % 2]
+
+
+class DynamicBipartiteExponentialTopology(HopScheduleTopology):
+    """The SGP reference's bipartite exponential graph (its graph_type 1): even ranks on one
+    side, odd ranks on the other, hops ``±1`` then ``±(1 + 2^k)`` for ``k >= 1`` and
+    ``2^k <= n - 1`` (odd, so each joins the two sides). Needs an even number of workers."""
+
+    name = "dynamic_bipartite_exponential"
+
+    def schedule(self):
+        _check_even(self)
+        powers = _powers(2, self.world_size - 1)
+        return _crossing(_both_ways([1] + [1 + power for power in powers[1:]]))
+
+
+class DynamicDirectedLinearTopology(HopScheduleTopology):
+    """The SGP reference's directed linear graph (its graph_type 2): hops ``±1, ±3, ±5, ...``,
+    every odd hop below ``n``, forward then backward."""
+
+    name = "dynamic_directed_linear"
+
+    def schedule(self):
+        return _both_ways(range(1, self.world_size, 2))
+
+
+class DynamicBipartiteLinearTopology(HopScheduleTopology):
+    """The SGP reference's bipartite linear graph (its graph_type 3): of the hops ``±1, ±2,
+    ..., ±(n - 1)``, those that join the even and the odd ranks. Needs an even number of
+    workers; it then has the schedule of ``dynamic_directed_linear``."""
+
+    name = "dynamic_bipartite_linear"
+
+    def schedule(self):
+        _check_even(self)
+        return _crossing(_both_ways(range(1, self.world_size)))
 
 
 class HypercubeTopology(Topology):
@@ -460,6 +636,18 @@ TOPOLOGY_KINDS: dict[str, TopologyKind] = {
     "hypercube": TopologyKind(HypercubeTopology, directions=(False,)),
     "random_regular": TopologyKind(RandomRegularTopology, directions=(False,),
                                    takes=("degree", "seed")),
+    # The SGP reference implementation's graphs (Assran et al., ICML 2019), named after it.
+    "dynamic_directed_exponential": TopologyKind(DynamicDirectedExponentialTopology,
+                                                 directions=(True,), takes=("peers_per_step",)),
+    "npeer_dynamic_directed_exponential": TopologyKind(NPeerDynamicDirectedExponentialTopology,
+                                                       directions=(True,),
+                                                       takes=("peers_per_step",)),
+    "dynamic_bipartite_exponential": TopologyKind(DynamicBipartiteExponentialTopology,
+                                                  directions=(True,), takes=("peers_per_step",)),
+    "dynamic_directed_linear": TopologyKind(DynamicDirectedLinearTopology, directions=(True,),
+                                            takes=("peers_per_step",)),
+    "dynamic_bipartite_linear": TopologyKind(DynamicBipartiteLinearTopology, directions=(True,),
+                                             takes=("peers_per_step",)),
 }
 TOPOLOGIES = tuple(TOPOLOGY_KINDS)
 TopologyName = Literal[TOPOLOGIES]  # a plugin option's type: one of TOPOLOGIES
@@ -519,7 +707,8 @@ def mixing_matrix(topology: Topology, step: int = 0, scheme: str = "uniform") ->
 
     * ``uniform``: ``1 / (in_degree_i + 1)`` on itself and each in-peer.
       Always row stochastic; doubly stochastic when every worker has the same
-      in- and out-degree (all built-in topologies).
+      in- and out-degree (all built-in topologies).  A peer that sends two
+      shares in a step (:meth:`Topology.out_counts`) counts twice.
     * ``metropolis``: ``W[i, j] = 1 / (1 + max(deg_i, deg_j))`` for neighbours,
       ``W[i, i] = 1 - sum``; symmetric and doubly stochastic on any undirected
       graph.  Raises ValueError if the graph at ``step`` is not symmetric.
@@ -527,8 +716,8 @@ def mixing_matrix(topology: Topology, step: int = 0, scheme: str = "uniform") ->
     adj = topology.adjacency(step)
     n = adj.shape[0]
     if scheme == "uniform":
-        incoming = adj.T  # incoming[i, j]: j sends to i
-        w = incoming.astype(np.float64) + np.eye(n)
+        incoming = topology.count_matrix(step).T  # incoming[i, j]: shares j sends to i
+        w = incoming + np.eye(n)
         return w / w.sum(axis=1, keepdims=True)
     if scheme == "metropolis":
         if (adj != adj.T).any():
@@ -546,12 +735,13 @@ def mixing_matrix(topology: Topology, step: int = 0, scheme: str = "uniform") ->
 def push_weights(topology: Topology, rank: int, step: int = 0) -> dict[int, float]:
     """Push-sum shares of worker ``rank`` at ``step``: ``{rank: keep, peer: share, ...}``.
 
-    Uniform ``1 / (out_degree + 1)`` for itself and each out-peer; sums to 1.
+    Uniform ``1 / (out_degree + 1)`` for itself and each out-peer; sums to 1.  A peer
+    listed twice in the step (:meth:`Topology.out_counts`) gets two shares.
     """
-    peers = topology.out_peers(rank, step)
-    share = 1.0 / (len(peers) + 1)
+    counts = topology.out_counts(rank, step)
+    share = 1.0 / (sum(counts.values()) + 1)
     weights = {rank: share}
-    weights.update((p, share) for p in peers)
+    weights.update((peer, count * share) for peer, count in counts.items())
     return weights
 
 

@@ -439,3 +439,41 @@ def test_rescaled_qsgd_is_qsgd_with_its_norms_scaled():
     omega = min(128 / 49, 128**0.5 / 7)
     assert torch.equal(plain.tensors[1], scaled.tensors[1])
     torch.testing.assert_close(scaled.tensors[0], plain.tensors[0] * (1 / (1 + omega)))
+
+
+def _fraction_rounded_differently(first: torch.Tensor, second: torch.Tensor) -> float:
+    return float((first != second).double().mean())
+
+
+@pytest.mark.parametrize("name, options", [("qsgd", {}), ("dqsgd", {}), ("terngrad", {})])
+def test_stochastic_rounding_is_drawn_independently_on_each_rank(name, options):
+    """Workers quantizing the same vector at the same step round it independently: two ranks
+    disagree on as many entries as two independent draws (two steps of one rank) do, and a
+    rank repeats its own draw (the seed is the rank's, not fresh randomness)."""
+    v = torch.randn(20000, generator=torch.Generator().manual_seed(8))
+    step = 7
+    draws = [_roundtrip_at(make(name, rank=rank, **options), v, step) for rank in range(4)]
+    again = make(name, rank=0, **options)
+    independent = _fraction_rounded_differently(_roundtrip_at(again, v, step),
+                                                _roundtrip_at(again, v, step + 1))
+    assert torch.equal(_roundtrip_at(again, v, step), draws[0])
+    assert independent > 0.05
+    tolerance = 5 * (independent / v.numel()) ** 0.5  # about five standard deviations
+    for a in range(4):
+        for b in range(a + 1, 4):
+            across = _fraction_rounded_differently(draws[a], draws[b])
+            assert abs(across - independent) < tolerance, (a, b, across, independent)
+
+
+def test_randomk_draws_the_same_indices_on_every_rank():
+    """Random-k payloads are summed, so every rank keeps the same entries of its own vector:
+    the same indices on every rank at a step, new ones at the next step."""
+    vectors = [torch.randn(5000, generator=torch.Generator().manual_seed(rank))
+               for rank in range(4)]
+    payloads = [make("randomk", rank=rank, ratio=0.01).compress(v, "w", 3)
+                for rank, v in enumerate(vectors)]
+    for rank, payload in enumerate(payloads):
+        assert torch.equal(payload.context, payloads[0].context)
+        assert torch.equal(payload.tensors[0], vectors[rank][payload.context] * 100)  # d/k
+    next_step = make("randomk", rank=0, ratio=0.01).compress(vectors[0], "w", 4)
+    assert not torch.equal(next_step.context, payloads[0].context)

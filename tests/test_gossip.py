@@ -29,11 +29,12 @@ from dsgd_cli.errors import SpecError
 from dsgd_cli.spec.experiments import load_spec
 from dsgd_cli.results.store import Store
 from dsgd_cli.topology import (CustomTopology, make_topology, mixing_matrix, push_matrix,
-                               spectral_gap)
+                               push_weights, spectral_gap)
 from plugins.aggregators.gossip import ADPSGD, DPSGD, OSGP, SGP
 from plugins.aggregators.gossip.adpsgd import HEADER as ADPSGD_HEADER
 from plugins.aggregators.gossip.graph import bipartite_split, messages_through
 from plugins.aggregators.gossip.pushsum import HEADER as PUSH_SUM_HEADER
+from plugins.aggregators.gossip.pushsum import PushSum
 from plugins.tasks.logreg import LogisticRegression
 
 WORKERS = 4
@@ -322,6 +323,46 @@ def test_sgp_preserves_the_numerator_average_and_debiases_to_it(spawned):
     assert errors[-1] < errors[STEPS // 2] < errors[0]
 
 
+def _push_sum_rounds(dtype: torch.dtype, rounds: int) -> tuple[list[PushSum], torch.Tensor]:
+    """Synchronous push-sum rounds on NON_REGULAR in one process, with the messages `sgp` sends
+    (`PushSum.emit` and `absorb`), from the same float64 start cast to `dtype`. Returns the
+    final states and every round's weights (rounds x workers)."""
+    topology = CustomTopology(NON_REGULAR)
+    start = torch.randn(WORKERS, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    states = [PushSum(start[rank].to(dtype)) for rank in range(WORKERS)]
+    weights = []
+    for step in range(rounds):
+        inboxes = [[] for _ in range(WORKERS)]
+        for rank, state in enumerate(states):
+            shares = push_weights(topology, rank, step)
+            for peer, message in state.emit(shares, rank, step, step).items():
+                inboxes[peer].append(message)
+        for state, inbox in zip(states, inboxes):
+            for message in inbox:
+                state.absorb(message)
+        weights.append([state.weight for state in states])
+    return states, torch.tensor(weights, dtype=torch.float64)
+
+
+def test_push_sum_weights_of_float32_models_are_those_of_float64_models():
+    """A float32 message carries the push-sum weight as a high and a low float32 part, so on a
+    non-regular graph, where the weights are not round numbers, they stay float64-exact: the
+    same as with a float64 model, and summing to n."""
+    rounds = 60
+    float32_states, float32_weights = _push_sum_rounds(torch.float32, rounds)
+    float64_states, float64_weights = _push_sum_rounds(torch.float64, rounds)
+    assert (float64_weights[-1] - 1).abs().max() > 0.1  # not regular: w_i settle away from 1
+    torch.testing.assert_close(float32_weights, float64_weights, rtol=0, atol=1e-14)
+    torch.testing.assert_close(float32_weights.sum(1), torch.full((rounds,), float(WORKERS),
+                                                                  dtype=torch.float64),
+                               rtol=0, atol=1e-13)
+    # The de-biased float32 models reach the float64 models' consensus to float32 precision.
+    average = torch.stack([state.debiased() for state in float64_states]).mean(0)
+    for state in float32_states:
+        assert state.numerator.dtype == torch.float32
+        torch.testing.assert_close(state.debiased().double(), average, rtol=0, atol=1e-6)
+
+
 # -- dpsgd: geometric consensus at the rate of the mixing matrix --------------------------------
 
 def test_dpsgd_consensus_shrinks_at_the_rate_of_the_mixing_matrix(spawned):
@@ -543,7 +584,14 @@ def test_adpsgd_with_lr_averages_pairs_and_applies_the_gradient_of_the_model_bef
     ("{name: dpsgd, topology: hypercube}", 6,
      "topology 'hypercube' cannot connect 6 workers: hypercube topology needs world_size to be a power of 2, got 6"),
     ("{name: sgp, topology: ring, peers_per_step: 2}", 4,
-     "peers_per_step applies to topology 'time_varying_exponential' only"),
+     "peers_per_step applies to topologies 'time_varying_exponential', "
+     "'dynamic_directed_exponential'"),
+    ("{name: sgp, topology: dynamic_bipartite_exponential}", 5,
+     "dynamic_bipartite_exponential needs an even number of workers"),
+    ("{name: dpsgd, topology: npeer_dynamic_directed_exponential, peers_per_step: 4}", 4,
+     "takes peers_per_step at most 3, got 4"),
+    ("{name: osgp, topology: dynamic_directed_linear, peers_per_step: 5}", 4,
+     "peers_per_step must be at most 4, got 5"),
     ("{name: dpsgd, topology: time_varying_exponential, mixing: metropolis}", 4,
      "metropolis weights need an undirected graph"),
     ("{name: adpsgd, topology: hypercube}", 6, "cannot connect 6 workers"),
@@ -562,6 +610,20 @@ def test_impossible_topologies_are_spec_errors(tmp_path, aggregator, workers, me
         load_spec(spec)
     assert message in str(error.value)
     assert "experiments[0].aggregator" in str(error.value)
+
+
+@pytest.mark.parametrize("aggregator", ["sgp", "osgp", "dpsgd"])
+def test_the_sgp_reference_graphs_are_accepted_by_the_gossip_plugins(tmp_path, aggregator):
+    graphs = ["dynamic_directed_exponential", "npeer_dynamic_directed_exponential",
+              "dynamic_bipartite_exponential", "dynamic_directed_linear", "dynamic_bipartite_linear"]
+    experiments = "".join(f"""
+          - name: {graph}-{peers}
+            task: {{name: logreg}}
+            workers: 4
+            aggregator: {{name: {aggregator}, topology: {graph}, peers_per_step: {peers}}}"""
+                          for graph in graphs for peers in (1, 2))
+    loaded = load_spec(write_spec(tmp_path, "experiments:" + experiments))
+    assert len(loaded) == 2 * len(graphs)
 
 
 def test_spec_error_exits_2_before_launching(tmp_path):

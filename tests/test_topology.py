@@ -27,6 +27,9 @@ from dsgd_cli.topology import (
 )
 
 SIZES = (1, 2, 3, 4, 5, 8, 16)
+REFERENCE_GRAPHS = ("dynamic_directed_exponential", "npeer_dynamic_directed_exponential",
+                    "dynamic_bipartite_exponential", "dynamic_directed_linear",
+                    "dynamic_bipartite_linear")
 
 
 def _valid_sizes(name):
@@ -34,6 +37,8 @@ def _valid_sizes(name):
         return [n for n in SIZES if n & (n - 1) == 0]
     if name == "random_regular":  # default degree min(3, n-1) needs n*d even
         return [n for n in SIZES if (n * min(3, n - 1)) % 2 == 0]
+    if "bipartite" in name:
+        return [n for n in SIZES if n == 1 or n % 2 == 0]
     return list(SIZES)
 
 
@@ -49,6 +54,9 @@ def _variants():
                 out.append((f"{name}-n{n}-d{d}", make_topology(name, n, directed=d)))
     out.append(("tv-exp-pps2-n16", make_topology("time_varying_exponential", 16, peers_per_step=2)))
     out.append(("tv-exp-pps2-n8", make_topology("time_varying_exponential", 8, peers_per_step=2)))
+    for name in REFERENCE_GRAPHS:  # two peers per step: repeated peers and (n=6) a self-hop
+        for n in (4, 6, 8):
+            out.append((f"{name}-pps2-n{n}", make_topology(name, n, peers_per_step=2)))
     out.append(("rr-n10-d2", make_topology("random_regular", 10, degree=2, seed=3)))
     out.append(("rr-n8-d5", make_topology("random_regular", 8, degree=5, seed=1)))
     return out
@@ -84,7 +92,7 @@ def _peer_table(topo, step=0):
 def test_names():
     assert TOPOLOGIES == (
         "ring", "torus", "complete", "exponential",
-        "time_varying_exponential", "hypercube", "random_regular",
+        "time_varying_exponential", "hypercube", "random_regular", *REFERENCE_GRAPHS,
     )
     assert MIXINGS == ("uniform", "metropolis")
 
@@ -434,6 +442,14 @@ def test_option_types_list_the_table():
     assert get_args(MixingName) == MIXINGS and graph.MixingName is MixingName
 
 
+def test_readme_table_lists_every_topology():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for name in TOPOLOGIES:
+        assert f"| `{name}` |" in readme, name
+
+
 def test_base_class_is_abstract():
     with pytest.raises(TypeError):
         Topology(3, directed=False)
@@ -624,3 +640,160 @@ def test_random_regular_graph_depends_on_the_seed():
               for seed in range(4)}
     assert len(set(graphs.values())) > 1
     assert make_topology("random_regular", 8, seed=2).adjacency().tobytes() == graphs[2]
+
+
+# ---------------------------------------------------------------------------
+# The SGP reference implementation's graphs (Assran et al., ICML 2019)
+# ---------------------------------------------------------------------------
+# The reference gives every worker a "phone book": its destinations, in a fixed order, repeats
+# kept. A worker starts at the first `p` entries (p peers per step) and after every gossip
+# step moves each of its positions `p` entries on, cyclically. It receives from the workers
+# whose entry at one of its positions is itself. Its uniform mixing keeps 1/(p + 1) and sends
+# 1/(p + 1) along each entry. The phone books below are written from that description,
+# destination by destination, independently of dsgd_cli.topology.
+
+
+def _largest_exponent(base, limit):
+    """The largest e with base**e <= limit (limit >= 1)."""
+    exponent = 0
+    while base ** (exponent + 1) <= limit:
+        exponent += 1
+    return exponent
+
+
+def _reference_phone_book(graph, rank, n, p):
+    ahead = lambda hop: (rank + hop) % n     # noqa: E731
+    behind = lambda hop: (rank - hop) % n    # noqa: E731
+    passive = lambda r: r % 2 == 0           # noqa: E731
+    two_ways = lambda hops: [d for h in hops for d in (ahead(h), behind(h))]  # noqa: E731
+    exponents = range(_largest_exponent(2, n - 1) + 1)
+    if graph == "dynamic_directed_exponential":
+        return two_ways(2 ** k for k in exponents)
+    if graph == "npeer_dynamic_directed_exponential":
+        return [ahead(j * (p + 1) ** i) for i in range(_largest_exponent(p + 1, n - 1) + 1)
+                for j in range(1, p + 1)]
+    if graph == "dynamic_directed_linear":
+        return two_ways(i for i in range(1, n) if i % 2 == 1)
+    hops = ([1 if k == 0 else 1 + 2 ** k for k in exponents]
+            if graph == "dynamic_bipartite_exponential" else range(1, n))
+    book = []
+    for hop in hops:  # a pair of destinations is kept only if both are on the other side
+        forward, backward = ahead(hop), behind(hop)
+        if passive(forward) != passive(rank) and passive(backward) != passive(rank):
+            book += [forward, backward]
+    return book
+
+
+def _reference_steps(graph, n, p, steps):
+    """Per step: every rank's destinations (repeats kept) and its senders, by the reference's
+    rule; None where the reference cannot run (a worker with fewer entries than p, or an
+    empty phone book)."""
+    books = [_reference_phone_book(graph, rank, n, p) for rank in range(n)]
+    if min(len(book) for book in books) < p:
+        return None
+    assert len({len(book) for book in books}) == 1  # every rank moves through the same positions
+    positions, schedule = list(range(p)), []
+    for _ in range(steps):
+        destinations = [[books[rank][g] for g in positions] for rank in range(n)]
+        senders = [[] for _ in range(n)]
+        for rank in range(n):
+            for g in positions:
+                if books[rank][g] != rank:
+                    senders[books[rank][g]].append(rank)
+        schedule.append((destinations, senders))
+        positions = [(g + p) % len(books[0]) for g in positions]
+    return schedule
+
+
+@pytest.mark.parametrize("graph", REFERENCE_GRAPHS)
+def test_reference_graphs_have_the_reference_peers_and_weights_at_every_step(graph):
+    """n = 2..33 and 1..3 peers per step: every worker's out- and in-peers at every step of a
+    whole pass through the phone book and one step more, and its uniform push shares, are the
+    reference's."""
+    for n in range(2, 34):
+        for p in (1, 2, 3):
+            length = len(_reference_phone_book(graph, 0, n, p))
+            expected = _reference_steps(graph, n, p, length + 1)
+            runnable = (expected is not None and length > 0
+                        and not (graph.startswith("npeer") and p > n - 1))
+            if not runnable:
+                with pytest.raises(ValueError, match="peers_per_step|even number of workers"):
+                    make_topology(graph, n, peers_per_step=p)
+                continue
+            topology = make_topology(graph, n, peers_per_step=p)
+            for step, (destinations, senders) in enumerate(expected):
+                for rank in range(n):
+                    label = (graph, n, p, step, rank)
+                    out_peers = sorted(set(destinations[rank]) - {rank})
+                    assert topology.out_peers(rank, step) == out_peers, label
+                    assert topology.in_peers(rank, step) == sorted(set(senders[rank])), label
+                    entries = destinations[rank]
+                    if rank in entries:  # the reference would send itself a share: left out
+                        entries = [d for d in entries if d != rank]
+                    share = 1 / (len(entries) + 1)
+                    reference = {rank: share}
+                    for d in entries:
+                        reference[d] = reference.get(d, 0) + share
+                    assert push_weights(topology, rank, step) == pytest.approx(reference), label
+
+
+def test_reference_graphs_cannot_be_bipartite_with_an_odd_number_of_workers():
+    """With odd n the reference leaves rank 0's phone book empty; dsgd refuses the graph."""
+    for graph in ("dynamic_bipartite_exponential", "dynamic_bipartite_linear"):
+        for n in (3, 5, 9, 33):
+            assert _reference_phone_book(graph, 0, n, 1) == []
+            with pytest.raises(ValueError, match="needs an even number of workers"):
+                make_topology(graph, n)
+        assert make_topology(graph, 1).out_peers(0) == []
+
+
+def test_time_varying_exponential_is_the_reference_npeer_graph_with_one_peer():
+    for n in range(2, 34):
+        ours = make_topology("time_varying_exponential", n)
+        reference = make_topology("npeer_dynamic_directed_exponential", n)
+        assert ours.period == reference.period
+        for step in range(ours.period):
+            assert np.array_equal(ours.adjacency(step), reference.adjacency(step)), (n, step)
+    # With more peers the reference hops j·(p+1)^i, time_varying_exponential powers of two.
+    two = make_topology("npeer_dynamic_directed_exponential", 8, peers_per_step=2)
+    assert [two.out_peers(0, step) for step in range(3)] == [[1, 2], [3, 6], [1, 2]]
+    powers = make_topology("time_varying_exponential", 8, peers_per_step=2)
+    assert [powers.out_peers(0, step) for step in range(3)] == [[1, 2], [1, 4], [2, 4]]
+
+
+def test_reference_graphs_schedules():
+    """The hop lists and periods, written out for 8 workers."""
+    examples = {
+        "dynamic_directed_exponential": [1, 7, 2, 6, 4, 4],
+        "dynamic_bipartite_exponential": [1, 7, 3, 5, 5, 3],
+        "dynamic_directed_linear": [1, 7, 3, 5, 5, 3, 7, 1],
+        "dynamic_bipartite_linear": [1, 7, 3, 5, 5, 3, 7, 1],
+        "npeer_dynamic_directed_exponential": [1, 2, 4],
+    }
+    for graph, peers in examples.items():
+        topology = make_topology(graph, 8)
+        assert topology.directed and topology.period == len(peers), graph
+        assert [topology.out_peers(0, step)[0] for step in range(len(peers))] == peers, graph
+    # Two peers per step: positions 0-1, 2-3, 4-5, then back to 0-1.
+    two = make_topology("dynamic_directed_exponential", 8, peers_per_step=2)
+    assert two.period == 3
+    assert [two.out_peers(0, step) for step in range(4)] == [[1, 7], [2, 6], [4], [1, 7]]
+    assert two.out_counts(0, 2) == {4: 2}  # +4 and -4 are one peer, which gets two shares
+    assert push_weights(two, 0, 2) == pytest.approx({0: 1 / 3, 4: 2 / 3})
+    np.testing.assert_allclose(mixing_matrix(two, 2)[4], [1 / 3 * (j == 4) + 2 / 3 * (j == 0)
+                                                          for j in range(8)])
+    # A hop that lands on the worker itself (6 with 6 workers) is left out of its step.
+    six = make_topology("npeer_dynamic_directed_exponential", 6, peers_per_step=2)
+    assert [six.out_peers(0, step) for step in range(2)] == [[1, 2], [3]]
+    assert push_weights(six, 0, 1) == pytest.approx({0: 0.5, 3: 0.5})
+
+
+@pytest.mark.parametrize("graph, n, peers, match", [
+    ("dynamic_directed_exponential", 4, 5, "at most 4"),
+    ("npeer_dynamic_directed_exponential", 4, 4, "at most 3"),
+    ("dynamic_directed_linear", 8, 0, "int >= 1"),
+    ("dynamic_bipartite_linear", 6, 2.5, "int >= 1"),
+])
+def test_reference_graphs_reject_bad_peers_per_step(graph, n, peers, match):
+    with pytest.raises(ValueError, match=match):
+        make_topology(graph, n, peers_per_step=peers)

@@ -28,7 +28,8 @@ from plugins.aggregators.gossip.vector import ModelVector, to_wire, weighted_sum
 class DPSGDOptions(AggregatorOptions):
     topology: TopologyName = option("ring", help="communication graph (undirected variant)")
     mixing: MixingName = option("uniform", help="mixing weights: uniform 1/(deg+1) or metropolis")
-    peers_per_step: int = option(1, min=1, help="peers per step (time_varying_exponential only)")
+    peers_per_step: int = option(1, min=1, help="peers per step (time_varying_exponential and "
+                                                "the SGP reference's graphs)")
 
 
 class DPSGD(Aggregator):

@@ -1,7 +1,8 @@
 """Which graph a gossip plugin runs on, and whether it can run on it with n workers.
 
-Plugins name a topology (`topology` option) and, for time-varying exponential graphs, how many
-peers a worker talks to per step (`peers_per_step`). The graph itself comes from the public
+Plugins name a topology (`topology` option) and, for the graphs that cycle through their peers
+(`time_varying_exponential` and the SGP reference's graphs), how many peers a worker talks to per
+step (`peers_per_step`). The graph itself comes from the public
 `dsgd_cli.topology`; this module turns options into a `Topology` and checks the properties each
 algorithm relies on, raising ValueError with a message a spec author can act on.
 """
@@ -24,7 +25,7 @@ def build(name: str, world_size: int, *, peers_per_step: int = 1, seed: int = 0,
     kind = topology_kind(name)
     if peers_per_step != 1 and "peers_per_step" not in kind.takes:
         takers = [other for other, k in TOPOLOGY_KINDS.items() if "peers_per_step" in k.takes]
-        raise ValueError(f"peers_per_step applies to topology {', '.join(map(repr, takers))} "
+        raise ValueError(f"peers_per_step applies to topologies {', '.join(map(repr, takers))} "
                          f"only; topology {name!r} fixes its peers (leave peers_per_step at 1)")
     directed = False if undirected and False in kind.directions else None
     try:

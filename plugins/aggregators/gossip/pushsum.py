@@ -50,10 +50,12 @@ class PushSum:
         """The local optimizer, run on the de-biased model, changed it by `delta_z`; the step
         updates the numerator by that much: x += delta_z (plain SGD: x -= η g(z)), as in the
         paper's Algorithm 1. Then the average of the numerators moves exactly like minibatch
-        SGD, x̄ -= (η/n) Σ g(z_i), however much weight is in flight. (The authors' reference
-        code scales the update by w_i instead; the two agree when w_i = 1, as in synchronous
-        rounds on regular graphs, but with weight in flight, as in OSGP, scaling by w_i < 1
-        slows the average down.)"""
+        SGD, x̄ -= (η/n) Σ g(z_i), however much weight is in flight. The authors' reference
+        code does the same: it de-biases the parameters before the forward pass and turns them
+        back into the numerator after the backward pass, so its optimizer steps x_i by the
+        gradient taken at z_i, unscaled by w_i. (Where the optimizer's step depends on the
+        parameters themselves, as weight decay does, the reference's sees x_i and this one
+        z_i; the two agree while w_i = 1.)"""
         self.numerator.add_(delta_z)
 
     def emit(self, shares: dict[int, float], rank: int, round: int, step: int) -> dict[int, torch.Tensor]:

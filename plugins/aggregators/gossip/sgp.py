@@ -29,7 +29,8 @@ from plugins.aggregators.gossip.vector import ModelVector
 class SGPOptions(AggregatorOptions):
     topology: TopologyName = option("time_varying_exponential",
                                     help="communication graph (directed where it has a variant)")
-    peers_per_step: int = option(1, min=1, help="peers per step (time_varying_exponential only)")
+    peers_per_step: int = option(1, min=1, help="peers per step (time_varying_exponential and "
+                                                "the SGP reference's graphs)")
 
 
 class SGP(Aggregator):
