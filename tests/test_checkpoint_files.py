@@ -1,7 +1,8 @@
 """Checkpoint files are verified before a run resumes: each has its size and SHA-256 recorded
-when written; a damaged latest checkpoint falls back to the previous complete one, and with
-none to fall back to, `--resume` refuses on one line naming the file and changes nothing.
-`--resume` finds checkpoints that were moved through `--checkpoint-dir`."""
+when written (a file without one is damaged); a damaged latest checkpoint falls back to the
+previous complete one, and with none to fall back to, `--resume` refuses on one line naming
+the file and changes nothing. `--resume` finds checkpoints that were moved through
+`--checkpoint-dir`."""
 
 from __future__ import annotations
 
@@ -56,10 +57,16 @@ def test_a_damaged_latest_step_falls_back_to_the_one_before(tmp_path, damage, ex
                  f"{checkpoint.rank_file(tmp_path, 20, 0).stat().st_size} when written)"])
 
 
-def test_a_file_written_without_a_sum_is_taken_as_it_is(tmp_path):
-    save_steps(tmp_path, [10])
-    checkpoint.sum_file(checkpoint.rank_file(tmp_path, 10, 0)).unlink()
-    assert checkpoint.latest_sound(tmp_path, 2) == (10, [])
+def test_a_file_without_its_sum_is_damaged(tmp_path):
+    """Nothing says such a file is what dsgd wrote (a sum is put in place before its file):
+    it is never trusted, whoever removed the sum."""
+    save_steps(tmp_path, [10, 20])
+    latest = checkpoint.rank_file(tmp_path, 20, 0)
+    checkpoint.sum_file(latest).unlink()
+    problem = f"{latest} has no recorded checksum (rank-0.pt.sum is missing)"
+    assert checkpoint.latest_sound(tmp_path, 2) == (10, [problem])
+    with pytest.raises(checkpoint.CheckpointRefused, match="rank-0.pt.sum is missing"):
+        checkpoint.load(tmp_path, 20, 0)
 
 
 def test_checkpoints_are_located_where_they_were_moved(tmp_path, monkeypatch):

@@ -50,7 +50,7 @@ def tiny_spec(directory: Path, experiments: str, name: str = "spec.yaml") -> Pat
 def test_names_with_brackets_run_and_are_recorded(tmp_path):
     spec = tiny_spec(tmp_path, """
     experiments:
-      - name: "a[/]b"
+      - name: "a[bold]b"
       - name: g
         grid: {optimizer.lr: [0.1]}
     """)
@@ -61,10 +61,10 @@ def test_names_with_brackets_run_and_are_recorded(tmp_path):
     assert "Traceback" not in output
     # Once in the progress bar, once in the summary table.
     assert result.stdout.count("g[optimizer.lr=0.1]") >= 2, result.stdout
-    assert result.stdout.count("a[/]b") >= 2, result.stdout
+    assert result.stdout.count("a[bold]b") >= 2, result.stdout
     rows = compare_json(db)
     assert [(r["experiment"], r["status"]) for r in rows] == [
-        ("a[/]b", "completed"), ("g[optimizer.lr=0.1]", "completed")]
+        ("a[bold]b", "completed"), ("g[optimizer.lr=0.1]", "completed")]
 
 
 def test_failure_reason_is_shown_as_plain_text():

@@ -32,6 +32,13 @@ def resumable(store: Store, run_id: int, checkpoint_dir: str | Path | None = Non
     if run.status not in RESUMABLE:
         raise DsgdError(f"run {run_id} is {run.status}: only interrupted or failed runs resume")
     directory = locate(store.checkpoint_dir(run_id), checkpoint_dir)
+    if directory is not None and os.path.lexists(directory):
+        try:
+            checkpoint.check_directory(directory)
+        except checkpoint.CheckpointRefused as refused:
+            raise DsgdError(f"run {run_id} cannot resume: {refused}") from None
+    for stray in checkpoint.strays(directory):
+        print(f"dsgd: run {run_id}: skipped {stray}", file=sys.stderr)
     step, damaged = checkpoint.latest_sound(directory, run.workers)
     if step is None and damaged:
         earlier = ("as is its earlier checkpoint" if len(damaged) == 2 else
@@ -70,7 +77,9 @@ def locate(recorded: str | None, option: str | Path | None) -> str | None:
 
 
 def reopen(store: Store, experiment: Experiment) -> None:
-    """Make way for the resumed workers: the other steps' checkpoints go (an earlier attempt
-    may have written files for later ones), and so do the metrics recorded after the step."""
-    checkpoint.keep_only(experiment.checkpoint_dir, experiment.resume_step)
+    """Make way for the resumed workers: the later steps' checkpoints go (an earlier attempt
+    may have written files for them: incomplete or damaged, or the run would resume from
+    one), and so do the metrics recorded after the step. The earlier steps stay until the
+    resumed run has written a newer complete one: a failed load can still fall back on them."""
+    checkpoint.remove_later(experiment.checkpoint_dir, experiment.resume_step)
     store.resume_run(experiment.run_id, experiment.resume_step, experiment.checkpoint_dir)

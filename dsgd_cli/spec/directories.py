@@ -1,12 +1,17 @@
 """Checks that a directory dsgd's workers will write to can be written to, made before
 anything launches: a checkpoint directory or a `save_dir` that is a file, lies under a file,
-or cannot be created is a one-line error instead of a failed run."""
+or cannot be created is a one-line error instead of a failed run; and whether an existing
+directory can be trusted (`distrust`): a real directory of this user's."""
 
 from __future__ import annotations
 
 import os
+import pwd
+import stat
 import tempfile
 from pathlib import Path
+
+from dsgd_cli.errors import DsgdError
 
 
 def blocking_file(directory: Path) -> Path | None:
@@ -78,3 +83,38 @@ def problem_without_creating(directory: Path) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable"
     return None
+
+
+def distrust(path: Path, private: bool = False) -> str | None:
+    """Why dsgd must not trust the existing directory `path` with what it writes or reads
+    there (None: it may), judged without following a symbolic link: not a real directory,
+    owned by another user, or (`private`: checkpoints, which are loaded again) writable by
+    other users."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link, not a directory"
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a directory"
+    if info.st_uid != os.getuid():
+        return f"is owned by {_user(info.st_uid)}, not by you"
+    if private and info.st_mode & 0o022:
+        return f"is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+class UntrustedDirectory(DsgdError):
+    """A directory dsgd will not write to or read from: see `distrust`."""
+
+
+def refuse_untrusted(path: Path, what: str, private: bool = False) -> None:
+    """Raise UntrustedDirectory, naming `what` it is, when `distrust` finds a reason."""
+    problem = distrust(path, private)
+    if problem is not None:
+        raise UntrustedDirectory(f"{what} {path} {problem}: refused")

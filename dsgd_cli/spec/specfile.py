@@ -164,9 +164,24 @@ def sections(document: Any, launch_override: dict[str, Any] | None = None
     return defaults, entries, nodes
 
 
-def points(defaults: dict, entries: list, workers_override: int | None = None) -> Iterator[Point]:
+def parse_set(text: str) -> tuple[str, Any]:
+    """`--set KEY=VALUE`: a dotted experiment key and a value read as YAML (`0.1`, `true`,
+    `[1, 2]`, `{name: sgd, lr: 0.1}`)."""
+    key, equals, value = text.partition("=")
+    key = key.strip()
+    if not equals or not key:
+        raise SpecError(f"--set {text!r}: expected KEY=VALUE, e.g. optimizer.lr=0.1")
+    try:
+        return key, yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as error:
+        raise SpecError(f"--set {text!r}: the value is not YAML ({one_line(str(error))})") from None
+
+
+def points(defaults: dict, entries: list, workers_override: int | None = None,
+           overrides: list[tuple[str, Any]] = ()) -> Iterator[Point]:
     """Every experiment of the spec, grid points expanded, in order; lazily, so that the
-    first error is met as early as when validating as they come."""
+    first error is met as early as when validating as they come. `overrides` (the command
+    line's `--set KEY=VALUE`) are set in every point, over the spec and its grid."""
     for index, entry in enumerate(entries):
         path = f"experiments[{index}]"
         if not isinstance(entry, dict):
@@ -178,6 +193,8 @@ def points(defaults: dict, entries: list, workers_override: int | None = None) -
         for name, point in expand_grid(merged, path):
             if workers_override is not None:  # the command line wins over spec and grid
                 point["workers"] = workers_override
+            for key, value in overrides:
+                _set_dotted(point, key, value, f"--set {key}", "--set key")
             yield Point(path, name, point)
 
 
@@ -211,6 +228,10 @@ def expand_grid(experiment: dict, path: str) -> list[tuple[str, dict]]:
     name = experiment.get("name")
     if not isinstance(name, str) or not name:
         raise SpecError("expected a non-empty string", path=f"{path}.name")
+    if name in (".", "..") or "/" in name or "\\" in name:
+        # It names the run's directory under `save_dir`: it must stay one directory there.
+        raise SpecError(f"expected a name without '/' or '\\', other than '.' and '..', got "
+                        f"{name!r}", path=f"{path}.name")
     grid = experiment.pop("grid", None)
     if grid is None:
         return [(name, experiment)]
@@ -232,12 +253,13 @@ def expand_grid(experiment: dict, path: str) -> list[tuple[str, dict]]:
     return points
 
 
-def _set_dotted(mapping: dict, dotted: str, value: Any, path: str) -> None:
-    """Set one grid key. `section.name` picks a plugin: like a section naming another plugin
-    in `defaults`, it replaces the section's options (they belong to the old plugin)."""
+def _set_dotted(mapping: dict, dotted: str, value: Any, path: str, what: str = "grid key") -> None:
+    """Set one grid key (or `--set` key). `section.name` picks a plugin: like a section naming
+    another plugin in `defaults`, it replaces the section's options (they belong to the old
+    plugin)."""
     *parents, leaf = dotted.split(".")
     if not leaf or (not parents and (leaf not in EXPERIMENT_DEFAULTS or leaf in ("name", "grid"))):
-        raise SpecError("grid key must name an experiment key, a plugin option or a plugin "
+        raise SpecError(f"{what} must name an experiment key, a plugin option or a plugin "
                         "section's name", path=path)
     node = mapping
     for part in parents:
