@@ -1,28 +1,45 @@
-"""`dsgd plugins`: every registered plugin by group; with `--check`, whether each loads."""
+"""`dsgd plugins`: every registered plugin by group; with `--check`, whether each loads; with a
+name, one plugin's description and options, from its own declaration."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
-from typing import Annotated
+import typing
+from typing import Annotated, Any, Optional
 
 import typer
 
 from dsgd_cli.commands.output import render
+from dsgd_cli.errors import DsgdError
 
 
 def plugins(
+    name: Annotated[Optional[str], typer.Argument(
+        help="One plugin (NAME, or KIND:NAME where several kinds have it): its description "
+             "and options", show_default=False)] = None,
     check: Annotated[bool, typer.Option(
         "--check", help="Import every plugin and report whether it loads (imports torch: seconds)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
     """List registered aggregators, compressors, optimizers and tasks from their
-    distributions' metadata, without importing them; --check loads each one."""
+    distributions' metadata, without importing them; --check loads each one. With NAME, show
+    that plugin: what it does and each option with its type, default, bounds and help."""
     from dsgd_cli.spec import registry
 
+    if name is not None:
+        entry = _find(registry, name)
+        described = describe(entry)
+        if as_json:
+            typer.echo(json.dumps(described, indent=2, default=str))
+        else:
+            typer.echo(_as_text(described))
+        return
     rows = []
     for kind, (group, _) in registry.KINDS.items():
-        for name, entry in registry.discover(kind).items():
-            row = {"group": group, "name": name, "distribution": entry.distribution,
+        for plugin_name, entry in registry.discover(kind).items():
+            row = {"group": group, "name": plugin_name, "distribution": entry.distribution,
                    "version": entry.version, "target": entry.target}
             if check:
                 row["status"] = registry.status(entry)
@@ -31,3 +48,63 @@ def plugins(
         typer.echo(json.dumps(rows, indent=2))
     else:
         typer.echo(render(rows, "simple", list(rows[0]) if rows else ["group", "name"]))
+
+
+def _find(registry, text: str):
+    """The entry `text` names: `NAME`, or `KIND:NAME` (`compressor:none`)."""
+    kind, _, name = text.rpartition(":")
+    kinds = [kind] if kind else list(registry.KINDS)
+    if kind and kind not in registry.KINDS:
+        raise DsgdError(f"{text!r}: unknown plugin kind {kind!r} (kinds: {', '.join(registry.KINDS)})")
+    found = [registry.discover(k)[name] for k in kinds if name in registry.discover(k)]
+    if not found:
+        raise DsgdError(f"{text!r}: no registered plugin has this name (`dsgd plugins` lists them)")
+    if len(found) > 1:
+        named = ", ".join(f"{entry.kind}:{name}" for entry in found)
+        raise DsgdError(f"{text!r}: several kinds have a plugin of this name: say which ({named})")
+    return found[0]
+
+
+def describe(entry) -> dict[str, Any]:
+    """A plugin's kind, name, distribution, description (its docstring) and options."""
+    cls = entry.load()
+    return {"kind": entry.kind, "name": entry.name, "distribution": entry.distribution,
+            "version": entry.version, "target": entry.target,
+            "description": inspect.cleandoc(cls.__doc__ or "").strip(),
+            "options": option_rows(cls.Options)}
+
+
+def option_rows(options_class: type) -> list[dict[str, Any]]:
+    """Each option of an `Options` dataclass as declared with `option(...)`: name, type,
+    default (`required` when it has none), bounds and help."""
+    from dsgd_cli.options import describe_type
+
+    hints = typing.get_type_hints(options_class)
+    rows = []
+    for field in dataclasses.fields(options_class):
+        if field.default is not dataclasses.MISSING:
+            default = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        else:
+            default = "required"
+        low, high = field.metadata.get("min"), field.metadata.get("max")
+        bounds = ("" if low is None and high is None else
+                  f">= {low}" if high is None else f"<= {high}" if low is None else f"{low} to {high}")
+        rows.append({"option": field.name, "type": describe_type(hints.get(field.name, field.type)),
+                     "default": default, "bounds": bounds,
+                     "help": field.metadata.get("help", "")})
+    return rows
+
+
+def _as_text(described: dict[str, Any]) -> str:
+    lines = [f"{described['kind']} {described['name']} ({described['target']}, from "
+             f"{described['distribution']} {described['version']})"]
+    if described["description"]:
+        lines += ["", described["description"]]
+    lines += ["", "options:" if described["options"] else "options: none"]
+    if described["options"]:
+        shown = [{**row, "default": json.dumps(row["default"], default=str)
+                  if row["default"] != "required" else "required"} for row in described["options"]]
+        lines.append(render(shown, "simple", ["option", "type", "default", "bounds", "help"]))
+    return "\n".join(lines)
