@@ -189,6 +189,22 @@ def test_baseline_ratios_per_run_and_per_group(db):
     assert grouped[0]["speedup"] == pytest.approx(statistics.fmean([100, 120, 150, 140]) / 110)
 
 
+def test_group_comparisons_with_a_baseline_of_several_runs_have_intervals(db):
+    allreduce, sgp = compare(db, "--by", "aggregator", "--baseline", "base")
+    # samples/s: 100, 120, 150, 140 against the baseline's 100, 120: the ratio of the means
+    # 1.159, its delta-method interval with Welch's 2.87 degrees of freedom
+    assert allreduce["speedup"] == pytest.approx(1.1590909)
+    assert (allreduce["speedup_ci_low"], allreduce["speedup_ci_high"]) == pytest.approx((0.68262, 1.63556), rel=1e-4)
+    # accuracy 0.80, 0.84, 0.78, 0.60 against 0.80, 0.84: Welch's interval of the difference
+    assert allreduce["accuracy_diff"] == pytest.approx(-0.065)
+    assert (allreduce["accuracy_diff_ci_low"], allreduce["accuracy_diff_ci_high"]) == pytest.approx(
+        (-0.228076, 0.098076), rel=1e-4)
+    assert sgp["speedup_ci_low"] is None  # one sgp run: no interval
+    table = dsgd("compare", "--db", str(db), "--by", "aggregator", "--baseline", "base",
+                 "--columns", "aggregator,speedup")
+    assert table.stdout.splitlines()[2].split() == ["allreduce", "1.1591", "[0.6826,", "1.6356]"]
+
+
 def test_targets_from_the_recorded_history(db):
     rows = {r["id"]: r for r in compare(db, "--target", "test_accuracy=0.85")}
     # Run 1 first reaches 0.85 at step 20 (2.0 s): both ranks sent 5 bytes a step for 20 steps.

@@ -91,10 +91,13 @@ def compare(
         columns += list(TARGET_COLUMNS) + (["reached"] if keys else [])
     if baseline:
         columns += [column for column, _, _ in BASELINE_COLUMNS]
+    compared = [column for column, _, _ in BASELINE_COLUMNS] if baseline else []
     if keys and fmt not in ("csv", "json"):
-        rows = [_with_spread(row, metrics + (list(TARGET_COLUMNS) if goal else [])) for row in rows]
+        rows = [_with_spread(row, metrics + (list(TARGET_COLUMNS) if goal else []), compared)
+                for row in rows]
     elif keys:
-        columns = _with_std_columns(columns, metrics + (list(TARGET_COLUMNS) if goal else []))
+        columns = _with_std_columns(columns, metrics + (list(TARGET_COLUMNS) if goal else []),
+                                    compared)
     if fmt == "simple":
         typer.echo(fitted(rows, columns, picked=split_columns(shown)))
     else:
@@ -108,24 +111,33 @@ def _metrics(extra: list[str] | None) -> list[str]:
     return DEFAULT_METRICS + [m for m in extra or [] if m not in DEFAULT_METRICS]
 
 
-def _with_spread(row: dict[str, Any], names: list[str]) -> dict[str, Any]:
+def _with_spread(row: dict[str, Any], names: list[str], compared: list[str]) -> dict[str, Any]:
     """For a table: each group mean shown as `mean ± h (n=k)`, h the half-width of the 95%
-    confidence interval over the group's k runs; a single run shows its value alone."""
+    confidence interval over the group's k runs; a single run shows its value alone. Each
+    comparison with the baseline (`compared`) as `value [low, high]` where it has an interval
+    (a ratio's interval is not symmetric)."""
     shown = dict(row)
     for name in names:
         mean, low, high = row.get(name), row.get(f"{name}_ci_low"), row.get(f"{name}_ci_high")
         if mean is not None and low is not None:
             half = (high - low) / 2
             shown[name] = f"{readable(mean, name)} ± {readable(half, name)} (n={row[f'{name}_n']})"
+    for name in compared:
+        value, low, high = row.get(name), row.get(f"{name}_ci_low"), row.get(f"{name}_ci_high")
+        if value is not None and low is not None:
+            shown[name] = f"{readable(value, name)} [{readable(low, name)}, {readable(high, name)}]"
     return shown
 
 
-def _with_std_columns(columns: list[str], names: list[str]) -> list[str]:
+def _with_std_columns(columns: list[str], names: list[str], compared: list[str]) -> list[str]:
     """For csv and json: each mean column followed by its spread: `_std`, `_ci_low`, `_ci_high`
-    (the 95% interval of the mean) and `_n` (the runs behind them)."""
+    (the 95% interval of the mean) and `_n` (the runs behind them); each comparison with the
+    baseline by its interval."""
     result = []
     for column in columns:
         result.append(column)
         if column in names:
             result += [f"{column}_{part}" for part in ("std", "ci_low", "ci_high", "n")]
+        if column in compared:
+            result += [f"{column}_ci_low", f"{column}_ci_high"]
     return result

@@ -127,30 +127,65 @@ def _label(value: Any) -> Any:
 
 # -- baselines -------------------------------------------------------------------------------
 
-def baseline_values(store: Results, runs: Iterable[RunRecord], spec: str) -> dict[str, float]:
-    """The mean final value of each baseline metric over the baseline: a run id, or an
+def baseline_values(store: Results, runs: Iterable[RunRecord], spec: str) -> dict[str, list[float]]:
+    """The final values of each baseline metric over the baseline's runs: a run id, or an
     experiment (all its runs, or all points of a grid of that base name)."""
     chosen = [run.id for run in runs if names(run, spec)]
     if not chosen:
         raise DsgdError(f"--baseline {spec!r}: no recorded run has this id or experiment name")
     finals = store.finals(chosen)
-    means = {}
+    values = {}
     for _, metric, _ in BASELINE_COLUMNS:
-        values = [finals[run_id][metric] for run_id in chosen if metric in finals[run_id]]
-        if values:
-            means[metric] = statistics.fmean(values)
-    return means
+        present = [finals[run_id][metric] for run_id in chosen if metric in finals[run_id]]
+        if present:
+            values[metric] = present
+    return values
 
 
-def add_baseline(rows: list[dict[str, Any]], base: dict[str, float]) -> None:
-    """Each row's speed-up, wall-time and byte ratios and accuracy difference against `base`
-    (blank where either side lacks the metric or a ratio would divide by zero)."""
+def add_baseline(rows: list[dict[str, Any]], base: dict[str, list[float]]) -> None:
+    """Each row's speed-up, wall-time and byte ratios and accuracy difference against the
+    mean of `base` (blank where either side lacks the metric or a ratio would divide by
+    zero); for a group row where both sides have several runs, the 95% interval of each
+    (`COLUMN_ci_low`, `COLUMN_ci_high`, from `comparison_interval`)."""
     for row in rows:
         for column, metric, compare in BASELINE_COLUMNS:
             mine, theirs = row.get(metric), base.get(metric)
-            usable = mine is not None and theirs is not None and (
-                column == "accuracy_diff" or theirs != 0)
-            row[column] = compare(mine, theirs) if usable else None
+            theirs_mean = statistics.fmean(theirs) if theirs else None
+            usable = mine is not None and theirs_mean is not None and (
+                column == "accuracy_diff" or theirs_mean != 0)
+            row[column] = compare(mine, theirs_mean) if usable else None
+            row[f"{column}_ci_low"], row[f"{column}_ci_high"] = (
+                comparison_interval(row, metric, theirs, ratio=column != "accuracy_diff")
+                if usable else (None, None))
+
+
+def comparison_interval(row: dict[str, Any], metric: str, base: list[float],
+                        ratio: bool) -> tuple[float | None, float | None]:
+    """The 95% interval of a group's mean against the baseline's: of the difference of the
+    means (Welch's t), or of their ratio by the delta method (relative variances, Welch's
+    degrees of freedom). None, None unless both sides have two runs or more."""
+    n_a, s_a, a = row.get(f"{metric}_n"), row.get(f"{metric}_std"), row.get(metric)
+    n_b = len(base)
+    if not n_a or n_a < 2 or n_b < 2 or s_a is None:
+        return None, None
+    b, s_b = statistics.fmean(base), statistics.stdev(base)
+    if ratio:
+        if a == 0 or b == 0:
+            return None, None
+        estimate = a / b
+        v_a, v_b = s_a ** 2 / (n_a * a ** 2), s_b ** 2 / (n_b * b ** 2)
+        scale = abs(estimate)
+    else:
+        estimate = a - b
+        v_a, v_b = s_a ** 2 / n_a, s_b ** 2 / n_b
+        scale = 1.0
+    if v_a + v_b == 0:
+        return estimate, estimate
+    dof = (v_a + v_b) ** 2 / (v_a ** 2 / (n_a - 1) + v_b ** 2 / (n_b - 1))
+    from scipy.stats import t
+
+    half = float(t.ppf(0.975, dof)) * scale * math.sqrt(v_a + v_b)
+    return estimate - half, estimate + half
 
 
 def sort_rows(rows: list[dict[str, Any]], column: str) -> list[dict[str, Any]]:
