@@ -11,7 +11,7 @@ import typer
 from dsgd_cli.commands.common import DbOption, ExperimentOption
 from dsgd_cli.commands.compare import compare_rows
 from dsgd_cli.errors import DsgdError, RunFailed
-from dsgd_cli.commands.output import render
+from dsgd_cli.commands.output import fitted
 
 if TYPE_CHECKING:
     from dsgd_cli.launch.launcher import Progress as RunProgress, RunResult
@@ -25,6 +25,10 @@ def run(
     db: DbOption = None,
     workers: Annotated[Optional[int], typer.Option(
         "--workers", "-n", help="Override every experiment's worker count")] = None,
+    sets: Annotated[Optional[list[str]], typer.Option(
+        "--set", metavar="KEY=VALUE",
+        help="Set a dotted key in every experiment, the value read as YAML (repeatable): "
+             "--set epochs=2 --set optimizer.lr=0.1")] = None,
     isolate: Annotated[bool, typer.Option(
         "--isolate", help="One torchrun per experiment, instead of one per run of consecutive "
                           "experiments with the same workers, device and timeout")] = False,
@@ -54,16 +58,21 @@ def run(
               "rdzv_timeout": rdzv_timeout}
     # The first launch's torchrun starts while this process imports torch and the plugins to
     # validate the spec; it is stopped if the spec is not valid.
-    early = None if dry_run or resume is not None else early_start(spec, experiment, workers, launch)
+    from dsgd_cli.spec.specfile import parse_set
+
+    overrides = [parse_set(text) for text in sets or []]
+    early = (None if dry_run or resume is not None
+             else early_start(spec, experiment, workers, launch, overrides))
     try:
-        _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkpoint_dir, early)
+        _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkpoint_dir, early,
+             overrides)
     finally:
         if early is not None:
             early.close()
 
 
 def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkpoint_dir,
-         early) -> None:
+         early, overrides) -> None:
     # torch, the plugins and rich load here, not when the CLI starts: the other commands need
     # none of them.
     from rich.console import Console
@@ -78,14 +87,15 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
     from dsgd_cli.results.store import Store
 
     if resume is not None:
-        if experiment or workers is not None:
+        if experiment or workers is not None or overrides:
             raise DsgdError("--resume continues a run with its own configuration: "
-                            "without --experiment or --workers")
+                            "without --experiment, --workers or --set")
         store = Store(db, create=False)  # a run is looked up: no database is made for it
         experiments = [resumable(store, resume, checkpoint_dir)]
     else:
         # Validate everything before anything is written or any worker is told what to run.
-        experiments = load_spec(spec, only=experiment, workers=workers, launch=launch)
+        experiments = load_spec(spec, only=experiment, workers=workers, launch=launch,
+                                overrides=overrides)
         if len(experiments) > ANNOUNCE_OVER:  # a grid can be larger than its author thinks
             typer.echo(f"dsgd: {len(experiments)} experiments in {spec}", err=True)
     console = Console()
@@ -127,7 +137,8 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
 
     recorded = [r.run_id for r in results if r.run_id is not None]
     runs = store.runs(ids=recorded)
-    typer.echo(render(compare_rows(store, runs)))
+    summary = compare_rows(store, runs)
+    typer.echo(fitted(summary, list(summary[0])) if summary else "")
     _advise_time_scale(runs)
     failed = [r for r in results if r.status != "completed"]
     if failed:
@@ -162,6 +173,8 @@ def status_markup(result: RunResult) -> str:
 
 def _stats(p: RunProgress) -> str:
     parts = []
+    if p.unit not in (None, "steps"):  # the bar counts the run's updates, samples or seconds
+        parts.append(p.unit if p.updates is None else f"{p.unit}, {p.updates} updates")
     if p.train_loss is not None:
         parts.append(f"loss {p.train_loss:.4f}")
     if p.test_accuracy is not None:
@@ -172,7 +185,9 @@ def _stats(p: RunProgress) -> str:
 def _print_plan(launches) -> None:
     from dsgd_cli.launch.launcher import launch_shape
     from dsgd_cli.launch.torchrun import command
+    from dsgd_cli.spec.describe import Describer
 
+    describer = Describer()
     lines: list[str] = []
     for number, planned in enumerate(launches, 1):
         count = len(planned.experiments)
@@ -189,7 +204,8 @@ def _print_plan(launches) -> None:
             c = exp.config
             lines.append(f"  {exp.name}: {c['workers']} workers, task {c['task']['name']}, "
                          f"aggregator {c['aggregator']['name']}, compressor {c['compressor']['name']}, "
-                         f"optimizer {c['optimizer']['name']}, {c['epochs']} epochs of batch {c['batch_size']}")
+                         f"optimizer {c['optimizer']['name']}")
+            lines.extend(f"    {line}" for line in describer.lines(c))
             for key in ("task", "optimizer", "aggregator", "compressor"):
                 options = [f"{k}={v}" for k, v in c[key].items() if k != "name"]
                 if options:

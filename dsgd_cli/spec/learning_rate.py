@@ -8,9 +8,10 @@ own pace, and a worker that runs past the run's nominal last step stays at the s
 value there (cosine's `final_lr`).
 
 The run's last step T, which cosine decays towards: `epochs × steps per epoch`; under a
-`samples` budget ⌈samples / (workers × batch_size)⌉, the steps each worker runs when all go at
-the same speed; under a `seconds` budget it is not known, and only schedules that do not need
-it are accepted.
+`samples` budget the step after which the workers, all going at the same speed, have trained on
+the budget's samples (`sharding.samples_budget_steps`: ⌈samples / (workers × batch_size)⌉ when
+every batch is full); under a `seconds` budget it is not known, and only schedules that do not
+need it are accepted.
 """
 
 from __future__ import annotations
@@ -18,19 +19,23 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from dsgd_cli.spec.sharding import samples_budget_steps
+
 # lr_scaling: the factor the optimizer's lr is multiplied by, for n workers (Goyal et al.
 # 2017's linear scaling rule; the square-root rule of Krizhevsky 2014 / Hoffer et al. 2017).
 SCALINGS = {"none": lambda n: 1.0, "linear": lambda n: float(n), "sqrt": math.sqrt}
 DEFAULT_SCHEDULE = {"name": "constant", "warmup_steps": 0, "warmup_epochs": 0.0}
 
 
-def total_steps(config: dict[str, Any], steps_per_epoch: int) -> int | None:
-    """The run's last step per worker, None under a seconds budget (see the module's text)."""
+def total_steps(config: dict[str, Any], shard_size: int, steps_per_epoch: int) -> int | None:
+    """The run's last step per worker, None under a seconds budget (see the module's text);
+    `shard_size` is each worker's share of the training set."""
     budget = config.get("budget")
     if budget is None:
         return config["epochs"] * steps_per_epoch
     if budget["samples"] is not None:
-        return math.ceil(budget["samples"] / (config["workers"] * config["batch_size"]))
+        return samples_budget_steps(budget["samples"], config["workers"], shard_size,
+                                    config["batch_size"], steps_per_epoch)
     return None
 
 

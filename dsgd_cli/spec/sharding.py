@@ -69,3 +69,24 @@ def steps_per_epoch(shard: Shard, batch_size: int, cap: int | None) -> int:
     """Batches per epoch: the whole shard (the last batch may be short), or `cap` if fewer."""
     steps = math.ceil(shard.size / batch_size)
     return min(steps, cap) if cap else steps
+
+
+def samples_budget_steps(samples: int, workers: int, shard_size: int, batch_size: int,
+                         per_epoch: int) -> int:
+    """The step after which the workers of a run in step have trained on `samples` examples
+    or more (and fewer than `workers × batch_size` more): each worker's batches are taken in
+    order from its shard, `per_epoch` of them per epoch, and an epoch's last batch is short
+    when `batch_size` does not divide the shard. So ⌈samples / (workers × batch_size)⌉ when
+    every batch is full, and later by the samples the short batches missed otherwise."""
+    per_worker = -(-samples // workers)  # workers × this ≥ samples, and no fewer suffice
+    per_epoch_samples = min(shard_size, per_epoch * batch_size)
+    epochs, rest = divmod(per_worker, per_epoch_samples)
+    # Within an epoch every batch but the last is full, and `rest` < the epoch's samples.
+    return epochs * per_epoch + -(-rest // batch_size)
+
+
+def samples_in_steps(steps: int, shard_size: int, batch_size: int, per_epoch: int) -> int:
+    """The examples one worker trains on in its first `steps` steps (an epoch's last batch may
+    be short)."""
+    epochs, rest = divmod(steps, per_epoch)
+    return epochs * min(shard_size, per_epoch * batch_size) + rest * batch_size

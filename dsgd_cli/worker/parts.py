@@ -82,11 +82,11 @@ def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
     shard = Shard(len(train_y), rank, world_size, seed, config.get("data_split", "random"),
                   data.train_y)
     per_epoch = steps_per_epoch(shard, config["batch_size"], config["steps_per_epoch"])
+    last_step = total_steps(config, shard.size, per_epoch)  # None under a seconds budget
     # Runs recorded before schedules existed (resumed) have neither key: a constant lr.
     learning_rate = LearningRate(
         build_plugin("lr_schedule", config.get("lr_schedule", DEFAULT_SCHEDULE)), optimizer,
-        base_lrs, config.get("lr_scaling", "none"), world_size,
-        total_steps(config, per_epoch), per_epoch)
+        base_lrs, config.get("lr_scaling", "none"), world_size, last_step, per_epoch)
     aggregator = build_plugin("aggregator", config["aggregator"])
     ctx = WorkerContext(
         rank=rank, world_size=world_size, device=device, model=model, optimizer=optimizer,
@@ -94,7 +94,7 @@ def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
         compressor=build_plugin("compressor", config["compressor"]), config=config)
     ctx.length = run_length(config, per_epoch, comm, aggregator)
     # Every rank creates the same process groups in the same order: the runtime's first.
-    stop_rule = StopRule(ctx.length, aggregator, comm)
+    stop_rule = StopRule(ctx.length, aggregator, comm, last_step)
     ctx.compressor.setup(ctx)
     aggregator.setup(ctx)
     if resumed is not None:  # the plugins set up from the restored model, then their state

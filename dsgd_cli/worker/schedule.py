@@ -1,11 +1,14 @@
 """How long a worker trains, when it evaluates, and how slow it is made to be.
 
-* `StopRule`: after which step this worker stops. Without a budget every worker runs
-  `epochs × steps_per_epoch` steps. With `budget: {samples: N}` or `{seconds: T}`:
+* `StopRule`: after which step this worker stops, and what the progress bar shows. Without a
+  budget every worker runs `epochs × steps_per_epoch` steps. With `budget: {samples: N}` or
+  `{seconds: T}`:
   - workers in step with each other (every algorithm whose `steps_may_differ` is False) stop
-    after the same step: the samples budget is a step count, and for the seconds budget each
-    step's "my time is up" flags are combined by a small non-blocking all-reduce whose result is
-    read one step later, so all workers see the same answer at the same step without waiting;
+    after the same step: the samples budget is a step count, the first step after which the
+    workers have trained on N samples (`sharding.samples_budget_steps`: an epoch's short last
+    batch counts what it holds); for the seconds budget each step's "my time is up" flags are
+    combined by a small non-blocking all-reduce whose result is read one step later, so all
+    workers see the same answer at the same step without waiting;
   - workers that may run different numbers of steps (adpsgd, wagma, backup) each stop on their
     own: the samples of all workers are added up in a counter shared through the rendezvous
     store, and the seconds are measured from the common start;
@@ -18,10 +21,10 @@
 
 from __future__ import annotations
 
-import math
 import random
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -42,23 +45,39 @@ def run_length(config: dict, steps_per_epoch: int, comm: Comm, aggregator: Aggre
                      samples_counter=counter, time_scale=scale)
 
 
+@dataclass
+class Progress:
+    """What the progress bar shows after a step: `done` of `total` (None: not known) in `unit`
+    (steps, updates, samples or seconds), and the run's `updates` when the aggregator counts
+    them and the bar counts something else."""
+
+    done: float
+    total: float | None
+    unit: str
+    updates: int | None = None
+
+
 class StopRule:
-    def __init__(self, length: RunLength, aggregator: Aggregator, comm: Comm):
+    """`planned_steps`: the run's last step per worker when all go at the same speed
+    (`learning_rate.total_steps`), None under a seconds budget."""
+
+    def __init__(self, length: RunLength, aggregator: Aggregator, comm: Comm,
+                 planned_steps: int | None):
         self.length, self.aggregator, self.comm = length, aggregator, comm
         self.independent = aggregator.steps_may_differ or aggregator.decides_stop
+        # Workers in step stop after the same step: a samples budget is a step count.
+        self.last_step = length.steps
+        if length.samples is not None and not self.independent:
+            self.last_step = planned_steps
         self.global_samples = 0  # the run's samples as this worker knows them
         self._flag_group = None
         self._pending = None  # the all-reduce of the previous step's flags
         if length.seconds is not None and not self.independent:
             self._flag_group = comm.new_group(range(comm.world_size), backend="gloo")
 
-    def expected_steps(self, batch: int) -> int | None:
-        """Steps per worker when known in advance (for the progress bar)."""
-        if self.length.steps is not None:
-            return self.length.steps
-        if self.length.samples is not None and not self.independent:
-            return math.ceil(self.length.samples / (self.comm.world_size * batch))
-        return None
+    def expected_steps(self) -> int | None:
+        """Steps per worker when known in advance."""
+        return self.last_step
 
     def after_resume(self, steps: int) -> bool:
         """A resumed run has done `steps` already (runs with a budget do not checkpoint):
@@ -76,9 +95,9 @@ class StopRule:
             self.global_samples += batch_samples * self.comm.world_size
         if self.aggregator.decides_stop:
             return self.aggregator.finished()
-        if length.steps is not None:
-            return steps >= length.steps
-        if length.samples is not None:
+        if self.last_step is not None:
+            return steps >= self.last_step
+        if length.samples is not None:  # workers on their own: the shared count
             return self.global_samples >= length.samples
         if self._flag_group is None:
             return length.spent()
@@ -101,6 +120,20 @@ class StopRule:
         if self.length.samples is not None:
             return float(self.global_samples)
         return self.length.elapsed()
+
+    def progress_bar(self, steps: int) -> Progress:
+        """The run's progress after this worker's `steps`-th step, in the unit whose total is
+        known: its steps (or the run's updates, for an aggregator that counts them) when the
+        run's length is a step count; otherwise the budget's samples or seconds, as this
+        worker knows them."""
+        updates = self.aggregator.updates_done() if self.aggregator.decides_stop else None
+        if self.last_step is not None:
+            if updates is not None:
+                return Progress(updates, self.last_step, "updates")
+            return Progress(steps, self.last_step, "steps")
+        if self.length.samples is not None:
+            return Progress(self.global_samples, self.length.samples, "samples", updates)
+        return Progress(round(self.length.elapsed(), 1), self.length.seconds, "seconds", updates)
 
 
 def evaluation_points(budget: dict | None) -> list[float]:

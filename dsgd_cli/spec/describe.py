@@ -1,0 +1,115 @@
+"""What an experiment will run, in the words and units a person reads: its length per worker
+(epochs and steps, or its budget and the step count it makes), the compute model, the network
+and the stragglers. `dsgd run --dry-run` prints it for each experiment."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from dsgd_cli.spec import registry
+from dsgd_cli.spec.experiments import build_plugin
+from dsgd_cli.spec.learning_rate import total_steps
+from dsgd_cli.spec.sharding import Shard, samples_in_steps, steps_per_epoch
+
+
+class Describer:
+    """Describes resolved experiment configurations; remembers each task's training-set size
+    (a grid's points share a few tasks)."""
+
+    def __init__(self):
+        self._examples: dict[str, int | None] = {}
+
+    def lines(self, config: dict[str, Any]) -> list[str]:
+        return [f"length: {self.length(config)}",
+                f"compute: {compute(config.get('compute'))}",
+                f"network: {network(config.get('network'))}",
+                f"stragglers: {stragglers(config.get('stragglers'))}"]
+
+    def length(self, config: dict[str, Any]) -> str:
+        """How long each worker trains, with the step count when it is known before the run."""
+        batch, budget = config["batch_size"], config.get("budget")
+        sizes = self._sizes(config)  # (shard size, steps per epoch), None: known when loaded
+        if budget is None:
+            epochs = f"{config['epochs']} epoch{'s' if config['epochs'] != 1 else ''}"
+            if sizes is None:
+                return f"{epochs} per worker, of batch {batch}"
+            steps = total_steps(config, *sizes)
+            return f"{epochs} × {sizes[1]} steps = {steps} steps per worker, of batch {batch}"
+        evaluations = (f"{budget['evaluations']} evaluation"
+                       f"{'s' if budget['evaluations'] != 1 else ''} of the average model")
+        if budget["seconds"] is not None:
+            return (f"budget {budget['seconds']:g} s of training (modeled), batch {batch}, "
+                    f"{evaluations}; epochs ignored")
+        spent = f"budget {budget['samples']:,} samples over all workers, batch {batch}"
+        if sizes is None:
+            return f"{spent}, {evaluations}; epochs ignored"
+        steps = total_steps(config, *sizes)
+        cls = registry.load("aggregator", config["aggregator"]["name"])
+        if cls.steps_may_differ or cls.decides_stop:
+            return (f"{spent}: each worker stops once they are spent ({steps} steps per worker "
+                    f"at equal speed), {evaluations}; epochs ignored")
+        trained = config["workers"] * samples_in_steps(steps, sizes[0], batch, sizes[1])
+        return (f"{spent}: {steps} steps per worker ({trained:,} samples), {evaluations}; "
+                f"epochs ignored")
+
+    def _sizes(self, config: dict[str, Any]) -> tuple[int, int] | None:
+        task = config["task"]
+        key = json.dumps(task, sort_keys=True)
+        if key not in self._examples:
+            self._examples[key] = build_plugin("task", task).train_examples()
+        examples = self._examples[key]
+        if examples is None:
+            return None
+        shard = Shard(examples, 0, config["workers"], config["seed"])
+        return shard.size, steps_per_epoch(shard, config["batch_size"], config["steps_per_epoch"])
+
+
+def compute(section: dict[str, Any] | None) -> str:
+    if section is None:
+        return "measured (no compute model: steps take the time they take)"
+    text = f"{_seconds(section['step_seconds'])} per step (modeled)"
+    variation = section.get("variation")
+    if variation is not None:
+        options = ", ".join(f"{k} {v:g}" for k, v in variation.items() if k != "distribution")
+        text += f", {variation['distribution']} variation ({options})"
+    return text + f", time scale {section['time_scale']:g} (real seconds per modeled second)"
+
+
+def network(section: dict[str, Any] | None) -> str:
+    if section is None:
+        return "not emulated"
+    per_second = section["bytes_per_second"]
+    bandwidth = ("unlimited bandwidth" if per_second is None else
+                 f"{_si(per_second, 'B/s')} = {_si(per_second * 8, 'bit/s')}")
+    return f"{bandwidth}, latency {_seconds(section['latency_s'])}"
+
+
+def stragglers(section: dict[str, Any] | None) -> str:
+    if section is None:
+        return "none"
+    parts = []
+    if section["ranks"] and section["slowdown"] > 1:
+        ranks = ", ".join(str(rank) for rank in section["ranks"])
+        parts.append(f"rank{'s' if len(section['ranks']) > 1 else ''} {ranks} "
+                     f"{section['slowdown']:g}× slower")
+    randomly = section.get("random")
+    if randomly is not None:
+        parts.append(f"each step of each worker {randomly['slowdown']:g}× slower with "
+                     f"probability {randomly['probability']:g}")
+    return "; ".join(parts) or "none"
+
+
+def _si(value: float, unit: str) -> str:
+    """`value` with a decimal prefix: 1e9 B/s is `1 GB/s`."""
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.4g} {prefix}{unit}"
+    return f"{value:.4g} {unit}"
+
+
+def _seconds(value: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if value >= scale:
+            return f"{value / scale:.4g} {unit}"
+    return "0 s" if value == 0 else f"{value * 1e9:.4g} ns"
