@@ -44,3 +44,135 @@ class Adam(OptimizerPlugin):
         o = self.options
         return torch.optim.Adam(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                 weight_decay=o.weight_decay)
+
+
+@dataclass
+class AdamWOptions:
+    lr: float = option(0.001, min=0.0, help="learning rate")
+    beta1: float = option(0.9, min=0.0, max=1.0, help="first-moment decay")
+    beta2: float = option(0.999, min=0.0, max=1.0, help="second-moment decay")
+    eps: float = option(1e-8, min=0.0, help="denominator term")
+    weight_decay: float = option(0.01, min=0.0, help="decoupled weight decay: x ← x − lr·wd·x")
+
+
+class AdamW(OptimizerPlugin):
+    """Adam with decoupled weight decay (Loshchilov and Hutter, ICLR 2019), torch's AdamW."""
+
+    Options = AdamWOptions
+
+    def build(self, params) -> torch.optim.Optimizer:
+        o = self.options
+        return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                 weight_decay=o.weight_decay)
+
+
+def _trust_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """numerator / denominator where both are positive, else 1: a layer whose weights or
+    update are zero (a zero-initialised bias) takes the plain step, as LARS implementations do."""
+    positive = (numerator > 0) & (denominator > 0)
+    return torch.where(positive, numerator / torch.where(positive, denominator, 1.0),
+                       torch.ones_like(numerator))
+
+
+class LAMBOptimizer(torch.optim.Optimizer):
+    """LAMB (You et al., "Large Batch Optimization for Deep Learning: Training BERT in 76
+    Minutes", ICLR 2020, Algorithm 2), per parameter tensor (a layer):
+
+        m ← β1 m + (1 − β1) g,   v ← β2 v + (1 − β2) g²
+        r = (m / (1 − β1^t)) / (√(v / (1 − β2^t)) + ε) + λ x
+        x ← x − lr · (‖x‖ / ‖r‖) · r
+    """
+
+    def __init__(self, params, lr, betas, eps, weight_decay):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for x in group["params"]:
+                if x.grad is None:
+                    continue
+                state = self.state[x]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(x)
+                    state["exp_avg_sq"] = torch.zeros_like(x)
+                state["step"] += 1
+                t = state["step"]
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(beta1).add_(x.grad, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(x.grad, x.grad, value=1 - beta2)
+                update = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + group["eps"])
+                update.add_(x, alpha=group["weight_decay"])
+                ratio = _trust_ratio(x.norm(), update.norm())
+                x.sub_(update * (group["lr"] * ratio))
+        return loss
+
+
+class LARSOptimizer(torch.optim.Optimizer):
+    """LARS (You, Gitman, Ginsburg, "Large Batch Training of Convolutional Networks", 2017,
+    Algorithm 1), per parameter tensor (a layer), with the global rate γ = lr:
+
+        λ = η ‖x‖ / (‖g‖ + β ‖x‖)          the local rate, η the trust coefficient
+        v ← m v + γ λ (g + β x)            β the weight decay, m the momentum
+        x ← x − v
+    """
+
+    def __init__(self, params, lr, momentum, weight_decay, trust_coefficient):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                      trust_coefficient=trust_coefficient))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for x in group["params"]:
+                if x.grad is None:
+                    continue
+                weight_norm = x.norm()
+                local_lr = _trust_ratio(group["trust_coefficient"] * weight_norm,
+                                        x.grad.norm() + group["weight_decay"] * weight_norm)
+                update = (x.grad + group["weight_decay"] * x) * (group["lr"] * local_lr)
+                state = self.state[x]
+                if "velocity" not in state:
+                    state["velocity"] = torch.zeros_like(x)
+                velocity = state["velocity"].mul_(group["momentum"]).add_(update)
+                x.sub_(velocity)
+        return loss
+
+
+@dataclass
+class LAMBOptions:
+    lr: float = option(0.001, min=0.0, help="learning rate")
+    beta1: float = option(0.9, min=0.0, max=1.0, help="first-moment decay")
+    beta2: float = option(0.999, min=0.0, max=1.0, help="second-moment decay")
+    eps: float = option(1e-6, min=0.0, help="denominator term (the paper's 1e-6)")
+    weight_decay: float = option(0.01, min=0.0, help="decoupled weight decay λ, inside the trust ratio")
+
+
+class LAMB(OptimizerPlugin):
+    Options = LAMBOptions
+
+    def build(self, params) -> torch.optim.Optimizer:
+        o = self.options
+        return LAMBOptimizer(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             weight_decay=o.weight_decay)
+
+
+@dataclass
+class LARSOptions:
+    lr: float = option(0.1, min=0.0, help="global learning rate γ")
+    momentum: float = option(0.9, min=0.0, max=1.0, help="momentum m")
+    weight_decay: float = option(0.0005, min=0.0, help="weight decay β (the paper's 0.0005)")
+    trust_coefficient: float = option(0.001, min=0.0, help="η, the paper's 0.001")
+
+
+class LARS(OptimizerPlugin):
+    Options = LARSOptions
+
+    def build(self, params) -> torch.optim.Optimizer:
+        o = self.options
+        return LARSOptimizer(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
+                             trust_coefficient=o.trust_coefficient)
