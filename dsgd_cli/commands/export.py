@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Iterator, Optional
 
 import typer
@@ -18,7 +17,8 @@ from dsgd_cli.errors import DsgdError
 if TYPE_CHECKING:
     from dsgd_cli.results.reader import Results, RunRecord
 
-FORMATS = ("csv", "json", "parquet")
+TRACKER_FORMATS = ("tensorboard", "mlflow")  # dsgd_cli/results/trackers.py writes them
+FORMATS = ("csv", "json", "parquet", *TRACKER_FORMATS)
 HISTORY_COLUMNS = ["metric", "step", "epoch", "rank", "seconds", "value"]
 
 
@@ -33,12 +33,16 @@ def export(
     config: Annotated[Optional[list[str]], typer.Option(
         "--config", "-c", help="Add a column with this configuration key or run column "
                                "(optimizer.lr, aggregator, seed; repeatable)")] = None,
-    fmt: Annotated[str, typer.Option("--format", "-f", help="csv, json or parquet")] = "csv",
-    output: Annotated[Optional[Path], typer.Option(
-        "--output", "-o", help="The file to write (csv and json: stdout without it)")] = None,
+    fmt: Annotated[str, typer.Option(
+        "--format", "-f", help="csv, json, parquet, tensorboard or mlflow")] = "csv",
+    output: Annotated[Optional[str], typer.Option(
+        "--output", "-o", metavar="FILE|DIR|URI",
+        help="The file to write (csv and json: stdout without it); "
+             "tensorboard: a directory; mlflow: a tracking URI")] = None,
 ) -> None:
     """Export the recorded metric history: run id, experiment, clock, the configuration columns
-    asked for, metric, step, epoch, rank, seconds, value."""
+    asked for, metric, step, epoch, rank, seconds, value; or, with --format tensorboard or
+    mlflow, each run with its configuration to that tracker."""
     from dsgd_cli.results.query import check_keys, parse_where, pick, select_runs
     from dsgd_cli.results.reader import Results
 
@@ -46,6 +50,12 @@ def export(
         raise DsgdError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt == "parquet" and output is None:
         raise DsgdError("--format parquet: give the file to write with -o")
+    if fmt in TRACKER_FORMATS and output is None:
+        raise DsgdError(f"--format {fmt}: give the "
+                        f"{'directory' if fmt == 'tensorboard' else 'tracking URI'} with -o")
+    if fmt in TRACKER_FORMATS and config:
+        raise DsgdError(f"--config: --format {fmt} writes the whole configuration; "
+                        "leave --config out")
     conditions = [parse_where(text) for text in where or []]
     keys = config or []
     store = Results(db)
@@ -55,6 +65,12 @@ def export(
     # clock: whether the seconds column is modeled (an emulated cluster) or measured
     columns = ["run_id", "experiment", "clock", *keys, *HISTORY_COLUMNS]
     rows = _rows(store, chosen, keys, metric)
+    if fmt in TRACKER_FORMATS:
+        from dsgd_cli.results import trackers
+
+        for line in trackers.write(fmt, output, chosen, rows):
+            typer.echo(line)
+        return
     try:
         if fmt == "parquet":
             _write_parquet(rows, columns, output)
@@ -113,7 +129,7 @@ def _write_text(rows: Iterator[list], columns: list[str], fmt: str, file) -> Non
     file.write("\n]\n")
 
 
-def _write_parquet(rows: Iterator[list], columns: list[str], output: Path) -> None:
+def _write_parquet(rows: Iterator[list], columns: list[str], output: str) -> None:
     try:
         import pyarrow
         import pyarrow.parquet
