@@ -10,6 +10,7 @@ real runs go through `dsgd run` under torchrun.
 
 from __future__ import annotations
 
+import dataclasses
 
 import numpy as np
 import pytest
@@ -43,8 +44,11 @@ class _Metrics:
         self.values.setdefault(name, []).append(float(value))
 
 
-def _context(rank: int, n: int, compressor: dict, lr: float = LR) -> WorkerContext:
-    torch.manual_seed(100 + rank)  # a different model on every worker
+def _context(rank: int, n: int, compressor: dict, lr: float = LR,
+             same_start: bool = False) -> WorkerContext:
+    """A different model on every worker, or with `same_start` the same on all (as in a
+    `dsgd run`, where the run's seed builds every worker's model)."""
+    torch.manual_seed(100 if same_start else 100 + rank)
     model = nn.Linear(5, 3, dtype=torch.float64)  # 18 parameters
     ctx = WorkerContext(rank=rank, world_size=n, device=torch.device("cpu"), model=model,
                         optimizer=torch.optim.SGD(model.parameters(), lr=lr),
@@ -74,15 +78,16 @@ def _step(aggregator, ctx, step: int) -> None:
     aggregator.after_step(step)
 
 
-def _run(aggregator, rank, n, compressor, steps, lr=LR):
+def _run(aggregator, rank, n, compressor, steps, lr=LR, same_start=False):
     """The models before and after each step, and what the aggregator and its comm kept."""
-    ctx = _context(rank, n, compressor, lr)
+    ctx = _context(rank, n, compressor, lr, same_start)
     aggregator.setup(ctx)
     setup_traffic = vars(ctx.comm.take_traffic())
     models = [_flat(ctx)]
     for step in range(steps):
         _step(aggregator, ctx, step)
         models.append(_flat(ctx))
+    aggregator.finish()  # as the runtime does after the last step
     return {"models": torch.stack(models), "traffic": vars(ctx.comm.take_traffic()),
             "setup_traffic": setup_traffic, "metrics": ctx.metrics.values}
 
@@ -137,8 +142,19 @@ def _scenario_replicas(rank, n):
     return results
 
 
+EXACT_STEPS = 5
+
+
 def _scenario_exact(rank, n):
-    return _run(Choco(Choco.Options(gamma=1.0)), rank, n, {"name": "none"}, 3)
+    return {name: _run(aggregator, rank, n, {"name": "none"}, EXACT_STEPS, same_start=True)
+            for name, aggregator in [
+                ("choco", Choco(Choco.Options(gamma=1.0))),
+                ("dpsgd", DPSGD(DPSGD.Options(topology="ring", mixing="uniform")))]}
+
+
+def _scenario_exact_step_first(rank, n):
+    return _run(Choco(Choco.Options(gamma=1.0, order="step_first")), rank, n, {"name": "none"},
+                EXACT_STEPS)
 
 
 def _scenario_consensus(rank, n):
@@ -152,7 +168,7 @@ def _scenario_dcd_none(rank, n):
 
 def _scenario_dpsgd(rank, n):
     return _run(DPSGD(DPSGD.Options(topology="ring", mixing="uniform")), rank, n,
-                {"name": "none"}, 5)
+                {"name": "none"}, EXACT_STEPS)
 
 
 BYTES_STEPS = 4
@@ -173,9 +189,86 @@ def _scenario_auto(rank, n):
     return _run(Choco(Choco.Options()), rank, n, {"name": "topk", "ratio": 0.2}, 2)
 
 
+class _LoggingComm(Comm):
+    """A Comm that logs each compressed message it posts ("send") and each wait that returns
+    a received one ("received"), in order."""
+
+    def __init__(self, rank, n, log: list[str]):
+        super().__init__(rank, n)
+        self.log = log
+
+    def isend_tensors(self, *args, **kwargs):
+        self.log.append("send")
+        return super().isend_tensors(*args, **kwargs)
+
+    def irecv_tensors(self, *args, **kwargs):
+        return _LoggedReceive(super().irecv_tensors(*args, **kwargs), self.log)
+
+
+class _LoggedReceive:
+    def __init__(self, handle, log):
+        self.handle, self.log = handle, log
+
+    def wait(self):
+        tensors = self.handle.wait()
+        self.log.append("received")
+        return tensors
+
+
+class LoggingChoco(Choco):
+    """choco that logs where the runtime's step is: the forward pass and `after_step`."""
+
+    def before_forward(self, step):
+        self.ctx.comm.log.append(f"forward {step}")
+        super().before_forward(step)
+
+    def after_step(self, step):
+        self.ctx.comm.log.append(f"after_step {step}")
+        super().after_step(step)
+
+    def finish(self):
+        self.ctx.comm.log.append("finish")
+        super().finish()
+
+
+OVERLAP_STEPS = 3
+
+
+def _scenario_overlap(rank, n):
+    """The order of each step's hooks and messages, in both orders (ring: 2 neighbours)."""
+    logs = {}
+    for order in ("mix_first", "step_first"):
+        log: list[str] = []
+        ctx = dataclasses.replace(_context(rank, n, {"name": "topk", "ratio": 0.3}),
+                                  comm=_LoggingComm(rank, n, log))
+        _run_in(LoggingChoco(Choco.Options(gamma=0.4, order=order)), ctx, OVERLAP_STEPS)
+        logs[order] = log
+    return logs
+
+
+def _run_in(aggregator, ctx, steps):
+    aggregator.setup(ctx)
+    for step in range(steps):
+        _step(aggregator, ctx, step)
+    aggregator.finish()
+
+
+def _scenario_checkpoint(rank, n):
+    """What a checkpoint after step 3 holds, and the state once the run finishes."""
+    choco = Choco(Choco.Options(gamma=0.4))
+    ctx = _context(rank, n, {"name": "topk", "ratio": 0.3})
+    choco.setup(ctx)
+    for step in range(3):
+        _step(choco, ctx, step)
+    saved = choco.state_dict()
+    choco.finish()
+    return {"saved": saved, "public": choco.public, "mixed": choco.mixed}
+
+
 SCENARIOS = {"auto": _scenario_auto, "replicas": _scenario_replicas, "exact": _scenario_exact,
-             "consensus": _scenario_consensus, "dcd_none": _scenario_dcd_none,
-             "dpsgd": _scenario_dpsgd, "bytes": _scenario_bytes}
+             "exact_step_first": _scenario_exact_step_first, "consensus": _scenario_consensus, "dcd_none": _scenario_dcd_none,
+             "dpsgd": _scenario_dpsgd, "bytes": _scenario_bytes, "overlap": _scenario_overlap,
+             "checkpoint": _scenario_checkpoint}
 
 
 @pytest.fixture(scope="module")
@@ -215,9 +308,24 @@ def test_dcd_replicas_stay_exact_copies_of_the_neighbours_models(spawned, compre
         torch.testing.assert_close(run["mixed"], expected, rtol=0, atol=1e-12)
 
 
-def test_choco_without_compression_and_gamma_1_is_exact_gossip_after_the_step(spawned):
-    """x ← W(x − η∇F(x)), computed here; D-PSGD's x ← Wx − η∇F(x) is not it."""
-    runs = [r["exact"]["models"] for r in spawned]
+def test_choco_without_compression_and_gamma_1_is_dpsgd(spawned):
+    """In the authors' order (the default), exact messages and γ = 1 give D-PSGD,
+    x ← Wx − η∇F(x) (Lian et al., 2017): from the same starting model on every worker, as in
+    a `dsgd run`, `choco` equals `dpsgd` step for step. (x̂ starts at 0, so from models that
+    differ the first step would not mix them.)"""
+    for r in spawned:
+        models = r["exact"]["choco"]["models"]
+        torch.testing.assert_close(models, r["exact"]["dpsgd"]["models"],
+                                   rtol=1e-12, atol=1e-12)
+        assert not torch.equal(models[-1], spawned[0]["exact"]["choco"]["models"][-1]) \
+            or r is spawned[0]  # the models drift apart: the mixing is exercised
+    assert spawned[0]["exact"]["choco"]["metrics"]["choco_gamma"] == [1.0] * EXACT_STEPS
+
+
+def test_choco_step_first_without_compression_and_gamma_1_is_gossip_after_the_step(spawned):
+    """`order: step_first` (the ICML 2019 paper's Algorithm 2): x ← W(x − η∇F(x)), computed
+    here; D-PSGD's x ← Wx − η∇F(x) is not it."""
+    runs = [r["exact_step_first"]["models"] for r in spawned]
     x = torch.stack([run[0] for run in runs])
     w = torch.tensor(RING)
     centres = torch.stack([_centre(i, x.shape[1]) for i in range(WORKERS)])
@@ -227,7 +335,38 @@ def test_choco_without_compression_and_gamma_1_is_exact_gossip_after_the_step(sp
         got = torch.stack([run[step] for run in runs])
         torch.testing.assert_close(got, x, rtol=1e-12, atol=1e-12)
         assert not torch.allclose(got, dpsgd_order, rtol=1e-6, atol=1e-6)
-    assert spawned[0]["exact"]["metrics"]["choco_gamma"] == [1.0] * 3
+
+
+def test_choco_mix_first_sends_during_the_next_steps_computation(spawned):
+    """In the authors' order q_i does not depend on the next gradient: the messages posted at
+    the end of step t are waited for in step t + 1's `after_step`, after its forward and
+    backward, so the emulated network time of the round runs while the step computes; the
+    last step's are received in `finish`. In `step_first` each round completes in its own
+    `after_step`, nothing computing meanwhile."""
+    exchange = ["send", "send"]  # two neighbours on the ring
+    received = ["received", "received"]
+    overlapping = []
+    for step in range(OVERLAP_STEPS):
+        overlapping += [f"forward {step}", f"after_step {step}"]
+        overlapping += (received if step else []) + exchange
+    overlapping += ["finish"] + received
+    blocking = [entry for step in range(OVERLAP_STEPS)
+                for entry in [f"forward {step}", f"after_step {step}"] + exchange + received]
+    blocking += ["finish"]
+    for r in spawned:
+        assert r["overlap"]["mix_first"] == overlapping
+        assert r["overlap"]["step_first"] == blocking
+
+
+def test_choco_checkpoint_holds_the_estimates_with_the_last_steps_messages(spawned):
+    """A checkpoint taken while the last step's round is in flight completes it first: it
+    holds x̂_i and s_i as the run has them once the round is in (a resumed run mixes with
+    what the uninterrupted one does)."""
+    for r in spawned:
+        saved = r["checkpoint"]["saved"]
+        assert saved.get("in_flight") is None
+        assert torch.equal(saved["public"], r["checkpoint"]["public"])
+        assert torch.equal(saved["mixed"], r["checkpoint"]["mixed"])
 
 
 def test_choco_consensus_keeps_the_average_and_contracts(spawned):
@@ -296,6 +435,70 @@ def test_gamma_auto_picks_the_step_size_whose_consensus_gets_closest():
     errors = {g: consensus_error(compressors, mixing, start, g, 60) for g in GAMMA_GRID}
     assert errors[gamma] == min(errors.values()) < 1
     assert errors[1.0] > errors[gamma]
+
+
+def _disagreement_after(compressors, mixing, start, gamma, steps, order) -> float:
+    """‖X − X̄‖² + ‖X − X̂‖² after `steps` of CHOCO's consensus in `order`, over its value at
+    the start (X̂ = 0): the authors' tuner mixes with the old estimates first and measures
+    this; `step_first` mixes with the new ones last."""
+    x, public = start.clone(), torch.zeros_like(start)
+
+    def disagreement():
+        return float((x - x.mean(0)).square().sum() + (x - public).square().sum())
+
+    initial = disagreement()
+    for step in range(steps):
+        if order == "mix_first":
+            x = x + gamma * (mixing @ public - public)
+        public = public + torch.stack([
+            c.decompress(c.compress(x[i] - public[i], "gamma-auto", step), x[i])
+            for i, c in enumerate(compressors)])
+        if order == "step_first":
+            x = x + gamma * (mixing @ public - public)
+    return disagreement() / initial
+
+
+@pytest.mark.parametrize("order, other", [("mix_first", "step_first"),
+                                          ("step_first", "mix_first")])
+def test_gamma_auto_tunes_for_the_order_that_runs(order, other):
+    """The γ picked minimises ‖X − X̄‖² + ‖X − X̂‖² after the consensus steps in the order
+    the run uses. On a ring of 8 with top-1% and 10 steps the two orders pick different γ, so
+    tuning for the other order, or measuring something else, is caught."""
+    ctx = _solo_context({"name": "topk", "ratio": 0.01})
+    w = mixing_matrix(make_topology("ring", 8, directed=False), 0, "uniform")
+    compressors = [choco_module._simulated_compressor(ctx, rank) for rank in range(8)]
+    start = torch.randn(8, 1100, generator=torch.Generator().manual_seed(ctx.seed))
+    mixing = torch.tensor(w, dtype=torch.float32)
+    errors = {g: _disagreement_after(compressors, mixing, start, g, 10, order)
+              for g in GAMMA_GRID}
+    for g, error in errors.items():
+        assert consensus_error(compressors, mixing, start, g, 10, order) == \
+            pytest.approx(error, rel=1e-4)
+    best = min(sorted(GAMMA_GRID, reverse=True), key=errors.get)  # ties: the larger γ
+    choco_module._TUNED.clear()
+    assert tune_gamma(ctx, w, 1100, order, steps=10) == best
+    assert tune_gamma(ctx, w, 1100, other, steps=10) != best
+
+
+def test_gamma_auto_is_tuned_for_the_configured_order(monkeypatch, tmp_path):
+    """Both places that tune (validation, and `setup` outside `dsgd run`) pass the order."""
+    orders = []
+
+    def tuned(ctx, w, numel, order):
+        orders.append(order)
+        return 0.5
+
+    monkeypatch.setattr(choco_module, "tune_gamma", tuned)
+    spec = write_spec(tmp_path, """
+        experiments:
+          - {name: a, task: logreg, workers: 4,
+             aggregator: {name: choco, order: step_first, compressor: {name: topk}}}
+    """)
+    experiment, = load_spec(spec)
+    assert experiment.config["aggregator"]["gamma"] == 0.5 and orders == ["step_first"]
+    choco = Choco(Choco.Options(order="step_first"))
+    choco.setup(_context(0, 1, {"name": "topk", "ratio": 0.3}))
+    assert choco.gamma == 0.5 and orders == ["step_first"] * 2
 
 
 def test_gamma_auto_is_tuned_on_rank_0_and_broadcast(spawned):

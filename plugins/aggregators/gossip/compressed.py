@@ -94,6 +94,12 @@ class CompressedExchange:
     def round(self, vector: torch.Tensor, step: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """(q_i, {j: q_j}): the decoded payload this worker sent, exactly what its neighbours
         decode from it, and the decoded payload of each neighbour j."""
+        pending = self.start(vector, step)
+        return pending.own, pending.wait()
+
+    def start(self, vector: torch.Tensor, step: int) -> "PendingRound":
+        """Compress `vector` and post the round's sends and receives without waiting for
+        them: the round goes on while the caller computes (its emulated network time too)."""
         compressor, comm = self.compressor, self.ctx.comm
         dtype = vector.dtype
         compressed_dtype = dtype if compressor.identity else torch.float32
@@ -101,21 +107,36 @@ class CompressedExchange:
         payload = compressor.compress(source, self.KEY, step)
         own = compressor.decompress(payload, source).to(dtype)
         if self.group is None or not self.neighbours:
-            return own, {}
+            return PendingRound(own, {}, [], lambda tensors: tensors)
         wire = [to_wire(t) for t in payload.tensors]
         uniform = compressor.uniform_payload
         receives = {peer: comm.irecv_tensors(wire, peer, self.group, uniform=uniform)
                     for peer in self.neighbours}
         sends = [comm.isend_tensors(wire, peer, self.group, uniform=uniform)
                  for peer in self.neighbours]
-        theirs = {}
-        for peer, handle in receives.items():
-            tensors = [t.to(vector.device) for t in handle.wait()]
-            theirs[peer] = compressor.decompress(Payload(tensors, payload.context),
-                                                 source).to(dtype)
-        for handle in sends:
+
+        def decode(tensors: list[torch.Tensor]) -> torch.Tensor:
+            tensors = [t.to(vector.device) for t in tensors]
+            return compressor.decompress(Payload(tensors, payload.context), source).to(dtype)
+
+        return PendingRound(own, receives, sends, decode)
+
+
+class PendingRound:
+    """A round of `CompressedExchange` in flight: this worker's decoded q_i at once, the
+    neighbours' q_j from `wait()`."""
+
+    def __init__(self, own: torch.Tensor, receives: dict, sends: list, decode):
+        self.own = own
+        self._receives, self._sends, self._decode = receives, sends, decode
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        """{j: q_j} for each neighbour j, once every message of the round has arrived and
+        every send has completed."""
+        theirs = {peer: self._decode(handle.wait()) for peer, handle in self._receives.items()}
+        for handle in self._sends:
             handle.wait()
-        return own, theirs
+        return theirs
 
 
 class CompressedGossip(Aggregator):
