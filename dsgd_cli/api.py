@@ -52,7 +52,7 @@ __all__ = [
     "OptimizerPlugin", "Payload", "Plugin", "RunLength", "ScheduleOptions", "SharedCounter", "Task",
     "TaskData", "Traffic", "WorkerContext",
     "all_gather_flat",
-    "all_reduce_flat", "flatten", "option", "unflatten_into",
+    "all_reduce_flat", "build_optimizer", "build_plugin", "flatten", "option", "unflatten_into",
 ]
 
 
@@ -135,6 +135,20 @@ class OptimizerPlugin(Plugin):
     @abstractmethod
     def build(self, params) -> torch.optim.Optimizer:
         """The torch optimizer over `params`."""
+
+
+def build_plugin(kind: str, section: dict[str, Any]) -> Plugin:
+    """The plugin a validated section names (`{name: sgd, lr: 0.7, ...}`, as an option
+    declared with `option(plugin=kind)` holds it), with its options, found through the same
+    registry as the experiment's own plugins, a third party's included."""
+    from dsgd_cli.spec import experiments  # the spec loader imports this module
+
+    return experiments.build_plugin(kind, section)
+
+
+def build_optimizer(section: dict[str, Any], params) -> torch.optim.Optimizer:
+    """The torch optimizer an optimizer section names, over `params`."""
+    return build_plugin("optimizer", section).build(params)
 
 
 # -- learning-rate schedules -----------------------------------------------------------------
@@ -518,6 +532,12 @@ class Aggregator(Plugin):
     def finished(self) -> bool:
         """With `decides_stop`: whether this worker has done its last step."""
         return False
+
+    def updates_done(self) -> int | None:
+        """With `decides_stop`, when the run's length counts updates rather than this
+        worker's steps (backup): the updates made so far as this worker knows them, for the
+        progress bar. None: the bar counts steps."""
+        return None
 
     def finish(self) -> None:
         """Complete outstanding communication; called once after the last step."""

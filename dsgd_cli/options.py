@@ -7,7 +7,8 @@ A plugin declares its options as a dataclass whose fields use `option(...)`::
         period: int = option(1, min=1, help="local steps between averages")
 
 `parse_options(Options, raw, path)` checks a spec mapping against it: unknown keys, types
-(int, float, bool, str, Literal[...], X | None, list[X]) and bounds, and raises a
+(int, float, bool, str, Literal[...], X | None, list[X], and a nested plugin section with
+`option(plugin=kind)`) and bounds, and raises a
 `SpecError` naming the key path of the first problem. NaN and infinities are never accepted,
 and an integer must fit in 64 bits (what torch and NumPy take) even where no `max` is declared.
 """
@@ -52,9 +53,13 @@ def as_float(value: Any) -> float | None:
 
 
 def option(default: Any = dataclasses.MISSING, *, min: float | None = None,
-           max: float | None = None, help: str = "") -> Any:
-    """A dataclass field with bounds and a help text for docs and `dsgd plugins`."""
-    metadata = {"min": min, "max": max, "help": help}
+           max: float | None = None, help: str = "", plugin: str | None = None) -> Any:
+    """A dataclass field with bounds and a help text for docs and `dsgd plugins`.
+
+    `plugin`: the option is a nested plugin section of that registry kind, such as
+    `outer_optimizer: {name: sgd, lr: 0.7}` with `plugin="optimizer"`; it is validated as the
+    experiment's own section of that kind is, and arrives with every option filled in."""
+    metadata = {"min": min, "max": max, "help": help, "plugin": plugin}
     if isinstance(default, (list, dict, set)):
         value = default
         return dataclasses.field(default_factory=lambda: type(value)(value), metadata=metadata)
@@ -160,25 +165,63 @@ def parse_options(options_cls: type, raw: Mapping[str, Any], path: str) -> Any:
     values = {}
     for name, field in fields.items():
         key_path = f"{path}.{name}"
+        if field.metadata.get("plugin") and name not in raw:  # a nested section's default
+            values[name] = _checked(_default(field), hints[name], field, key_path)  # filled in
+            continue
         if name not in raw:
             if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
                 raise SpecError(f"required option missing ({describe_type(hints[name])})", path=key_path)
             continue
-        check_finite(raw[name], key_path)
-        value = _convert(raw[name], hints[name], key_path)
-        low, high = field.metadata.get("min"), field.metadata.get("max")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if low is not None and value < low:
-                raise SpecError(f"expected a value >= {low}, got {show(value)}", path=key_path)
-            if high is not None and value > high:
-                raise SpecError(f"expected a value <= {high}, got {show(value)}", path=key_path)
-        _check_64_bits(value, key_path)
-        _check_float32(value, key_path)
-        values[name] = value
+        values[name] = _checked(raw[name], hints[name], field, key_path)
     try:
         return options_cls(**values)
     except (ValueError, TypeError) as error:
         raise SpecError(str(error), path=path) from None
+
+
+def _checked(written: Any, annotation: Any, field: dataclasses.Field, key_path: str) -> Any:
+    """`written` as the option's type, within its bounds; SpecError(key_path) if not."""
+    plugin_kind = field.metadata.get("plugin")
+    if plugin_kind is not None:  # a nested section, checked as a top-level one is
+        return _plugin_section(plugin_kind, written, key_path)
+    check_finite(written, key_path)
+    value = _convert(written, annotation, key_path)
+    low, high = field.metadata.get("min"), field.metadata.get("max")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if low is not None and value < low:
+            raise SpecError(f"expected a value >= {low}, got {show(value)}", path=key_path)
+        if high is not None and value > high:
+            raise SpecError(f"expected a value <= {high}, got {show(value)}", path=key_path)
+    _check_64_bits(value, key_path)
+    _check_float32(value, key_path)
+    return value
+
+
+def check_defaults(options_cls: type) -> None:
+    """Raise SpecError(path=option name) for the first default that the same option written
+    in a spec would fail: a plugin's defaults obey its own declaration."""
+    hints, fields = _declaration(options_cls)
+    for name, field in fields.items():
+        if field.default is not dataclasses.MISSING:
+            default = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        else:
+            continue  # required: the spec must give it
+        _checked(default, hints[name], field, name)
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None if field.default is dataclasses.MISSING else field.default
+
+
+def _plugin_section(kind: str, raw: Any, path: str) -> dict[str, Any]:
+    """A nested plugin section, checked through the registry as a top-level one is."""
+    from dsgd_cli.spec.experiments import plugin_section  # it imports this module
+
+    return plugin_section(kind, raw, path)
 
 
 def _check_64_bits(value: Any, path: str) -> None:

@@ -216,3 +216,61 @@ def test_a_launch_whose_torchrun_cannot_start_leaves_no_fork_server(tmp_path, mo
     assert (result.status, result.reason) == ("failed", "cannot start torchrun: no such program")
     (server,) = servers
     assert server.poll() is not None  # stopped and reaped
+
+
+def _request_as(uid: int, path: Path, directory: Path) -> str:
+    """What the server answers a request from a process of user `uid` (forked from this
+    one: a fresh interpreter of another user could not read the repository)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only system calls, then leave
+        answer = b"?"
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            import socket
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+                connection.settimeout(30)
+                connection.connect(str(path))
+                try:
+                    forkserver.send_request(connection, "forkprobe",
+                                            ["exit0", str(directory / f"report-{uid}.json")])
+                except OSError:
+                    pass  # closed before the whole request was read
+                answer = connection.makefile("rb").readline() or b"closed"
+        except ConnectionResetError:  # closed with the request unread
+            answer = b"closed"
+        except BaseException as error:
+            answer = repr(error).encode()
+        finally:
+            os.write(write_end, answer)
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as answers:
+        answer = answers.read().decode()
+    os.waitpid(pid, 0)
+    return answer
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to connect as another user")
+def test_the_server_refuses_another_users_request():
+    """Any process that can reach the socket could otherwise have a process forked as this
+    user with a module, environment and directory of its choosing."""
+    import shutil
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix="dsgd-forkserver-"))
+    try:
+        directory.chmod(0o777)  # another user may reach the socket: the check is the server's
+        (directory / "forkprobe.py").write_text(PROBE)
+        server = _start_server(directory)
+        path = forkserver.socket_path(directory)
+        path.chmod(0o777)
+        try:
+            assert _request_as(65534, path, directory) == "closed"  # no worker forked
+            assert _request_as(os.getuid(), path, directory).startswith("pid ")
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    finally:
+        shutil.rmtree(directory)

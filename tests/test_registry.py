@@ -77,3 +77,26 @@ def test_broken_plugins_do_not_break_a_spec_that_does_not_use_them(plugin_env, t
     result = dsgd("run", str(spec), "--dry-run", env=plugin_env)
     assert result.returncode == 0, result.stderr
     assert "aggregator options: error_feedback=False, sync_buffers=True, every=2" in result.stdout
+
+
+def test_plugin_option_defaults_obey_their_own_declaration(plugin_env, tmp_path):
+    """A default below the option's minimum, or of the wrong type, is a broken plugin: in
+    `plugins --check`, and as bad input (exit 2) in a spec that uses it."""
+    result = dsgd("plugins", "--check", "--json", env=plugin_env)
+    assert result.returncode == 0, result.stderr
+    rows = {(r["group"], r["name"]): r for r in json.loads(result.stdout)}
+    bound = ("broken: aggregator plugin 'bad_default_bound' (dsgd_testplugins.misbehave:BadBound, "
+             "from dsgd-testplugins 1.2.3): the default of option 'period' is invalid: "
+             "expected a value >= 1, got -3")
+    assert rows[("dsgd.aggregators", "bad_default_bound")]["status"] == bound
+    assert rows[("dsgd.aggregators", "bad_default_type")]["status"].endswith(
+        "the default of option 'period' is invalid: expected an integer, got 'four'")
+    assert rows[("dsgd.aggregators", "misbehave")]["status"] == "ok"
+    spec = write_spec(tmp_path, """
+        experiments:
+          - {name: a, task: logreg, aggregator: {name: bad_default_bound}}
+    """)
+    result = dsgd("run", str(spec), "--dry-run", env=plugin_env)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"dsgd: error: {spec}: experiments[0].aggregator.name: " + bound[len("broken: "):])

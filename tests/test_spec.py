@@ -82,6 +82,42 @@ def test_selection_and_worker_override(tmp_path):
     assert len(chosen) == 4 and {e.workers for e in chosen} == {3}
 
 
+def test_set_changes_every_experiment_and_wins_over_spec_and_grid(tmp_path):
+    from dsgd_cli.spec.specfile import parse_set
+
+    spec = write_spec(tmp_path, GOOD)
+    changed = load_spec(spec, overrides=[parse_set("epochs=2"), parse_set("optimizer.lr=0.25")])
+    assert len(changed) == 6
+    assert {e.config["epochs"] for e in changed} == {2}
+    assert {e.config["optimizer"]["lr"] for e in changed} == {0.25}  # the grid's values too
+    assert parse_set("optimizer={name: adam, lr: 0.001}") == ("optimizer", {"name": "adam", "lr": 0.001})
+    assert parse_set("aggregator.topology = ring") == ("aggregator.topology", "ring")
+
+
+@pytest.mark.parametrize("sets, expected", [
+    (["optimizer.lrr=0.1"], "spec.yaml: experiments[0].optimizer.lrr: unknown option 'lrr'"),
+    (["epochs=-1"], "spec.yaml: experiments[0].epochs: expected an integer between 1"),
+    (["epochs"], "--set 'epochs': expected KEY=VALUE, e.g. optimizer.lr=0.1"),
+    (["epochs=[1"], "--set 'epochs=[1': the value is not YAML"),
+    (["name=x"], "--set name: --set key must name an experiment key, a plugin option"),
+])
+def test_a_bad_set_is_one_line_exit_2_and_runs_nothing(tmp_path, sets, expected):
+    spec = write_spec(tmp_path, GOOD)
+    args = [part for text in sets for part in ("--set", text)]
+    result = dsgd_in_process("run", str(spec), "--db", str(tmp_path / "r.db"), *args)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
+    assert not (tmp_path / "r.db").exists()
+
+
+def test_set_shows_in_the_dry_run(tmp_path):
+    spec = write_spec(tmp_path, GOOD)
+    result = dsgd_in_process("run", str(spec), "--dry-run", "--set", "optimizer.lr=0.125")
+    assert result.returncode == 0, result.stderr
+    options = [line for line in result.stdout.splitlines() if "optimizer options:" in line]
+    assert len(options) == 6 and all("lr=0.125," in line for line in options), result.stdout
+
+
 BAD = [
     ("yaml syntax", "experiments: [\n  - {name: a\n", "invalid YAML: line 2, column 3: expected the node content"),
     ("unknown top-level key", "experiment: []\n", "experiment: unknown key (expected one of defaults, experiments, launch)"),

@@ -105,7 +105,7 @@ def test_show_prints_configuration_and_metrics(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["compare", "-f", "fancy"], "--format: unknown format 'fancy'"),
     (["compare", "--db", "nosuchdialect://x"], "cannot open results database nosuchdialect://x"),
-    (["plugins", "extra"], "unexpected extra argument"),
+    (["plugins", "local_sgd", "extra"], "unexpected extra argument"),
     (["compare", "--last", "0"], "Invalid value for '--last'"),
 ])
 def test_bad_command_input_exits_2(tmp_path, args, message):

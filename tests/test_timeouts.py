@@ -41,10 +41,12 @@ def _rank_0_waits_for_a_silent_peer(rank: int, world_size: int) -> list[str]:
 def test_operations_that_make_no_progress_fail_naming_operation_and_peer():
     messages, _ = run_workers(_rank_0_waits_for_a_silent_peer, 2, timeout=60)
     assert messages == [
-        "all_reduce over all 2 workers: no progress for 1 s (the spec's timeout)",
+        "all_reduce over all 2 workers: no progress for 1 s (the spec's timeout); "
+        "ranks behind: 1",
         "recv from rank 1: no progress for 1 s (the spec's timeout)",
         "recv from any of all 2 workers: no progress for 1 s (the spec's timeout)",
-        "broadcast from rank 1 over all 2 workers: no progress for 1 s (the spec's timeout)",
+        "broadcast from rank 1 over all 2 workers: no progress for 1 s (the spec's timeout); "
+        "ranks behind: 1",
     ]
 
 
@@ -68,7 +70,8 @@ def test_a_run_whose_peer_stops_answering_fails_naming_the_wait(tmp_path):
     result = dsgd("run", str(spec), "--db", str(db), timeout=240)
     assert result.returncode == 1, result.stderr
     stalled, after = Store(str(db)).runs()
-    assert (stalled.status, stalled.failed_rank) == ("failed", 0)
-    assert stalled.reason == ("rank 0: CommTimeout: all_reduce over all 2 workers: "
-                              "no progress for 3 s (the spec's timeout)")
+    assert (stalled.status, stalled.failed_rank) == ("failed", 1)  # the straggler
+    assert stalled.reason == ("rank 1: never entered the collective that rank 0 waited in "
+                              "(CommTimeout: all_reduce over all 2 workers: no progress for 3 s "
+                              "(the spec's timeout); ranks behind: 1)")
     assert after.status == "completed"

@@ -52,6 +52,7 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo", WORKER_MODULE)
 STREAMS = 3  # stdin, stdout, stderr
 REQUEST_TIMEOUT_S = 30.0
 _LENGTH = struct.Struct("!I")
+_CREDENTIALS = struct.Struct("3i")  # Linux's struct ucred: pid, uid, gid
 
 
 # -- protocol: a request (relay -> server), then two lines back ("pid N", "exit CODE") --------
@@ -82,6 +83,16 @@ def read_request(connection: socket.socket) -> tuple[dict, list[int]]:
         for fd in fds:
             os.close(fd)
         raise
+
+
+def peer_uid(connection: socket.socket) -> int | None:
+    """The user id of the process at the other end of a Unix socket, as the kernel saw it
+    connect (SO_PEERCRED); None where that cannot be known."""
+    try:
+        raw = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
+    except (OSError, AttributeError):  # AttributeError: no SO_PEERCRED on this platform
+        return None
+    return _CREDENTIALS.unpack(raw)[1]
 
 
 def socket_path(run_dir: str | Path) -> Path:
@@ -153,6 +164,12 @@ class ForkServer:
         try:
             connection, _ = self.listener.accept()
         except OSError:  # e.g. out of file descriptors: the relay waits, or gives up
+            return
+        # A request chooses the module, arguments, environment and directory of a process
+        # forked as this user: only this user's processes may make one. Refused, another
+        # user's relay (or one where the peer is unknown) runs its worker itself, as itself.
+        if peer_uid(connection) != os.getuid():
+            connection.close()
             return
         connection.settimeout(REQUEST_TIMEOUT_S)
         try:

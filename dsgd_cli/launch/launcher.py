@@ -30,7 +30,7 @@ from dsgd_cli.launch import unrecorded
 from dsgd_cli.comm.events import EventReader, events_path, experiment_dir, stop_path
 from dsgd_cli.results.database import one_line, sqlite_path
 from dsgd_cli.spec.experiments import PLUGIN_SECTIONS, Experiment
-from dsgd_cli.results.store import MetricRow, Store, finite_number
+from dsgd_cli.results.store import MetricRow, RunDeleted, Store, finite_number
 from dsgd_cli.launch.torchrun import Shape, Torchrun
 from dsgd_cli.launch.unrecorded import RecordingLost
 
@@ -53,9 +53,11 @@ class Progress:
     """What the progress display is told about a run as it goes."""
 
     total_steps: int | None = None
-    step: int = 0
+    step: float = 0  # done, of total_steps, in `unit`
     train_loss: float | None = None
     test_accuracy: float | None = None
+    unit: str | None = None  # None: workers that write no `progress` events count steps
+    updates: int | None = None  # the run's updates, when the bar counts samples or seconds
 
 
 def launch_shape(experiment: Experiment) -> Shape:
@@ -208,6 +210,7 @@ class _Running:
                 self.readers.setdefault(rank, EventReader(path))
         lead = min(self.readers, default=0)  # whose progress is shown
         rows = self.unstored
+        moved = False  # a progress event arrived
         for reader in self.readers.values():
             for event in reader.read():
                 kind, rank = event["type"], event["rank"]
@@ -221,6 +224,9 @@ class _Running:
                         _update_progress(self.progress, event)
                 elif kind == "start" and rank == lead:
                     self.progress.total_steps = event["total_steps"]
+                elif kind == "progress" and rank == lead:
+                    _take_progress(self.progress, event)
+                    moved = True
                 elif kind == "run":
                     self.run_id = event["run_id"]
                 elif kind in ("error", "diverged"):
@@ -235,7 +241,7 @@ class _Running:
             return
         store.add_metrics(self.run_id, rows)
         self.unstored = []
-        if rows:
+        if rows or moved:
             callbacks.progress(self.experiment, self.progress)
 
 
@@ -336,14 +342,28 @@ def _launch(experiments: list[Experiment], device: DevicePlan, store: Store,
                     finish(RunResult(running.run_id, running.experiment.name, "interrupted",
                                      f"interrupted by {interrupted_by.name}"))
                 else:
-                    log_text = torchrun.log_path.read_text(errors="replace")
+                    log_text = torchrun.log_text()
                     # Workers that dsgd itself stopped died of its signals: torchrun's
                     # record of them says nothing about the cause.
                     failures = [] if stopped else torchrun_failures(log_text)
-                    finish(run_result(running.run_id, running.experiment, running.problems,
-                                      running.done_ranks, process.returncode,
-                                      _last_line(log_text), failures,
-                                      _rendezvous_failure(running.experiment, log_text)))
+                    left = [] if stopped else left_early(running, log_text, process.returncode)
+                    result = run_result(running.run_id, running.experiment, running.problems,
+                                        running.done_ranks, process.returncode,
+                                        last_lines(log_text), failures,
+                                        _rendezvous_failure(running.experiment, log_text), left)
+                    if result.status == "failed" and torchrun.out_of_space():
+                        # The workers could not write their events, nor torchrun its report:
+                        # whatever the peers said, this is the cause.
+                        result = RunResult(result.run_id, result.experiment, "failed",
+                                           launch_dir_full(tmp))
+                    finish(result)
+        except RunDeleted as deleted:
+            # `dsgd runs delete --force` took the running run away: the launch, which only
+            # it was using now, has been stopped; the spec goes on with the next experiment.
+            result = RunResult(deleted.run_id, running.experiment.name, "deleted",
+                               f"{deleted}; its workers were stopped")
+            results.append(result)
+            callbacks.ended(result)
         except DBAPIError as error:  # the database cannot be written: nothing more is recorded
             raise recording_lost(error, running, store) from None
         except BaseException as error:
@@ -373,6 +393,13 @@ def recording_lost(error: DBAPIError, running: _Running | None, store: Store) ->
                         f"{shlex.quote(str(kept))} --db {shlex.quote(db)}` records what its "
                         "workers recorded (kept there) and ends it")
     return RecordingLost(message + "; later experiments were not run")
+
+
+def launch_dir_full(launch_dir: Path) -> str:
+    """The reason of a run whose launch directory (in $TMPDIR) ran out of space."""
+    return (f"no space left on device in the launch directory {launch_dir} (in $TMPDIR, "
+            f"{launch_dir.parent}), where the workers write their events and output: free "
+            "space there, or set TMPDIR to a larger filesystem")
 
 
 def _records(experiment: Experiment) -> bool:
@@ -405,12 +432,17 @@ class WorkerExit:
     exitcode: int
 
     def describe(self) -> str:
-        if self.exitcode < 0:
-            try:
-                return f"killed by {signal.Signals(-self.exitcode).name}"
-            except ValueError:
-                return f"killed by signal {-self.exitcode}"
-        return f"exited with code {self.exitcode}"
+        return describe_exit(self.exitcode)
+
+
+def describe_exit(code: int) -> str:
+    """A process's exit code as words: "exited with code 1", "killed by SIGKILL"."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n"
@@ -430,21 +462,39 @@ def torchrun_failures(log: str) -> list[WorkerExit]:
     return [exit for _, exit in sorted(found, key=lambda pair: pair[0])]
 
 
+def left_early(running: _Running, log: str, returncode: int) -> list[int]:
+    """The ranks of this machine that exited with code 0 before the end of the run: they
+    wrote no `done`, `error`, `diverged` or `stopped` event, and torchrun did not list them
+    among the workers that did not exit 0 (those that failed and those it stopped then).
+    Known only when torchrun wrote that list, or itself exited with code 0."""
+    if running.experiment.nodes is not None:  # other ranks' events are on other machines
+        return []
+    listed = {int(match.group(1)) for match in _FAILURE.finditer(log)}
+    if not listed and returncode != 0:
+        return []
+    spoke = running.done_ranks | running.stopped_ranks | {e["rank"] for e in running.problems}
+    return sorted(set(range(running.experiment.workers)) - spoke - listed)
+
+
 def run_result(run_id: int, experiment: Experiment, problems: list[dict], done_ranks: set[int],
                returncode: int, log_tail: str, failures: list[WorkerExit] = (),
-               launch_failure: str | None = None) -> RunResult:
+               launch_failure: str | None = None, left: list[int] = ()) -> RunResult:
     """How a run ended, from its workers' `error` and `diverged` events, the workers that
-    torchrun saw fail by themselves (`failures`, empty when dsgd stopped the workers) and
-    torchrun's exit.
+    torchrun saw fail by themselves (`failures`, empty when dsgd stopped the workers), the
+    ranks that exited with code 0 before the end (`left`) and torchrun's exit.
 
-    A worker that died without a word (killed by a signal, or at start-up) is the cause: its
-    peers then fail with symptoms such as "Connection reset by peer". Otherwise the first
-    problem a worker reported is the cause; the others are mostly peers losing their link."""
+    A worker that died without a word (killed by a signal, at start-up, or leaving with
+    code 0 mid-run) is the cause: its peers then fail with symptoms such as "Connection reset
+    by peer". Otherwise the first problem a worker reported is the cause; the others are
+    mostly peers losing their link."""
     reported = {event["rank"] for event in problems}
     silent = [exit for exit in failures if exit.rank not in reported]
     if silent:
         return RunResult(run_id, experiment.name, "failed",
                          f"rank {silent[0].rank}: {silent[0].describe()}", silent[0].rank)
+    if left:
+        return RunResult(run_id, experiment.name, "failed",
+                         f"rank {left[0]}: exited with code 0 before the end of the run", left[0])
     if problems:
         first = min(problems, key=lambda e: (e.get("at", 0), e["rank"]))
         rank = first["rank"]
@@ -452,21 +502,34 @@ def run_result(run_id: int, experiment: Experiment, problems: list[dict], done_r
             return RunResult(run_id, experiment.name, "diverged",
                              f"{first.get('name', 'train_loss')} is {first['value']} "
                              f"at step {first['step']} on rank {rank}", rank)
+        behind = first.get("behind") or []
+        if behind:  # its collective timed out, waiting for ranks that never entered it
+            return RunResult(run_id, experiment.name, "failed",
+                             f"rank {behind[0]}: never entered the collective that rank {rank} "
+                             f"waited in ({first['reason']})", behind[0])
         return RunResult(run_id, experiment.name, "failed", f"rank {rank}: {first['reason']}", rank)
     if launch_failure is not None:
         return RunResult(run_id, experiment.name, "failed", launch_failure)
     if returncode != 0 or len(done_ranks) < local_workers(experiment):
         return RunResult(run_id, experiment.name, "failed",
-                         f"torchrun exited with code {returncode}: {log_tail}")
+                         f"torchrun {describe_exit(returncode)}: {log_tail}")
     return RunResult(run_id, experiment.name, "completed")
 
 
 def _update_progress(progress: Progress, event: dict) -> None:
     if event["name"] == "train_loss":
-        progress.step, progress.train_loss = event["step"], event["value"]
+        progress.train_loss = event["value"]
+        if progress.unit is None:
+            progress.step = event["step"]
     elif event["name"] == "test_accuracy" or (
             event["name"] == "test_accuracy_workers" and event["per_rank"]):
         progress.test_accuracy = event["value"]  # asynchronous runs: a worker's own model
+
+
+def _take_progress(progress: Progress, event: dict) -> None:
+    """A `progress` event: the bar's count, total and unit as the worker knows them."""
+    progress.step, progress.total_steps = event["done"], event["total"]
+    progress.unit, progress.updates = event["unit"], event.get("updates")
 
 
 class _Interrupts:
@@ -496,6 +559,10 @@ class _Interrupts:
             signal.raise_signal(self.caught[0])
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1][:500] if lines else "(no output)"
+LAST_LINES = 3  # of the launch's output, in the reason of a run that failed without a word
+
+
+def last_lines(text: str, count: int = LAST_LINES) -> str:
+    """The last `count` lines of the launch's output that say something, on one line."""
+    lines = [line.strip()[:200] for line in text.splitlines() if line.strip()]
+    return " | ".join(lines[-count:]) if lines else "(no output)"

@@ -12,12 +12,14 @@ torchrun is stopped unused.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,11 @@ MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(64 * 2**20),
 # Beyond this many workers an early start is not tried: for a spec that then fails
 # validation, starting them costs more than the overlap saves.
 EARLY_START_MAX_WORKERS = 16
+# torchrun.log keeps at most this much of the launch's output (torchrun's, the fork server's
+# and the workers'): its newest part. A chatty plugin would otherwise fill $TMPDIR.
+LOG_LIMIT_BYTES = 4 * 2**20
+LOG_DRAIN_WAIT_S = 5.0  # for the output of a stopped launch to reach the log
+LOG_MEMORY_BYTES = 64 * 2**10  # the newest output, also kept in memory: the log may be unwritable
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,90 @@ def environment(run_dir: str | Path) -> dict[str, str]:
     return env
 
 
+class CappedLog:
+    """The launch's output, read from a pipe by a thread of the launcher and written to
+    `path`, which keeps at most `limit` bytes: when it grows past them, all but its newest
+    `limit // 2` bytes are dropped. Its processes write to `write_end`. Should the file
+    become unwritable (a full disk), the output is still read, so that no process blocks,
+    and its newest part is kept in memory; `write_error` says why."""
+
+    DROPPED = b"[dsgd: earlier output dropped: this log keeps its newest part]\n"
+
+    def __init__(self, path: Path, limit: int = LOG_LIMIT_BYTES):
+        self.path, self.limit = path, limit
+        self.write_error: OSError | None = None
+        self._newest = bytearray()
+        read_end, self.write_end = os.pipe()
+        self._thread = threading.Thread(target=self._copy, args=(read_end,), daemon=True,
+                                        name="dsgd-torchrun-log")
+        self._thread.start()
+
+    def _copy(self, read_end: int) -> None:
+        with open(read_end, "rb", buffering=0) as pipe:
+            log = self._open()
+            while chunk := pipe.read(2**16):
+                self._newest += chunk
+                del self._newest[:-LOG_MEMORY_BYTES]
+                if log is not None:
+                    log = self._write(log, chunk)
+            if log is not None:
+                log.close()
+
+    def _open(self):
+        try:
+            return open(self.path, "w+b")
+        except OSError as error:
+            self.write_error = error
+            return None
+
+    def _write(self, log, chunk: bytes):
+        """`log`, or None once it cannot be written."""
+        try:
+            log.write(chunk)
+            log.flush()
+            if log.tell() > self.limit:
+                self._keep_tail(log)
+            return log
+        except OSError as error:
+            self.write_error = error
+            try:
+                log.close()
+            except OSError:  # what is left in its buffer cannot be written either
+                pass
+            return None
+
+    def _keep_tail(self, log) -> None:
+        log.seek(-(self.limit // 2), os.SEEK_END)
+        tail = log.read()
+        log.seek(0)
+        log.truncate()
+        log.write(self.DROPPED + tail)
+        log.flush()
+
+    @property
+    def out_of_space(self) -> bool:
+        """Whether the log could not be written for lack of space."""
+        return self.write_error is not None and self.write_error.errno in (errno.ENOSPC,
+                                                                           errno.EDQUOT)
+
+    def close_write_end(self) -> None:
+        """Once the processes have it: the log ends when the last of them closes it."""
+        if self.write_end is not None:
+            os.close(self.write_end)
+            self.write_end = None
+
+    def text(self, wait_s: float = LOG_DRAIN_WAIT_S) -> str:
+        """The log, once every process of the launch has closed its output (or after `wait_s`)."""
+        self.close_write_end()
+        self._thread.join(wait_s)
+        if self.write_error is not None:
+            return bytes(self._newest).decode(errors="replace")
+        try:
+            return self.path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+
 class Torchrun:
     """A launch's torchrun and its temporary directory, which holds the plan (the experiments
     to run, read by every worker), the workers' event files and torchrun's log."""
@@ -106,19 +197,40 @@ class Torchrun:
         self.log_path = self.dir / "torchrun.log"
         self.process: subprocess.Popen | None = None
         self.fork_server: subprocess.Popen | None = None
+        self.log: CappedLog | None = None
 
     def start(self) -> None:
         """Start the fork server and torchrun (OSError if torchrun cannot be started); the
         workers wait for the plan. Without a fork server (its socket cannot be made) each
         rank's process becomes its worker itself."""
         env = environment(self.dir)
-        with open(self.log_path, "w") as log:
-            self.fork_server = self._start_fork_server(env, log)
+        self.log = CappedLog(self.log_path)
+        try:
+            self.fork_server = self._start_fork_server(env, self.log.write_end)
             if self.fork_server is not None:
                 env[forkserver.SOCKET_VARIABLE] = str(forkserver.socket_path(self.dir))
             self.process = subprocess.Popen(
-                command(self.shape, self.plan_path, self.dir), stdout=log,
+                command(self.shape, self.plan_path, self.dir), stdout=self.log.write_end,
                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        finally:
+            self.log.close_write_end()
+
+    def out_of_space(self) -> bool:
+        """Whether the launch's directory ran out of space: its log could not be written for
+        it, or its filesystem has no free block left."""
+        if self.log is not None and self.log.out_of_space:
+            return True
+        try:
+            usage = os.statvfs(self.dir)
+        except OSError:
+            return False
+        # root may write into the blocks a filesystem keeps for it; other users may not
+        return (usage.f_bfree if os.geteuid() == 0 else usage.f_bavail) == 0
+
+    def log_text(self) -> str:
+        """What the launch's processes wrote (its newest part: see CappedLog); call it once
+        they have stopped."""
+        return self.log.text() if self.log is not None else ""
 
     def _start_fork_server(self, env: dict[str, str], log) -> subprocess.Popen | None:
         """The server, listening on a socket made here, before torchrun starts: a relay then
@@ -184,14 +296,15 @@ class Torchrun:
 
 
 def early_start(spec: str | Path, only: list[str] | None, workers: int | None,
-                launch: dict[str, Any] | None) -> Torchrun | None:
+                launch: dict[str, Any] | None,
+                overrides: list[tuple[str, Any]] = ()) -> Torchrun | None:
     """The torchrun of the first experiment `dsgd run` will launch, started now from the spec
     as `specfile` reads it; None when the spec is not readable that far (validation then says
     why) or torchrun cannot start (the launch then says why)."""
     try:
         text, document = specfile.read_document(Path(spec))
         defaults, entries, nodes = specfile.sections(document, launch)
-        first = next(point for point in specfile.points(defaults, entries, workers)
+        first = next(point for point in specfile.points(defaults, entries, workers, overrides)
                      if specfile.selected(point.name, only))
         count = first.raw.get("workers")
         if type(count) is not int or count < 1:

@@ -23,7 +23,7 @@ from typing import Any, Iterable
 from sqlalchemy import (JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, or_,
                         delete, insert, inspect, select, text, update)
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
+from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
@@ -38,6 +38,15 @@ from dsgd_cli.results.reader import (MAX_ID, SCHEMA_VERSION, EngineReader, Resul
 MAX_TAG_LENGTH = 128
 # Key of the PostgreSQL advisory lock that serializes schema creation and migrations.
 MIGRATION_LOCK = 0x64736764  # "dsgd"
+
+
+class RunDeleted(StoreError):
+    """The run being recorded is no longer in the database: `dsgd runs delete --force`
+    deleted it while it ran."""
+
+    def __init__(self, run_id: int):
+        super().__init__(f"run {run_id} was deleted from the database while it ran")
+        self.run_id = run_id
 
 
 class UTCDateTime(TypeDecorator):
@@ -288,14 +297,26 @@ class Store(Results):
         rows = [row for row in rows if finite_number(row.value)]
         if not rows:
             return
-        with Session(self.engine) as session, session.begin():
-            session.execute(insert(Metric), [{"run_id": run_id, **row.__dict__} for row in rows])
+        try:
+            with Session(self.engine) as session, session.begin():
+                session.execute(insert(Metric), [{"run_id": run_id, **row.__dict__} for row in rows])
+        except IntegrityError:  # its run is gone (a foreign key), or another problem
+            self._check_exists(run_id)
+            raise
+
+    def _check_exists(self, run_id: int) -> None:
+        """RunDeleted unless the run is in the database."""
+        with Session(self.engine) as session:
+            if session.get(Run, run_id) is None:
+                raise RunDeleted(run_id) from None
 
     def finish_run(self, run_id: int, status: str, reason: str | None = None,
                    failed_rank: int | None = None) -> None:
         """Close a run and write its summaries from the metric history."""
         with Session(self.engine) as session, session.begin():
             run = session.get(Run, run_id)
+            if run is None:
+                raise RunDeleted(run_id)
             run.status, run.reason, run.failed_rank = status, reason, failed_rank
             run.ended_at = datetime.now(timezone.utc)
             _write_summaries(session, run_id)

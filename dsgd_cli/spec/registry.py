@@ -56,8 +56,23 @@ class PluginEntry:
         base = getattr(api, KINDS[self.kind][1])
         if not (isinstance(loaded, type) and issubclass(loaded, base)):
             raise PluginError(f"{self.describe()} is not a subclass of dsgd_cli.api.{base.__name__}")
+        self._check_defaults(loaded)
         loaded.plugin_name = self.name
         return loaded
+
+    def _check_defaults(self, loaded: type) -> None:
+        """The defaults of its options obey the rules a value in a spec does."""
+        from dsgd_cli.errors import SpecError
+        from dsgd_cli.options import check_defaults
+
+        try:
+            check_defaults(loaded.Options)
+        except SpecError as error:
+            raise PluginError(f"{self.describe()}: the default of option {error.path!r} is "
+                              f"invalid: {error.detail}") from None
+        except (TypeError, NameError) as error:  # not a dataclass, or an unresolvable type
+            raise PluginError(f"{self.describe()}: its Options cannot be read: "
+                              f"{type(error).__name__}: {error}") from None
 
 
 @cache

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import traceback
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from dsgd_cli.comm.communicator import DEFAULT_TIMEOUT_S
 from dsgd_cli.spec.compute_model import time_scale
+from dsgd_cli.spec.directories import refuse_untrusted
 from dsgd_cli.comm.events import EventWriter, events_path, experiment_dir, launcher_gone, stop_path
 from dsgd_cli.worker.training import Diverged, Stopped, StopRequest, Totals, TrainingLoop
 from dsgd_cli.worker.parts import Worker, build_worker
@@ -98,8 +100,10 @@ def run_experiment(config: dict, events: EventWriter, rank: int, world_size: int
         events.write("diverged", step=diverged.step, name="train_loss",
                      value=str(diverged.value), at=time.time())
     except Exception as error:
+        # `behind`: the ranks that never entered the collective that timed out (CommTimeout)
         events.write("error", reason=f"{type(error).__name__}: {error}",
-                     traceback=traceback.format_exc(), at=time.time())
+                     traceback=traceback.format_exc(), at=time.time(),
+                     behind=getattr(error, "behind", []))
     return 1
 
 
@@ -134,9 +138,32 @@ def report_run(worker: Worker, events: EventWriter, totals: Totals) -> None:
 
 def save_model(worker: Worker, directory: Path) -> None:
     """The model this worker reports, on the CPU: `DIRECTORY/rank{RANK}.pt`."""
-    directory.mkdir(parents=True, exist_ok=True)
     state = worker.aggregator.evaluation_model().state_dict()
-    torch.save({k: v.detach().cpu() for k, v in state.items()}, directory / f"rank{worker.rank}.pt")
+    write_model({k: v.detach().cpu() for k, v in state.items()}, directory, worker.rank)
+
+
+def write_model(state: dict, directory: Path, rank: int) -> Path:
+    """Write `state` to `DIRECTORY/rank{RANK}.pt` through a new temporary file in the same
+    directory, renamed over it: the final path is never opened, so a link planted there is
+    replaced, not written through. A directory that is a link, or another user's, is refused
+    (UntrustedDirectory)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    refuse_untrusted(directory, "save_dir: the experiment's directory")
+    target = directory / f"rank{rank}.pt"
+    temporary = directory / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    # O_EXCL: a new file, never one (or a link) already there; 0o666 less the umask, as
+    # any file the user writes.
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return target
 
 
 def device_and_backend(local_rank: int, kind: str | None = None) -> tuple[torch.device, str]:
