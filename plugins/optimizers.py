@@ -28,13 +28,24 @@ class SGD(OptimizerPlugin):
                                weight_decay=o.weight_decay)
 
 
+def _check_below_one(**values: float) -> None:
+    """Each decay rate must be below 1: at 1 a moment stays at its initial 0 and the bias
+    correction divides it by 1 − β^t = 0."""
+    for name, value in values.items():
+        if value >= 1:
+            raise ValueError(f"{name}: expected a value < 1, got {value!r}")
+
+
 @dataclass
 class AdamOptions:
     lr: float = option(0.001, min=0.0, help="learning rate")
-    beta1: float = option(0.9, min=0.0, max=1.0, help="first-moment decay")
-    beta2: float = option(0.999, min=0.0, max=1.0, help="second-moment decay")
+    beta1: float = option(0.9, min=0.0, max=1.0, help="first-moment decay, below 1")
+    beta2: float = option(0.999, min=0.0, max=1.0, help="second-moment decay, below 1")
     eps: float = option(1e-8, min=0.0, help="denominator term")
     weight_decay: float = option(0.0, min=0.0, help="L2 penalty")
+
+    def __post_init__(self):
+        _check_below_one(beta1=self.beta1, beta2=self.beta2)
 
 
 class Adam(OptimizerPlugin):
@@ -49,10 +60,13 @@ class Adam(OptimizerPlugin):
 @dataclass
 class AdamWOptions:
     lr: float = option(0.001, min=0.0, help="learning rate")
-    beta1: float = option(0.9, min=0.0, max=1.0, help="first-moment decay")
-    beta2: float = option(0.999, min=0.0, max=1.0, help="second-moment decay")
+    beta1: float = option(0.9, min=0.0, max=1.0, help="first-moment decay, below 1")
+    beta2: float = option(0.999, min=0.0, max=1.0, help="second-moment decay, below 1")
     eps: float = option(1e-8, min=0.0, help="denominator term")
     weight_decay: float = option(0.01, min=0.0, help="decoupled weight decay: x ← x − lr·wd·x")
+
+    def __post_init__(self):
+        _check_below_one(beta1=self.beta1, beta2=self.beta2)
 
 
 class AdamW(OptimizerPlugin):
@@ -146,10 +160,15 @@ class LARSOptimizer(torch.optim.Optimizer):
 @dataclass
 class LAMBOptions:
     lr: float = option(0.001, min=0.0, help="learning rate")
-    beta1: float = option(0.9, min=0.0, max=1.0, help="first-moment decay")
-    beta2: float = option(0.999, min=0.0, max=1.0, help="second-moment decay")
-    eps: float = option(1e-6, min=0.0, help="denominator term (the paper's 1e-6)")
+    beta1: float = option(0.9, min=0.0, max=1.0, help="first-moment decay, below 1")
+    beta2: float = option(0.999, min=0.0, max=1.0, help="second-moment decay, below 1")
+    eps: float = option(1e-6, min=0.0, help="denominator term > 0 (the paper's 1e-6)")
     weight_decay: float = option(0.01, min=0.0, help="decoupled weight decay λ, inside the trust ratio")
+
+    def __post_init__(self):
+        _check_below_one(beta1=self.beta1, beta2=self.beta2)
+        if self.eps <= 0:  # a zero gradient would give m̂ / √v̂ = 0 / 0
+            raise ValueError(f"eps: expected a value > 0, got {self.eps!r}")
 
 
 class LAMB(OptimizerPlugin):
@@ -166,7 +185,12 @@ class LARSOptions:
     lr: float = option(0.1, min=0.0, help="global learning rate γ")
     momentum: float = option(0.9, min=0.0, max=1.0, help="momentum m")
     weight_decay: float = option(0.0005, min=0.0, help="weight decay β (the paper's 0.0005)")
-    trust_coefficient: float = option(0.001, min=0.0, help="η, the paper's 0.001")
+    trust_coefficient: float = option(0.001, min=0.0, help="η > 0, the paper's 0.001")
+
+    def __post_init__(self):
+        if self.trust_coefficient <= 0:  # λ = 0: nothing would train
+            raise ValueError("trust_coefficient: expected a value > 0, "
+                             f"got {self.trust_coefficient!r}")
 
 
 class LARS(OptimizerPlugin):

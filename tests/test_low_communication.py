@@ -151,13 +151,13 @@ def _two_layers() -> list[torch.Tensor]:
 
 
 def test_lamb_trust_ratio_on_a_hand_computed_two_layer_example():
-    """First step (eps 0): the bias-corrected moments give r = sign(g) = (1, −1) and (1);
+    """First step (eps 0, which only the optimizer class itself accepts): the bias-corrected moments give r = sign(g) = (1, −1) and (1);
     with λ = 0.1, r + λx = (1.3, −0.6), ‖·‖ = √2.05, and (0.9): trust ratios 5/√2.05 and
     1/0.9, so layer 2 moves by exactly lr = 0.01."""
-    from plugins.optimizers import LAMB
+    from plugins.optimizers import LAMBOptimizer
 
     layers = _two_layers()
-    optimizer = LAMB(LAMB.Options(lr=0.01, weight_decay=0.1, eps=0.0)).build(layers)
+    optimizer = LAMBOptimizer(layers, lr=0.01, betas=(0.9, 0.999), eps=0.0, weight_decay=0.1)
     layers[0].grad = torch.tensor([1.0, -2.0], dtype=torch.float64)
     layers[1].grad = torch.tensor([0.5], dtype=torch.float64)
     optimizer.step()
@@ -168,10 +168,10 @@ def test_lamb_trust_ratio_on_a_hand_computed_two_layer_example():
 
 
 def test_lamb_second_step_uses_the_bias_corrected_moments():
-    from plugins.optimizers import LAMB
+    from plugins.optimizers import LAMBOptimizer
 
     x = torch.tensor([3.0, 4.0], dtype=torch.float64, requires_grad=True)
-    optimizer = LAMB(LAMB.Options(lr=0.01, beta1=0.5, beta2=0.75, weight_decay=0.0, eps=0.0)).build([x])
+    optimizer = LAMBOptimizer([x], lr=0.01, betas=(0.5, 0.75), eps=0.0, weight_decay=0.0)
     x.grad = torch.tensor([1.0, -2.0], dtype=torch.float64)
     optimizer.step()
     after_first = x.detach().clone()
@@ -182,6 +182,109 @@ def test_lamb_second_step_uses_the_bias_corrected_moments():
     r = torch.tensor([(7 / 3) / (39 / 7) ** 0.5, (2 / 3) / 2], dtype=torch.float64)
     expected = after_first - 0.01 * after_first.norm() / r.norm() * r
     assert torch.allclose(x.detach(), expected, rtol=0, atol=1e-15)
+
+
+def test_lamb_adds_eps_to_the_bias_corrected_root():
+    """First step, eps 0.1 and |g| small next to it: m̂ = g, √v̂ = |g|, so r = g / (|g| + eps)
+    = (0.01/0.11, −0.02/0.12); eps under the root, or before the bias correction, is far
+    from that."""
+    from plugins.optimizers import LAMB
+
+    x = torch.tensor([3.0, 4.0], dtype=torch.float64, requires_grad=True)
+    optimizer = LAMB(LAMB.Options(lr=0.01, eps=0.1, weight_decay=0.0)).build([x])
+    x.grad = torch.tensor([0.01, -0.02], dtype=torch.float64)
+    optimizer.step()
+    r = [0.01 / 0.11, -0.02 / 0.12]
+    ratio = 5 / math.hypot(*r)
+    assert x.detach().tolist() == pytest.approx([3 - 0.01 * ratio * r[0], 4 - 0.01 * ratio * r[1]],
+                                                rel=1e-12)
+
+
+def test_lamb_takes_the_plain_step_where_the_weights_are_zero():
+    """‖x‖ = 0 (a zero-initialised bias): the trust ratio is 1, x ← −lr·r, not ‖x‖/‖r‖ = 0."""
+    from plugins.optimizers import LAMB
+
+    x = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    optimizer = LAMB(LAMB.Options(lr=0.1, eps=0.5, weight_decay=0.3)).build([x])
+    x.grad = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    optimizer.step()
+    assert x.detach().tolist() == pytest.approx([-0.1 * 1 / 1.5, 0.1 * 2 / 2.5], rel=1e-12)
+
+
+def test_lars_momentum_holds_the_scaled_step_when_the_rate_changes():
+    """γ = 0.5, then 2.0 (a schedule): the paper's v ← m v + γ λ (g + βx), x ← x − v keeps
+    the first step's γ inside v; the form that scales v by the current γ (x ← x − γ v, as
+    LARC/apex and torch's SGD do) gives another second step."""
+    from plugins.optimizers import LARS
+
+    x = torch.tensor([3.0, 4.0], dtype=torch.float64, requires_grad=True)
+    optimizer = LARS(LARS.Options(lr=0.5, momentum=0.9, weight_decay=0.1,
+                                  trust_coefficient=0.001)).build([x])
+
+    def local_rate(weights: list[float], gradient: list[float]) -> float:
+        return 0.001 * math.hypot(*weights) / (math.hypot(*gradient) + 0.1 * math.hypot(*weights))
+
+    g1, g2 = [1.0, -2.0], [0.5, 3.0]
+    x.grad = torch.tensor(g1, dtype=torch.float64)
+    optimizer.step()
+    x0 = [3.0, 4.0]
+    v1 = [0.5 * local_rate(x0, g1) * (g + 0.1 * w) for g, w in zip(g1, x0)]
+    x1 = [w - v for w, v in zip(x0, v1)]
+    assert x.detach().tolist() == pytest.approx(x1, rel=1e-13)
+    optimizer.param_groups[0]["lr"] = 2.0
+    x.grad = torch.tensor(g2, dtype=torch.float64)
+    optimizer.step()
+    v2 = [0.9 * v + 2.0 * local_rate(x1, g2) * (g + 0.1 * w) for v, g, w in zip(v1, g2, x1)]
+    assert x.detach().tolist() == pytest.approx([w - v for w, v in zip(x1, v2)], rel=1e-13)
+
+
+OPTIMIZER_SPEC = """
+defaults:
+  task: {{name: logreg, features: 4}}
+  workers: 2
+experiments:
+  - name: a
+    optimizer: {optimizer}
+"""
+
+
+@pytest.mark.parametrize("section, expected", [
+    ("{name: adam, beta1: 1.0}", "experiments[0].optimizer: beta1: expected a value < 1, got 1.0"),
+    ("{name: adam, beta2: 1}", "experiments[0].optimizer: beta2: expected a value < 1, got 1"),
+    ("{name: adamw, beta1: 1.0}", "experiments[0].optimizer: beta1: expected a value < 1, got 1.0"),
+    ("{name: adamw, beta2: 1.0}", "experiments[0].optimizer: beta2: expected a value < 1, got 1.0"),
+    ("{name: lamb, beta1: 1.0}", "experiments[0].optimizer: beta1: expected a value < 1, got 1.0"),
+    ("{name: lamb, beta2: 1.0}", "experiments[0].optimizer: beta2: expected a value < 1, got 1.0"),
+    ("{name: lamb, eps: 0}", "experiments[0].optimizer: eps: expected a value > 0, got 0"),
+    ("{name: lars, trust_coefficient: 0.0}",
+     "experiments[0].optimizer: trust_coefficient: expected a value > 0, got 0.0"),
+])
+def test_bad_optimizer_bounds_exit_2_naming_the_key_path(tmp_path, section, expected):
+    spec = write_spec(tmp_path, OPTIMIZER_SPEC.format(optimizer=section))
+    result = dsgd_in_process("run", str(spec), "--dry-run")
+    assert result.returncode == 2, result.stderr
+    message = result.stderr.strip()
+    assert "\n" not in message and message.startswith(f"dsgd: error: {spec}: "), message
+    assert expected in message, message
+
+
+def test_bad_outer_optimizer_bound_names_the_nested_key_path(tmp_path):
+    spec = write_spec(tmp_path, DILOCO_SPEC.format(
+        aggregator="{name: diloco, outer_optimizer: {name: lamb, beta1: 1.0}}"))
+    result = dsgd_in_process("run", str(spec), "--dry-run")
+    assert result.returncode == 2, result.stderr
+    assert ("experiments[0].aggregator.outer_optimizer: beta1: expected a value < 1, got 1.0"
+            in result.stderr), result.stderr
+
+
+@pytest.mark.parametrize("name, options", [
+    ("adam", {"beta1": 0.0, "beta2": 0.0}), ("adamw", {"beta1": 0.99, "beta2": 0.9999}),
+    ("lamb", {"eps": 1e-12, "beta1": 0.0}), ("lars", {"trust_coefficient": 1e-9})])
+def test_optimizer_bounds_accept_values_just_inside(name, options):
+    from dsgd_cli.spec import registry
+
+    cls = registry.load("optimizer", name)
+    cls(cls.Options(**options)).build([torch.zeros(1, requires_grad=True)])
 
 
 def test_lars_local_rates_on_a_hand_computed_two_layer_example():
@@ -243,11 +346,13 @@ def _context(rank: int, n: int, inner, dtype=torch.float64) -> WorkerContext:
                          metrics=_Metrics(), seed=0, compressor=None, config={})
 
 
-def _step(aggregator, ctx, step: int, lr: float | None = None) -> None:
-    """One step in the runtime's order, with the gradient (and `lr`) set by the test."""
+def _step(aggregator, ctx, step: int, lr: float | list[float] | None = None) -> None:
+    """One step in the runtime's order, with the gradient (and `lr`, one for every param
+    group or a list of one per group) set by the test."""
     if lr is not None:
-        for group in ctx.optimizer.param_groups:
-            group["lr"] = lr
+        groups = ctx.optimizer.param_groups
+        for group, rate in zip(groups, lr if isinstance(lr, list) else [lr] * len(groups)):
+            group["lr"] = rate
     ctx.optimizer.zero_grad(set_to_none=True)
     aggregator.before_forward(step)
     for p, g in zip(ctx.model.parameters(), _gradients(ctx.model, ctx.rank, step)):
@@ -291,9 +396,15 @@ def _scenario_diloco(rank, n, compressor=None, error_feedback=False, dtype=torch
         models.append(_flat(ctx.model))
         traffic.append(ctx.comm.take_traffic().bytes_sent)
     aggregator.finish()
-    moments = [ctx.optimizer.state[p]["exp_avg"].clone() for p in ctx.model.parameters()]
-    return {"models": models, "traffic": traffic, "moments": moments,
+    return {"models": models, "traffic": traffic, "inner_state": _adam_state(ctx.optimizer),
             "rounds": ctx.metrics.values.get("outer_rounds")}
+
+
+def _adam_state(optimizer) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """(exp_avg, exp_avg_sq, step) of every parameter of an Adam-family optimizer."""
+    return [(state["exp_avg"].clone(), state["exp_avg_sq"].clone(), float(state["step"]))
+            for state in (optimizer.state[p] for group in optimizer.param_groups
+                          for p in group["params"])]
 
 
 def _scenario_diloco_h1_is_averaging(rank, n):
@@ -374,9 +485,8 @@ def _reference_diloco(n: int, exchange=_exchanged_exactly, dtype=torch.float64) 
                 _load(model, global_)
         for rank, model in enumerate(models):
             history[rank].append(_flat(model))
-    moments = {rank: [optimizer.state[p]["exp_avg"] for p in model.parameters()]
-               for rank, (model, optimizer) in enumerate(zip(models, inner))}
-    return {"models": history, "moments": moments}
+    return {"models": history, "inner_state": {rank: _adam_state(optimizer)
+                                               for rank, optimizer in enumerate(inner)}}
 
 
 def _split(flat: torch.Tensor, model: nn.Module) -> list[torch.Tensor]:
@@ -500,35 +610,82 @@ def _slowmo_lr(step: int) -> float:
     return 0.1 * (1 + step % 3)
 
 
-def _scenario_slowmo(rank, n, beta: float, alpha: float, base: dict | None = None):
-    """SGD inner steps; local SGD averaging every 3 steps (or `base`), slow momentum every 4."""
+def _scenario_slowmo(rank, n, beta: float, alpha: float, base: dict | None = None,
+                     period: int = SLOWMO["period"], inner=_sgd, lrs=_slowmo_lr) -> dict:
+    """SGD inner steps (`inner`) at the rates `lrs(step)`; local SGD averaging every 3 steps
+    (or `base`), slow momentum every `period`. The models and bytes sent after every step."""
+    from plugins.aggregators.slowmo import SlowMo
+
+    ctx = _context(rank, n, inner)
+    aggregator = SlowMo(SlowMo.Options(
+        period=period, slow_momentum=beta, slow_lr=alpha,
+        base=base or {"name": "local_sgd", "period": SLOWMO["base_period"]}))
+    aggregator.setup(ctx)
+    ctx.comm.take_traffic()
+    models, traffic = [], []
+    for step in range(SLOWMO["steps"]):
+        _step(aggregator, ctx, step, lrs(step))
+        models.append(_flat(ctx.model))
+        traffic.append(ctx.comm.take_traffic().bytes_sent)
+    aggregator.finish()
+    return {"models": models, "traffic": traffic}
+
+
+SGP_BASE = {"name": "sgp", "topology": "time_varying_exponential", "peers_per_step": 1,
+            "error_feedback": False, "sync_buffers": True}
+
+
+def _scenario_slowmo_buffers(rank, n) -> list[list[float]]:
+    """slowmo with `sync_buffers: false` over local SGD that averages parameters and buffers
+    every 2 steps, τ = 4: each worker sets a buffer to rank + step before each step; its
+    value after each step."""
     from plugins.aggregators.slowmo import SlowMo
 
     ctx = _context(rank, n, _sgd)
-    aggregator = SlowMo(SlowMo.Options(
-        period=SLOWMO["period"], slow_momentum=beta, slow_lr=alpha,
-        base=base or {"name": "local_sgd", "period": SLOWMO["base_period"]}))
+    ctx.model.register_buffer("statistic", torch.zeros(1, dtype=torch.float64))
+    aggregator = SlowMo(SlowMo.Options(period=4, sync_buffers=False,
+                                       base={"name": "local_sgd", "period": 2}))
     aggregator.setup(ctx)
-    models = []
-    for step in range(SLOWMO["steps"]):
-        _step(aggregator, ctx, step, _slowmo_lr(step))
-        models.append(_flat(ctx.model))
+    values = []
+    for step in range(4):
+        ctx.model.statistic.fill_(rank + step)
+        _step(aggregator, ctx, step)
+        values.append(ctx.model.statistic.item())
     aggregator.finish()
-    return models
+    return values
 
 
-def _reference_slowmo(n: int, beta: float, alpha: float,
-                      base_period: int = SLOWMO["base_period"]) -> dict[int, list[torch.Tensor]]:
+def _sgd_two_groups(params):
+    """The first layer's weight and bias in one param group, the second layer's in another."""
+    params = list(params)
+    return torch.optim.SGD([{"params": params[:2]}, {"params": params[2:]}], lr=0.1)
+
+
+def _slowmo_group_lrs(step: int) -> list[float]:
+    """Rates of the two groups: unequal at the slow steps 3 and 11, and the second group's
+    0 at slow step 7 (where its parameters did not train)."""
+    return [_slowmo_lr(step), 0.0 if step == 7 else 0.05 * (1 + step % 5)]
+
+
+def _group_lr_vector(step: int) -> torch.Tensor:
+    """`_slowmo_group_lrs` per element of the flat model (first layer: 6 + 2, second: 2 + 1)."""
+    first, second = _slowmo_group_lrs(step)
+    return torch.tensor([first] * 8 + [second] * 3, dtype=torch.float64)
+
+
+def _reference_slowmo(n: int, beta: float, alpha: float, base_period: int = SLOWMO["base_period"],
+                      lrs=_slowmo_lr) -> dict[int, list[torch.Tensor]]:
     """SlowMo from its definition (Wang et al., 2020, Algorithm 1) over local SGD, n workers
     simulated in one process, all in flat vectors: x_i ← x_i − γ_s g_i; the base's average
     every 3 steps; every τ = 4 steps x_avg, u ← β u + (x_start − x_avg)/γ_s,
-    x_start ← x_start − α γ_s u, and every worker starts again from x_start."""
+    x_start ← x_start − α γ_s u, and every worker starts again from x_start. `lrs(step)`: γ_s,
+    a number or one per element; where an element's γ_s is 0, u stays and x_start = x_avg."""
     models = [_model() for _ in range(n)]
     start = _flat(models[0])
     velocity = torch.zeros_like(start)
     history = {rank: [] for rank in range(n)}
     for step in range(SLOWMO["steps"]):
-        lr = _slowmo_lr(step)
+        lr = lrs(step) * torch.ones_like(start)
         for rank, model in enumerate(models):
             gradient = flatten(_gradients(model, rank, step))
             _load(model, _flat(model) - lr * gradient)
@@ -537,8 +694,10 @@ def _reference_slowmo(n: int, beta: float, alpha: float,
             for model in models:
                 _load(model, average)
         if (step + 1) % SLOWMO["period"] == 0:
-            velocity = beta * velocity + (start - average) / lr
+            trained = lr > 0
+            velocity[trained] = beta * velocity[trained] + (start - average)[trained] / lr[trained]
             start = start - alpha * lr * velocity
+            start[~trained] = average[~trained]
             for model in models:
                 _load(model, start)
         for rank, model in enumerate(models):
@@ -615,11 +774,15 @@ def _all_scenarios(rank, n):
                                        DILOCO["steps"] if name == "diloco" else STREAMING_STEPS)
                for name, options, stop, _ in RESUMED}
     return {"streaming": streaming, "resumed": resumed, "peak": _scenario_peak_bytes(rank, n),
-            "slowmo_plain": _scenario_slowmo(rank, n, beta=0.0, alpha=1.0),
-            "slowmo": _scenario_slowmo(rank, n, beta=0.6, alpha=0.8),
-            "slowmo_sgp": _scenario_slowmo(rank, n, beta=0.6, alpha=0.8, base={
-                "name": "sgp", "topology": "time_varying_exponential", "peers_per_step": 1,
-                "error_feedback": False, "sync_buffers": True}),
+            "slowmo_plain": _scenario_slowmo(rank, n, beta=0.0, alpha=1.0)["models"],
+            "slowmo": _scenario_slowmo(rank, n, beta=0.6, alpha=0.8)["models"],
+            "slowmo_sgp": _scenario_slowmo(rank, n, beta=0.6, alpha=0.8, base=SGP_BASE)["models"],
+            "slowmo_groups": _scenario_slowmo(rank, n, beta=0.6, alpha=0.8, inner=_sgd_two_groups,
+                                              lrs=_slowmo_group_lrs)["models"],
+            "slowmo_buffers": _scenario_slowmo_buffers(rank, n),
+            "slowmo_traffic": {name: _scenario_slowmo(rank, n, beta=0.6, alpha=0.8, base=base,
+                                                      period=6)["traffic"]
+                               for name, base in [("local_sgd", None), ("sgp", SGP_BASE)]},
             "diloco": _scenario_diloco(rank, n),
             "diloco_fp16": _scenario_diloco(rank, n, Float16()),
             "diloco_topk": _scenario_diloco(rank, n, TopK(TopK.Options(ratio=TOPK_RATIO)),
@@ -634,15 +797,19 @@ def scenarios():
 
 def test_diloco_equals_its_definition(scenarios):
     """Parameters after every step (so at every round boundary and at the end, where the 2
-    steps after the last round stay local) and the inner AdamW's state, per worker."""
+    steps after the last round stay local) and the inner AdamW's state (both moments and its
+    step count, which the outer step leaves alone), per worker."""
     reference = _reference_diloco(WORKERS)
     for rank, result in enumerate(scenarios):
         run = result["diloco"]
         assert len(run["models"]) == DILOCO["steps"]
         for step, (got, expected) in enumerate(zip(run["models"], reference["models"][rank])):
             assert torch.allclose(got, expected, rtol=0, atol=1e-12), (rank, step)
-        for got, expected in zip(run["moments"], reference["moments"][rank]):
-            assert torch.allclose(got, expected, rtol=0, atol=1e-12)
+        assert len(run["inner_state"]) == 4
+        for got, expected in zip(run["inner_state"], reference["inner_state"][rank]):
+            assert torch.allclose(got[0], expected[0], rtol=0, atol=1e-12)  # exp_avg
+            assert torch.allclose(got[1], expected[1], rtol=0, atol=1e-12)  # exp_avg_sq
+            assert got[2] == expected[2] == DILOCO["steps"]
         assert run["rounds"] == [1.0, 2.0, 3.0]
     # The workers agree right after a round, and differ inside one.
     first, second = scenarios[0]["diloco"]["models"], scenarios[1]["diloco"]["models"]
@@ -763,6 +930,40 @@ def test_slowmo_over_sgp_equals_its_definition(scenarios):
     for rank, result in enumerate(scenarios):
         for step, (got, expected) in enumerate(zip(result["slowmo_sgp"], reference[rank])):
             assert torch.allclose(got, expected, rtol=0, atol=1e-12), (rank, step)
+
+
+def test_slowmo_takes_each_param_groups_own_rate(scenarios):
+    """Two param groups at different rates (a plugin may build several; the schedule keeps
+    their ratio): γ is each parameter's group's, and where a group's is 0 its parameters
+    take x_avg and keep their u."""
+    reference = _reference_slowmo(WORKERS, beta=0.6, alpha=0.8, lrs=_group_lr_vector)
+    first_group_only = _reference_slowmo(WORKERS, beta=0.6, alpha=0.8,
+                                         lrs=lambda step: _slowmo_group_lrs(step)[0])
+    for rank, result in enumerate(scenarios):
+        for step, (got, expected) in enumerate(zip(result["slowmo_groups"], reference[rank])):
+            assert torch.allclose(got, expected, rtol=0, atol=1e-12), (rank, step)
+    assert not torch.allclose(reference[0][3], first_group_only[0][3], rtol=0, atol=1e-6)
+
+
+def test_slowmo_sends_the_model_once_on_a_slow_step(scenarios):
+    """τ = 6 over local SGD averaging every 3 (fairscale's layout): one model's all-reduce
+    after steps 3 and 6 alike, the slow step's exact average replacing the base's. Over SGP
+    a slow step sends that all-reduce instead of its push-sum round (a message of the model
+    and a 5-number header to one peer)."""
+    numel = sum(p.numel() for p in _model().parameters())
+    one_model = 2 * (WORKERS - 1) * numel * 8 // WORKERS  # float64 parameters
+    gossip = (5 + numel) * 8
+    for result in scenarios:
+        traffic = result["slowmo_traffic"]
+        assert traffic["local_sgd"] == [0, 0, one_model] * 4 + [0]
+        assert traffic["sgp"] == [gossip] * 5 + [one_model] + [gossip] * 5 + [one_model] + [gossip]
+
+
+def test_slowmo_averages_the_buffers_its_base_would_have_on_a_slow_step(scenarios):
+    """The slow step replaces local SGD's average of step 4, buffers included, though slowmo's
+    own `sync_buffers` is false: the buffers are averaged after steps 2 and 4 alike."""
+    for rank, result in enumerate(scenarios):
+        assert result["slowmo_buffers"] == [rank, 1.5, rank + 2, 3.5]
 
 
 # -- launched runs ------------------------------------------------------------------------------

@@ -8,11 +8,14 @@ trains for `period` (τ) steps from x_start; then, after hook step s with (s + 1
     u ← β u + (x_start − x_avg) / γ           γ: the inner learning rate of step s
     x ← x_start − α γ u                       the next x_start
 
-with `slow_momentum` β and `slow_lr` α. With β = 0 and α = 1 the step gives x = x_avg: the
-base with an exact average every τ steps. Over `sgp` the exact average is that of the push-sum
-numerators, (1/n) Σ x_i (Σ w_i = n, so it is what push-sum converges to), and every worker
-restarts push-sum from the new x with weight 1. The defaults are those of the authors' own
-implementation (fairscale's SlowMo: τ = 48, β = 0.5, α = 1, local SGD averaging every 3).
+with `slow_momentum` β and `slow_lr` α, and γ per parameter: its param group's rate. With
+β = 0 and α = 1 the step gives x = x_avg: the base with an exact average every τ steps. On a
+slow step the exact average replaces the base's exchange of that step (local SGD's average,
+SGP's push-sum round), as in the authors' implementation: the model travels once. Over `sgp`
+the exact average is that of the push-sum numerators, (1/n) Σ x_i (Σ w_i = n, so it is what
+push-sum converges to), and every worker restarts push-sum from the new x with weight 1. The
+defaults are those of the authors' own implementation (fairscale's SlowMo: τ = 48, β = 0.5,
+α = 1, local SGD averaging every 3).
 """
 
 from __future__ import annotations
@@ -66,30 +69,66 @@ class SlowMo(Aggregator):
         self.base.after_backward(step)
 
     def after_step(self, step):
-        self.base.after_step(step)
-        if (step + 1) % self.options.period == 0:
-            self.slow_momentum_step()
+        if (step + 1) % self.options.period != 0:
+            self.base.after_step(step)
+            return
+        # The slow step's exact average replaces the base's exchange of this step. Local SGD's
+        # after_step is only its average; SGP's is the optimizer's update of the numerator,
+        # kept, then a push-sum round, skipped: a round keeps Σ x_i, so x_avg is unchanged.
+        push_sum = self.push_sum()
+        if push_sum is not None:
+            push_sum.apply_update(self.base.vector.read() - self.base.before)
+        self.slow_momentum_step(step)
 
     def finish(self):
         self.base.finish()
 
-    def slow_momentum_step(self) -> None:
-        push_sum = self.base.state if isinstance(getattr(self.base, "state", None), PushSum) else None
+    def push_sum(self) -> PushSum | None:
+        return self.base.state if isinstance(getattr(self.base, "state", None), PushSum) else None
+
+    def averaged_buffers(self, step: int) -> list:
+        """The buffers the slow step averages: its own (`sync_buffers`), or local SGD's where
+        the base would have averaged them at this step (the slow step replaces that average)."""
+        if self.options.sync_buffers or self.push_sum() is not None:
+            return self.buffers
+        base = self.base.options
+        base_would_average = base.sync_buffers and (step + 1) % base.period == 0
+        return self.ctx.buffers() if base_would_average else []
+
+    def learning_rates(self) -> torch.Tensor:
+        """γ for every element of x_start: the rate of its parameter's group in the step just
+        taken (0 for a parameter in no group: it did not train)."""
+        rate_of = {id(p): group["lr"] for group in self.ctx.optimizer.param_groups
+                   for p in group["params"]}
+        return torch.cat([torch.full((p.numel(),), float(rate_of.get(id(p), 0.0)),
+                                     dtype=self.start.dtype, device=self.start.device)
+                          for p in self.ctx.parameters()])  # self.params: in the same order
+
+    def slow_momentum_step(self, step: int) -> None:
+        push_sum = self.push_sum()
+        buffers = self.averaged_buffers(step)
         # the parameters first, then what else the base averages (buffers)
-        average = push_sum.numerator.clone() if push_sum else flatten(self.params + self.buffers)
+        if push_sum is not None:
+            average = push_sum.numerator.clone()
+        else:
+            average = flatten(self.params + buffers)
         self.ctx.comm.all_reduce(average, "avg")
         x_avg = average[:self.start.numel()].to(self.start.dtype)
-        lr = self.ctx.optimizer.param_groups[0]["lr"]  # γ, the rate of the step just taken
-        if lr > 0:
-            o = self.options
-            self.velocity.mul_(o.slow_momentum).add_((self.start - x_avg) / lr)
-            self.start = self.start - o.slow_lr * lr * self.velocity
-        else:  # with γ = 0 nothing trained: keep u, and x = x_avg
-            self.start = x_avg.clone()
+        self.start = self.slow_update(x_avg, self.learning_rates())
         average[:self.start.numel()] = self.start
-        if push_sum:  # restart push-sum from the new model, weight 1
+        if push_sum is not None:  # restart push-sum from the new model, weight 1
             push_sum.numerator.copy_(average)
             push_sum.weight = 1.0
             self.base.vector.write(average)
         else:
-            unflatten_into(average, self.params + self.buffers)  # buffers: their average
+            unflatten_into(average, self.params + buffers)  # buffers: their average
+
+    def slow_update(self, x_avg: torch.Tensor, lr: torch.Tensor) -> torch.Tensor:
+        """u ← β u + (x_start − x_avg) / γ; returns the next x_start, x_start − α γ u.
+        Where γ = 0 nothing trained: u stays, and x = x_avg."""
+        o = self.options
+        trained = lr > 0
+        rate = torch.where(trained, lr, torch.ones_like(lr))  # no division by 0 below
+        velocity = self.velocity * o.slow_momentum + (self.start - x_avg) / rate
+        self.velocity = torch.where(trained, velocity, self.velocity)
+        return torch.where(trained, self.start - o.slow_lr * rate * self.velocity, x_avg)
