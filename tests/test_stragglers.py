@@ -14,6 +14,7 @@ Assertions are on values, step counts and the order of events; the one bound on 
 
 from __future__ import annotations
 
+import faulthandler
 import math
 import statistics
 import time
@@ -117,17 +118,42 @@ def _scenario_wagma(rank, n):
     return {"steps": steps, "metrics": ctx.metrics.values}
 
 
-# The WAGMA replay: fast workers make one step per round, for rounds 0..7 (tau 4: rounds 3
-# and 7 are global). The straggler, rank 1, starts a step at a round boundary and publishes
-# it for a later round; the rounds in between take its latest published model. Its lateness
-# is fixed by the test's ordering (counters in the rendezvous store), not by sleeping:
-# * a fast worker publishes its model for round t only once the straggler has settled round t;
-# * the straggler acts at boundary t only once every fast worker has completed round t - 1;
-# * where the straggler publishes for a group round, its `patience` is raised for that round, so
-#   that its round thread waits for the fresh model a peer's message would otherwise pre-empt.
-# Fast workers have patience too: each contributes its fresh model to every round.
+HANG_SECONDS = 60  # the scenario takes well under a second
+
+
+def _scenario_wagma_uneven(rank, n):
+    """Ranks 0 and 1 stop after 10 steps, 2 and 3 after 20 (as a budget may stop them);
+    group_size 2, no global round. Rounds 10, 12, … pair the two stopped workers with each
+    other, rounds 11, 13, … each with one still training."""
+    ctx = _context(rank, n, lr=0.05)
+    aggregator = WAGMA(WAGMA.Options(group_size=2, tau=1000))
+    aggregator.setup(ctx)
+    steps = 10 if rank < 2 else 20
+    # A worker that stopped and waits for a round nobody starts hangs every rank: end the
+    # process then (with its threads' stacks), so that the test fails at once.
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
+    for step in range(steps):
+        _step(aggregator, ctx, step, _gradient(rank, step))
+    aggregator.finish()
+    faulthandler.cancel_dump_traceback_later()
+    return {"steps": steps, "rounds": aggregator.rounds_completed,
+            "metrics": ctx.metrics.values}
+
+
+# The WAGMA replay: 8 iterations, tau 4 (rounds 3 and 7 are global), rank 1 the straggler.
+# Fast workers publish iteration t and contribute it to round t (patience: a fast worker drawn
+# in early waits for its own model). The straggler's steps are published at fixed points of
+# the rounds, in the order its lateness would give, fixed by the test (counters in the
+# rendezvous store), never by sleeping. Per round t:
+# * BEFORE[t]: its steps published before its thread takes part in round t (after round t - 1
+#   is over); a step t among them is the fresh model of a global round;
+# * DURING[t]: a step published while round t is under way: its thread was drawn in with its
+#   previous model P, and one fast member of its group is held back until the step is out,
+#   so the round must apply A + (x - P) to the model that has the step;
+# * otherwise the straggler takes part in round t with its latest published model.
 WAGMA_TAU, WAGMA_ROUNDS, WAGMA_STRAGGLER, WAGMA_FEATURES = 4, 8, 1, 8
-WAGMA_SCHEDULE = [(0, 1), (2, 3), (4, 7)]  # straggler's steps: (starts at, published for)
+WAGMA_BEFORE = {3: [1, 2, 3], 5: [4], 7: [6, 7]}
+WAGMA_DURING = {2: 0, 6: 5}
 WAGMA_LR, PATIENT = 0.1, 1e6
 
 
@@ -140,41 +166,71 @@ def _wait_until(counter, value: int) -> None:
         time.sleep(0.002)
 
 
+def _wait_for_state(aggregator, ready) -> None:
+    """Until `ready(aggregator)` holds, read under the aggregator's lock."""
+    while True:
+        with aggregator.lock:
+            if ready(aggregator):
+                return
+        time.sleep(0.002)
+
+
+def _butterfly_group(rank: int, round_index: int, n: int, size: int) -> list[int]:
+    """WAGMA's group of `rank` in a round, written from the paper's rule and independently of
+    `group_of`: the ranks equal to `rank` outside the log2 S mask bits, which start at bit
+    (round · log2 S) mod log2 n and wrap around; a global round (every tau-th) is everyone."""
+    if (round_index + 1) % WAGMA_TAU == 0:
+        return list(range(n))
+    bits, group_bits = int(math.log2(n)), int(math.log2(size))
+    mask = sum(1 << ((round_index * group_bits + k) % bits) for k in range(group_bits))
+    return [other for other in range(n) if (other ^ rank) & ~mask == 0]
+
+
+def _held_back(round_index: int, n: int, size: int) -> int:
+    """The fast member held back in a DURING round: the lowest fast rank of the straggler's
+    group (with S >= 4 another fast member draws the straggler in)."""
+    return min(m for m in _butterfly_group(WAGMA_STRAGGLER, round_index, n, size)
+               if m != WAGMA_STRAGGLER)
+
+
 def _scenario_wagma_replay(rank, n, group_size):
     ctx = _context(rank, n, lr=WAGMA_LR, features=WAGMA_FEATURES)
     straggler = rank == WAGMA_STRAGGLER
     aggregator = WAGMA(WAGMA.Options(group_size=group_size, tau=WAGMA_TAU,
                                      patience=0.0 if straggler else PATIENT))
     aggregator.setup(ctx)
-    settled = ctx.comm.counter(f"wagma-replay-{n}-{group_size}/settled")
-    fast_done = ctx.comm.counter(f"wagma-replay-{n}-{group_size}/fast-done")
+    name = f"wagma-replay-{n}-{group_size}"
+    # settled: rounds the straggler has prepared; held: DURING steps out; fast_done: fast steps
+    settled, held, fast_done = (ctx.comm.counter(f"{name}/{c}")
+                                for c in ("settled", "held", "fast-done"))
     initial, models = _flat(ctx.model), []
     if not straggler:
         for t in range(WAGMA_ROUNDS):
             _wait_until(settled, t + 1)
+            if t in WAGMA_DURING and rank == _held_back(t, n, group_size):
+                _wait_until(held, sum(1 for r in WAGMA_DURING if r <= t))
             _step(aggregator, ctx, t, _wagma_gradient(rank, t))
             models.append(_flat(ctx.model))
             fast_done.add(1)
     else:
-        starts = {start: step for step, (start, _) in enumerate(WAGMA_SCHEDULE)}
-        publishes = {published: step for step, (_, published) in enumerate(WAGMA_SCHEDULE)}
+        def publish(step):
+            _step(aggregator, ctx, step, _wagma_gradient(rank, step))
+            models.append(_flat(ctx.model))
         for t in range(WAGMA_ROUNDS):
             _wait_until(fast_done, (n - 1) * t)
-            if t in starts:  # compute a step; it stays unpublished until its round
-                step = starts[t]
-                ctx.optimizer.zero_grad(set_to_none=True)
-                aggregator.before_forward(step)
-                for p in ctx.model.parameters():
-                    p.grad = _wagma_gradient(rank, step).view_as(p).clone()
-                ctx.optimizer.step()
-            if t in publishes:
-                aggregator.options.patience = PATIENT
-                settled.add(1)
-                aggregator.after_step(publishes[t])
-                aggregator.options.patience = 0.0
-                models.append(_flat(ctx.model))
-            else:
-                settled.add(1)
+            before = WAGMA_BEFORE.get(t, [])
+            if before:
+                _wait_for_state(aggregator, lambda a: a.rounds_completed >= t)
+            for step in before:
+                if step < t:
+                    publish(step)
+            settled.add(1)
+            if t in before:  # the fresh model of a global round: waits for the round
+                publish(t)
+            if t in WAGMA_DURING:
+                _wait_for_state(aggregator, lambda a: a.last_contributed >= t)
+                publish(WAGMA_DURING[t])
+                held.add(1)
     aggregator.finish()
     traffic = ctx.comm.take_traffic()
     return {"initial": initial, "models": models, "final": _flat(ctx.model),
@@ -299,9 +355,10 @@ def _all_scenarios(rank, n):
     for late in (3, 0):
         results[f"backup_late{late}"] = _scenario_backup(rank, n, late)
         torch.distributed.barrier()
-    results["wagma_replay"] = _scenario_wagma_replay(rank, n, 2)
+    results["wagma_replay"] = _scenario_wagma_replay(rank, n, 4)
     torch.distributed.barrier()
     for name, scenario in [("wagma", _scenario_wagma),
+                           ("wagma_uneven", _scenario_wagma_uneven),
                            ("dasgd", _scenario_dasgd),
                            ("dasgd_zero_gradients", _scenario_dasgd_zero_gradients),
                            ("lsgd_independent", _scenario_lsgd_independent),
@@ -407,10 +464,12 @@ def test_wagma_fast_workers_do_not_wait_for_the_straggler(spawned):
     runs = [r["wagma"] for r in spawned]
     straggler, fast = runs[1], [runs[0], runs[2], runs[3]]
     # 40 rounds completed by fast workers while the straggler published only 10 models: the
-    # straggler's peers went on with its latest model, which it reports as stale.
+    # straggler's peers went on with its latest model, which it reports as stale. One round
+    # per iteration: the straggler's rounds after its last step are in no step of its own.
     assert max(straggler["metrics"]["staleness"]) >= 1
-    for r in fast:  # at least one round per step (more where a peer drew it in early)
-        assert sum(r["metrics"]["rounds"]) >= 40
+    for r in fast:
+        assert r["metrics"]["rounds"] == [1.0] * 40
+    assert sum(straggler["metrics"]["rounds"]) == 10
     # Staleness is bounded by the global average every tau = 5 rounds.
     for r in runs:
         assert max(r["metrics"]["staleness"]) <= 4
@@ -421,39 +480,46 @@ def test_wagma_fast_workers_do_not_wait_for_the_straggler(spawned):
         assert statistics.median(r["metrics"]["wait_seconds"]) < 0.05
 
 
+def test_wagma_workers_that_stopped_take_part_in_every_later_round(spawned):
+    """Over the run every worker takes part in one round per iteration of the longest
+    worker, those that stopped early with their final model; in their own steps, one each."""
+    for rank, r in enumerate(spawned):
+        run = r["wagma_uneven"]
+        assert run["rounds"] == 20, rank
+        assert run["metrics"]["rounds"] == [1.0] * run["steps"], rank
+
+
 def _wagma_reference(n: int, group_size: int, initial: list[torch.Tensor]):
-    """WAGMA by its definition, in one process: in each round every group averages the models
-    its members contribute, A = (1/S) Σ P_m, and each member applies x_m <- A + (x_m - P_m)
-    to its current model; P_m is the member's latest published model (fresh right after a
-    step). Rounds go on after training, with every model published, up to the first global
-    round. Returns the models after each worker's steps, and the final ones."""
+    """WAGMA by its definition, in one process. Round t averages, in each group, the models
+    its members contribute, A = (1/S) Σ P_m, and each member applies x_m <- A + (x_m - P_m) to
+    its current model. P_m is the member's latest published model: a fast worker's model of
+    iteration t; the straggler's as the schedule has it, its step applied to x only when
+    published (the gradients do not depend on the model). Returns each worker's models as
+    they stand right after each of its steps, and the final ones."""
     x = [m.clone() for m in initial]
-    published = [m.clone() for m in initial]
-    starts = {start: step for step, (start, _) in enumerate(WAGMA_SCHEDULE)}
-    publishes = {end for _, end in WAGMA_SCHEDULE}
     after_steps: list[list[torch.Tensor]] = [[] for _ in range(n)]
     s = WAGMA_STRAGGLER
-    for t in range(WAGMA_ROUNDS + WAGMA_TAU):
-        if t < WAGMA_ROUNDS:
-            if t in starts:
-                x[s] = x[s] - WAGMA_LR * _wagma_gradient(s, starts[t])
-            if t in publishes:
-                published[s] = x[s].clone()
-            for rank in range(n):
-                if rank != s:
-                    x[rank] = x[rank] - WAGMA_LR * _wagma_gradient(rank, t)
-                    published[rank] = x[rank].clone()
-        if (t + 1) % WAGMA_TAU == 0:
-            groups = {tuple(range(n))}
-        else:
-            groups = {group_of(rank, t, n, group_size) for rank in range(n)}
-        for group in groups:
-            average = sum(published[m] for m in group) / len(group)
-            for m in group:
-                x[m] = average + (x[m] - published[m])
-                published[m] = average.clone()
+
+    def step(rank: int, index: int) -> None:
+        x[rank] = x[rank] - WAGMA_LR * _wagma_gradient(rank, index)
+    for t in range(WAGMA_ROUNDS):
         for rank in range(n):
-            if t < WAGMA_ROUNDS and (rank != s or t in publishes):
+            if rank != s:
+                step(rank, t)
+        for index in WAGMA_BEFORE.get(t, []):
+            step(s, index)
+            if index < t:  # its step returns before round t: the model as it is now
+                after_steps[s].append(x[s].clone())
+        contributed = [m.clone() for m in x]
+        if t in WAGMA_DURING:  # published after the straggler's thread contributed
+            step(s, WAGMA_DURING[t])
+            after_steps[s].append(x[s].clone())
+        for group in {tuple(_butterfly_group(rank, t, n, group_size)) for rank in range(n)}:
+            average = sum(contributed[m] for m in group) / len(group)
+            for m in group:
+                x[m] = average + (x[m] - contributed[m])
+        for rank in range(n):
+            if rank != s or t in WAGMA_BEFORE.get(t, []):  # this step waited for round t
                 after_steps[rank].append(x[rank].clone())
     return after_steps, x
 
@@ -464,45 +530,55 @@ def _wagma_runs(spawned, spawned_8, n: int, group_size: int) -> list[dict]:
     return [r[group_size] for r in spawned_8]
 
 
-@pytest.mark.parametrize("n,group_size", [(4, 2), (8, 4), (8, 8)])
+@pytest.mark.parametrize("n,group_size", [(4, 4), (8, 4), (8, 8)])
 def test_wagma_replays_its_definition_with_a_late_worker(spawned, spawned_8, n, group_size):
+    """The models after each step and at the end are the definition's, the straggler's
+    included when it publishes during a round (the round must keep its step: A + (x - P))."""
     runs = _wagma_runs(spawned, spawned_8, n, group_size)
     after_steps, final = _wagma_reference(n, group_size, [r["initial"] for r in runs])
     for rank, run in enumerate(runs):
-        assert len(run["models"]) == len(after_steps[rank])
+        assert len(run["models"]) == len(after_steps[rank]) == WAGMA_ROUNDS
         for index, (model, expected) in enumerate(zip(run["models"], after_steps[rank])):
             torch.testing.assert_close(model, expected, rtol=1e-12, atol=1e-12,
                                        msg=f"rank {rank}, model {index}")
         torch.testing.assert_close(run["final"], final[rank], rtol=1e-12, atol=1e-12)
-    # What the straggler's steps report: rounds since its previous step, and the age of the
-    # models it contributed (rounds since its last fresh one).
+
+
+@pytest.mark.parametrize("n,group_size", [(4, 4), (8, 4), (8, 8)])
+def test_wagma_rounds_are_one_to_one_with_iterations(spawned, spawned_8, n, group_size):
+    """Every worker takes part in exactly one round per iteration of the run: the straggler
+    in three during its first step (drawn into rounds 0 and 1 with its initial model, and
+    into round 2, which completes after the step), none during its third, one per step
+    after. Staleness is the age, in iterations, of the models it contributed meanwhile."""
+    runs = _wagma_runs(spawned, spawned_8, n, group_size)
     straggler = runs[WAGMA_STRAGGLER]["metrics"]
-    assert straggler["rounds"] == [2.0, 2.0, 4.0]
-    assert straggler["staleness"] == [0.0, 1.0, 3.0]
+    assert straggler["rounds"] == [2.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert straggler["staleness"] == [3.0, 0.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0]
     for rank, run in enumerate(runs):
+        assert sum(run["metrics"]["rounds"]) == WAGMA_ROUNDS
         if rank != WAGMA_STRAGGLER:
             assert run["metrics"]["rounds"] == [1.0] * WAGMA_ROUNDS
             assert run["metrics"]["staleness"] == [0.0] * WAGMA_ROUNDS
 
 
-@pytest.mark.parametrize("n,group_size", [(4, 2), (8, 4), (8, 8)])
+@pytest.mark.parametrize("n,group_size", [(4, 4), (8, 4), (8, 8)])
 def test_wagma_group_rounds_send_2_s_minus_1_over_s_of_a_model(spawned, spawned_8, n, group_size):
-    """Per member and group round: 2(S - 1)/S of the model (8 float64 values), plus a header
-    of 4 values on each of its 2 log2 S messages. Besides, each worker took part in 3 global
-    all-reduces of the model and a flag, and sent one goodbye (a header)."""
+    """Per member and round: 2(S - 1)/S of the model (8 float64 values), plus a header of 4
+    values on each of its 2 log2 S messages; a global round is the same with S = n. Besides,
+    each worker took part in one all-reduce of its step count (finish) and sent one goodbye
+    (a header)."""
     runs = _wagma_runs(spawned, spawned_8, n, group_size)
     value = 8
-    rounds = WAGMA_ROUNDS + WAGMA_TAU
-    global_rounds = rounds // WAGMA_TAU
-    group_rounds = rounds - global_rounds
-    global_bytes = 2 * (n - 1) * (WAGMA_FEATURES + 1) * value // n
-    goodbye = 4 * value
-    payload = 2 * (group_size - 1) * WAGMA_FEATURES * value // group_size
-    headers = 2 * int(math.log2(group_size)) * 4 * value
+
+    def round_bytes(size: int) -> int:
+        payload = 2 * (size - 1) * WAGMA_FEATURES * value // size
+        return payload + 2 * int(math.log2(size)) * 4 * value
+    global_rounds = WAGMA_ROUNDS // WAGMA_TAU
+    expected = ((WAGMA_ROUNDS - global_rounds) * round_bytes(group_size)
+                + global_rounds * round_bytes(n) + 2 * (n - 1) * value // n + 4 * value)
     for rank, run in enumerate(runs):
-        for total in (run["sent"], run["received"]):
-            per_group_round = (total - global_rounds * global_bytes - goodbye) / group_rounds
-            assert per_group_round == payload + headers, (rank, per_group_round)
+        assert run["sent"] == expected, rank
+        assert run["received"] == expected, rank
 
 
 # -- lsgd -----------------------------------------------------------------------------------

@@ -80,7 +80,106 @@ class SharedCounter:
 
 
 class CommTimeout(RuntimeError):
-    """An operation made no progress for the run's `timeout`: a peer is gone or stuck."""
+    """An operation made no progress for the run's `timeout`: a peer is gone or stuck.
+    `behind`: for a collective, the members that had not entered it (known from the
+    collective counts in the store), lowest first."""
+
+    def __init__(self, message: str, behind: Sequence[int] = ()):
+        super().__init__(message)
+        self.behind = list(behind)
+
+
+# A collective a worker entered: its group's name (the same on every member), the group's
+# ranks, and how many collectives on that group this worker has entered, this one included.
+Entered = tuple[str, tuple[int, ...], int]
+
+
+class CollectiveCounts:
+    """How many collectives this worker has entered on each group, each count one number in
+    the rendezvous store: when a collective makes no progress, the members whose count is
+    lower never entered it, and are named.
+
+    Entering a collective only counts, in memory: a store round trip per collective would
+    slow every step. A thread of the worker publishes the counts that changed every
+    `PUBLISH_EVERY_S`; the member that timed out publishes its own and waits that long again
+    before it reads the others', so every member that had entered the collective by then has
+    published it, even one stuck in it, and one that is busy elsewhere (not entering) has
+    published the count it stopped at."""
+
+    PUBLISH_EVERY_S = 0.25
+
+    def __init__(self, rank: int, namespace: str):
+        self.rank, self.namespace = rank, namespace
+        self._counts: dict[str, int] = {}
+        self._changed: set[str] = set()
+        self._lock = threading.Lock()  # background threads enter collectives too
+        self._publishing = threading.Lock()  # one publisher at a time: counts land in order
+        self._closed = threading.Event()
+        self._publisher: threading.Thread | None = None
+        self._store: Any = None
+        self._usable = True  # until the store fails: then nothing is published
+
+    def _key(self, group: str, rank: int) -> str:
+        return f"dsgd/collectives/{self.namespace}/{group}/{rank}"
+
+    def _default_store(self) -> Any:
+        if not self._usable:
+            return None
+        if self._store is None and dist.is_initialized():
+            self._store = dist.distributed_c10d._get_default_store()
+        return self._store
+
+    def enter(self, group: str, ranks: tuple[int, ...]) -> Entered:
+        """Count one more collective on the group named `group`."""
+        with self._lock:
+            count = self._counts.get(group, 0) + 1
+            self._counts[group] = count
+            self._changed.add(group)
+            if self._publisher is None:
+                self._publisher = threading.Thread(target=self._publish_until_closed,
+                                                   daemon=True, name="dsgd-collective-counts")
+                self._publisher.start()
+        return group, ranks, count
+
+    def _publish_until_closed(self) -> None:
+        while not self._closed.wait(self.PUBLISH_EVERY_S):
+            self.publish()
+
+    def publish(self) -> None:
+        """Write the counts that changed since the last time into the store."""
+        with self._publishing:
+            with self._lock:
+                changed = {group: self._counts[group] for group in self._changed}
+                self._changed.clear()
+            store = self._default_store()
+            if store is None:
+                return
+            try:
+                for group, count in changed.items():
+                    store.set(self._key(group, self.rank), str(count))
+            except RuntimeError:  # the store is gone (with torchrun): the collective says why
+                self._usable = False
+
+    def behind(self, group: str, ranks: tuple[int, ...], count: int) -> list[int]:
+        """The members of the group that had entered fewer than `count` collectives on it;
+        none when the store cannot say (it went with torchrun)."""
+        self.publish()
+        self._closed.wait(2 * self.PUBLISH_EVERY_S)  # for the others' publishers
+        store = self._default_store()
+        if store is None:
+            return []
+        late = []
+        try:
+            for rank in ranks:
+                key = self._key(group, rank)
+                if rank != self.rank and (not store.check([key]) or int(store.get(key)) < count):
+                    late.append(rank)
+        except (RuntimeError, ValueError):  # DistStoreError is a RuntimeError
+            return []
+        return late
+
+    def close(self) -> None:
+        self._closed.set()
 
 
 class Handle:
@@ -88,9 +187,11 @@ class Handle:
 
     def __init__(self, comm: "Comm", works: Sequence[Any], issued_at: float, emulated_s: float,
                  result: Any = None, on_complete: Callable[[], Any] | None = None,
-                 blocking: bool = False, operation: str = "communication"):
+                 blocking: bool = False, operation: str = "communication",
+                 entered: Entered | None = None):
         self._comm = comm
         self._operation = operation  # what failed, in an error: "recv from rank 2"
+        self._entered = entered  # a collective's, to name who never entered it
         self._works = works
         self._issued_at = issued_at
         self._emulated_s = emulated_s
@@ -115,7 +216,7 @@ class Handle:
                 if work is not None:
                     work.wait()
         except RuntimeError as error:
-            raise self._comm._failure(self._operation, error) from error
+            raise self._comm._failure(self._operation, error, self._entered) from error
         _sleep_until(self._issued_at + self._emulated_s)
         if self._on_complete is not None:
             self._result = self._on_complete()
@@ -157,6 +258,7 @@ class Comm:
         self._traffic = Traffic()
         self._lock = threading.Lock()
         self._local = threading.local()
+        self._collectives = CollectiveCounts(rank, namespace)
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -217,8 +319,14 @@ class Comm:
 
     def _issue(self, start: Callable[[], Any], *, sent: int, received: int, messages: int,
                async_op: bool, operation: str, result: Any = None,
-               on_complete: Callable[[], Any] | None = None) -> Any:
-        """Run one operation: count it, emulate the network, block unless `async_op`."""
+               on_complete: Callable[[], Any] | None = None,
+               collective: Group | None = None) -> Any:
+        """Run one operation: count it, emulate the network, block unless `async_op`.
+        `collective`: the group of a collective (every member must enter it), counted."""
+        entered = None
+        name = self._group_name(collective) if collective is not None else None
+        if name is not None:
+            entered = self._collectives.enter(name, collective.ranks)
         tracked = self._tracking()
         emulated_s = self.network.duration(sent, messages) if tracked else 0.0
         if tracked:
@@ -227,23 +335,38 @@ class Comm:
         try:
             work = start()
         except RuntimeError as error:
-            raise self._failure(operation, error) from error
+            raise self._failure(operation, error, entered) from error
         works = list(work) if isinstance(work, (list, tuple)) else [work]  # several messages
         handle = Handle(self, works, issued_at, emulated_s, result, on_complete,
-                        blocking=not async_op, operation=operation)
+                        blocking=not async_op, operation=operation, entered=entered)
         return handle if async_op else handle.wait()
 
-    def _failure(self, operation: str, error: RuntimeError) -> RuntimeError:
+    def _failure(self, operation: str, error: RuntimeError,
+                 entered: Entered | None = None) -> RuntimeError:
         """The backend's error, saying which operation failed. gloo reports a timeout as
         "Timed out waiting Nms for recv operation", whatever the operation was, and once one
-        operation timed out the connections it used fail at once ("pair closure")."""
+        operation timed out the connections it used fail at once ("pair closure"). A
+        collective's timeout names the members that never entered it."""
         text = str(error)
         if "Timed out" in text:
+            behind = self._collectives.behind(*entered) if entered is not None else []
+            late = f"; ranks behind: {', '.join(map(str, behind))}" if behind else ""
             return CommTimeout(f"{operation}: no progress for {self.timeout_s:g} s "
-                               f"(the spec's timeout)")
+                               f"(the spec's timeout){late}", behind)
         if "timeout caused pair closure" in text:
             return RuntimeError(f"{operation}: connection closed after an earlier timeout")
         return RuntimeError(f"{operation}: {text}")
+
+    def _group_name(self, group: Group) -> str | None:
+        """The same name on every member: "world", or the group's place in the order the
+        members made their groups (torch has them all make every group in the same order);
+        None for a group not made by `new_group`."""
+        if group.process_group is None:
+            return "world"
+        for index, process_group in enumerate(self._groups):
+            if process_group is group.process_group:
+                return f"group{index}"
+        return None
 
     def _members(self, group: Group | None) -> str:
         ranks = (group or self.world).ranks
@@ -286,7 +409,7 @@ class Comm:
             lambda: dist.all_reduce(tensor, reduce_ops[op], group=self._pg(group), async_op=True),
             sent=traffic, received=traffic, messages=2 * (n - 1), async_op=async_op,
             operation=f"all_reduce over {self._members(group)}", result=tensor,
-            on_complete=finish)
+            on_complete=finish, collective=group or self.world)
 
     def all_gather(self, tensor: torch.Tensor, group: Group | None = None,
                    async_op: bool = False):
@@ -298,7 +421,8 @@ class Comm:
         return self._issue(
             lambda: dist.all_gather(outputs, tensor, group=self._pg(group), async_op=True),
             sent=traffic, received=traffic, messages=n - 1, async_op=async_op,
-            operation=f"all_gather over {self._members(group)}", result=outputs)
+            operation=f"all_gather over {self._members(group)}", result=outputs,
+            collective=group or self.world)
 
     def all_gather_uneven(self, tensor: torch.Tensor, group: Group | None = None) -> list[torch.Tensor]:
         """All-gather of 1-D tensors whose lengths differ between members (lengths go first)."""
@@ -320,12 +444,13 @@ class Comm:
             lambda: dist.broadcast(tensor, src, group=self._pg(group), async_op=True),
             sent=(n - 1) * size if is_root else 0, received=0 if is_root else size,
             messages=n - 1 if is_root else 0, async_op=async_op,
-            operation=f"broadcast from rank {src} over {self._members(group)}", result=tensor)
+            operation=f"broadcast from rank {src} over {self._members(group)}", result=tensor,
+            collective=group or self.world)
 
     def barrier(self, group: Group | None = None) -> None:
         self._issue(lambda: dist.barrier(group=self._pg(group), async_op=True),
                     sent=0, received=0, messages=0, async_op=False,
-                    operation=f"barrier of {self._members(group)}")
+                    operation=f"barrier of {self._members(group)}", collective=group or self.world)
 
     def counter(self, name: str) -> SharedCounter:
         """A counter shared by all workers, starting at 0; the same `name` on every worker
@@ -348,6 +473,7 @@ class Comm:
             if process_group not in (None, dist.GroupMember.NON_GROUP_MEMBER):
                 dist.destroy_process_group(process_group)
         self._groups.clear()
+        self._collectives.close()
 
     # -- point to point ---------------------------------------------------------------------
 

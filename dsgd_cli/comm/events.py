@@ -3,8 +3,10 @@
 Workers append events and flush each one; the launcher tails the files, stores metrics as they
 arrive and draws progress. A worker that dies keeps everything it flushed before.
 
-Event types: `start` (total_steps), `metric` (name, value, step, epoch, seconds),
-`error` (reason, traceback, at), `diverged` (name, value: "nan", "inf" or "-inf", step, at),
+Event types: `start` (total_steps), `metric` (name, value, step, epoch, seconds), `progress`
+(done, total, unit, updates: what the progress bar shows, see `schedule.StopRule.progress_bar`),
+`error` (reason, traceback, at, behind: the ranks that never entered the collective that
+timed out, if that was the error), `diverged` (name, value: "nan", "inf" or "-inf", step, at),
 `run` (run_id: a run over several machines), `stopped` (step: it saved a checkpoint there and
 left, as the launcher asked), `done`. Every number in the files is finite: JSON has no NaN or
 infinity.

@@ -37,6 +37,12 @@ class IntervalMetrics:
         self.bytes_sent += traffic.bytes_sent
         self.bytes_received += traffic.bytes_received
 
+    def add_bytes(self, traffic: Traffic) -> None:
+        """Count bytes sent and received after the interval's last step, in that step (the
+        aggregator's finish(), its background threads)."""
+        self.bytes_sent += traffic.bytes_sent
+        self.bytes_received += traffic.bytes_received
+
     def flush(self, events: EventWriter, step: int, epoch: int, lr: float) -> None:
         """Write the interval's per-step means at `step` (`lr` as it is now) and start a new
         interval; nothing when no step was counted since the last flush."""

@@ -4,7 +4,9 @@ length is reached or the launcher asks."""
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -19,6 +21,30 @@ from dsgd_cli.comm.events import EventWriter, launcher_gone
 from dsgd_cli.worker.schedule import Straggling
 from dsgd_cli.worker.data import augmentation_generator
 from dsgd_cli.worker.parts import Worker
+
+
+class NoSpaceLeft(OSError):
+    """A file could not be written for lack of space on its filesystem."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def out_of_space(error: BaseException, directory: str | Path) -> bool:
+    """Whether `error` came from a full filesystem: an ENOSPC (or EDQUOT) anywhere in its
+    chain (torch.save reports one as "unexpected pos N vs M"), or no free block left in
+    `directory`'s filesystem."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        usage = os.statvfs(directory)
+    except OSError:
+        return False
+    # root may write into the blocks a filesystem keeps for it; other users may not
+    return (usage.f_bfree if os.geteuid() == 0 else usage.f_bavail) == 0
 
 
 class Diverged(Exception):
@@ -91,7 +117,7 @@ class TrainingLoop:
         config, interval, evaluation = worker.config, worker.interval, worker.evaluation
         batch = config["batch_size"]
         steps_per_epoch = worker.steps_per_epoch
-        events.write("start", total_steps=worker.stop_rule.expected_steps(batch))
+        events.write("start", total_steps=worker.stop_rule.expected_steps())
         step, samples, total_sent = 0, 0, 0
         train_seconds, elapsed = 0.0, 0.0
         resumed = worker.resumed
@@ -141,7 +167,8 @@ class TrainingLoop:
             every = worker.checkpoint_every
             stopping = bool(every) and not done and self.stop.stops_after(step)
             checkpointing = bool(every) and not done and (step % every == 0 or stopping)
-            if step % config["log_interval"] == 0 or end_of_epoch or done:
+            # The last step's metrics wait for the aggregator's finish() (below).
+            if not done and (step % config["log_interval"] == 0 or end_of_epoch):
                 self._flush(step, epoch)
                 if launcher_gone():  # nobody reads the metrics, nobody would stop the run
                     raise LauncherGone()
@@ -157,7 +184,15 @@ class TrainingLoop:
             if stopping:
                 raise Stopped(step)
         worker.aggregator.finish()
-        total_sent += worker.comm.take_traffic().bytes_sent  # what finish() drained
+        # What was sent after the last step's counters were taken (finish() draining, a
+        # background thread serving peers still training) counts in the last step, so that
+        # the steps' bytes add up to the run's.
+        drained = worker.comm.take_traffic()
+        total_sent += drained.bytes_sent
+        interval.add_bytes(drained)
+        self._flush(step, epoch)
+        if launcher_gone():
+            raise LauncherGone()
         evaluation.after_training(step, epoch)
         return Totals(started, train_seconds, samples, total_sent, evaluation.reached_at)
 
@@ -195,6 +230,7 @@ class TrainingLoop:
     def _flush(self, step: int, epoch: int) -> None:
         self.worker.interval.flush(self.events, step, epoch,
                                    lr=self.worker.optimizer.param_groups[0]["lr"])
+        self.events.write("progress", **vars(self.worker.stop_rule.progress_bar(step)))
 
     def _save_checkpoint(self, step: int, progress: dict) -> None:
         worker = self.worker
@@ -203,4 +239,10 @@ class TrainingLoop:
                  "aggregator": worker.aggregator.state_dict(),
                  "compressor": worker.ctx.compressor.state_dict(),
                  "rng": checkpoint.rng_state(worker.device)}
-        checkpoint.save(worker.checkpoint_dir, step, worker.rank, state, worker.world_size)
+        try:
+            checkpoint.save(worker.checkpoint_dir, step, worker.rank, state, worker.world_size)
+        except (OSError, RuntimeError) as error:
+            if out_of_space(error, worker.checkpoint_dir):
+                raise NoSpaceLeft(f"no space left on device for the checkpoint of step {step} "
+                                  f"in {worker.checkpoint_dir}") from error
+            raise

@@ -96,6 +96,11 @@ class Backup(Aggregator):
     def finished(self) -> bool:
         return self._finished
 
+    def updates_done(self) -> int:
+        """The run's updates as this worker knows them: its model version, which after each
+        step includes every update published by then."""
+        return self.applied
+
     def after_backward(self, step):
         version = self.applied
         grad = flatten([p.grad if p.grad is not None else torch.zeros_like(p)

@@ -1,39 +1,51 @@
 """`wagma`: WAGMA-SGD, wait-avoiding group model averaging (Li, Ben-Nun, Nadiradze,
 Di Girolamo, Dryden, Alistarh, Hoefler, TPDS 2021).
 
-After each local step a worker averages its model inside a group of `group_size` (S)
-workers. The groups change every round: rank i's group in round r is every rank that differs
-from i only in the log2 S bits starting at bit (r · log2 S) mod log2 n (a butterfly whose
-mask shifts each round), so after ⌈log_S n⌉ consecutive rounds information from every worker
-has reached every other.
+Iteration t of every worker ends with round t: its model is averaged inside a group of
+`group_size` (S) workers. The groups change every round: rank i's group in round t is every
+rank that differs from i only in the log2 S bits starting at bit (t · log2 S) mod log2 n (a
+butterfly whose mask shifts each round), so after ⌈log_S n⌉ consecutive rounds information
+from every worker has reached every other. Every `tau`-th round ((t + 1) % tau == 0) is global
+and synchronous: every worker contributes its model of iteration t, which bounds staleness by
+tau - 1.
 
-Wait-avoiding: the group average of a round is started by the first member that arrives; a
-member still computing contributes its latest published model instead of making the group
-wait. Each worker runs a background thread that takes part in rounds on its behalf:
+Rounds are one-to-one with iterations, as in the paper: the group collective of iteration t
+is one collective, run once. It is wait-avoiding: the first member to reach t starts it, and a
+member still computing an earlier iteration is drawn in at once and contributes its latest
+published model (stale by `staleness` iterations); when that member reaches t it takes round
+t's result instead of starting a round for its fresh model. A straggler may so take part in
+several rounds during one of its steps and in none during a later one; over the run every
+worker takes part in as many rounds as the run has iterations. Each worker runs a background
+thread that takes part in its rounds, in order:
 
-* when its training loop finishes a step, the worker publishes its model and the thread
-  starts the next round with it (the training loop waits for that round only:
-  `wait_seconds`);
-* when a peer's first message of a round arrives first, the thread joins that round at once
-  with the worker's latest published model (stale by `staleness` rounds). Every member sends
-  before it waits, so a member that started a round draws each partner in.
+* when its training loop finishes step t and round t has not started, the worker publishes
+  its model and the thread starts round t with it; the loop waits for round t only
+  (`wait_seconds`), and not at all when round t is already over;
+* when a peer's first message of round t arrives first, the thread joins round t at once
+  with the worker's latest published model. Every member sends before it waits, so a member
+  that started a round draws each partner in, and they draw in theirs.
 
 A group averages its S models with an all-reduce inside the group, shaped as the paper's
 group allreduce: a reduce-scatter by recursive halving, then an all-gather by recursive
-doubling (log2 S exchanges each, with the member whose group index differs in one bit).
-Each member sends, and receives, 2(S - 1)/S of a model per round, plus a 4-number header per
-message (2 log2 S messages). Each part of the average is summed and divided once, by the member
-that owns it, so every member leaves the round with the same average A; a member that
-contributed P applies A + (x - P) to its current model x, keeping the local progress made
-since P was published. Every `tau` rounds the average is global and synchronous (every worker
-contributes a fresh model), which bounds staleness by tau - 1.
+doubling (log2 S exchanges each, with the member whose group index differs in one bit); a
+global round is the same with S = n. Each member sends, and receives, 2(S - 1)/S of a model
+per round, plus a 4-number header per message (2 log2 S messages). Each part of the average is
+summed and divided once, by the member that owns it, so every member leaves the round with the
+same average A; a member that contributed P applies A + (x - P) to its current model x,
+keeping the local progress made since P was published (its step, when it published during
+the round).
 
-`patience` (seconds, default 0: the paper's behaviour) lets a member drawn into a round by a
-peer wait that long for its own fresh model before contributing a stale one; with a large
+The run's rounds are its iterations: when workers stop after different numbers of steps (a
+budget), one that has stopped takes part with its final model in the rounds of the others,
+and in `finish()` the workers agree on the last round (the most steps any took).
+
+`patience` (seconds, default 0: the paper's behaviour) lets a member drawn into a group round
+by a peer wait that long for its own fresh model before contributing a stale one; with a large
 patience and S = n, wagma is local SGD with period 1.
 
-Logs per step `wait_seconds`, `staleness` (the largest age, in rounds, of the models this
-worker contributed since its previous step) and `rounds` (rounds it took part in).
+Logs per step `wait_seconds`, `staleness` (the largest age, in iterations, of the models this
+worker contributed since its previous step) and `rounds` (rounds it completed since its
+previous step).
 """
 
 from __future__ import annotations
@@ -109,11 +121,12 @@ class WAGMA(Aggregator):
         # training loop last synchronised with, and the round bookkeeping.
         self.published = self.vector.read()
         self.base = self.published
-        self.fresh = False        # a newly published model no round has used yet
-        self.arrivals = 0         # models published by the training loop
-        self.arrivals_used = 0    # the latest arrival a completed round used
-        self.max_staleness, self.rounds_done = 0, 0
+        self.steps = 0              # steps the training loop has published: iterations done
+        self.rounds_completed = 0   # rounds 0..rounds_completed-1 are over (round t: iteration t)
+        self.last_contributed = -1  # the latest round this worker's model went into
+        self.last_round: int | None = None  # the run's last round, agreed in finish()
         self.training_done = False  # then its final model stands in as fresh in every round
+        self.max_staleness, self.rounds_reported = 0, 0
         self.error: BaseException | None = None
         self.thread = None
         if n == 1:
@@ -123,6 +136,17 @@ class WAGMA(Aggregator):
         self.thread = threading.Thread(target=self._serve, daemon=True,
                                        name=f"wagma-{ctx.rank}")
         self.thread.start()
+
+    def state_dict(self) -> dict:
+        """The iterations done: a resumed run's rounds go on from there, on every worker."""
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        # Before the first step: the round thread has taken part in no round yet, and moves on
+        # to the round of the resumed iteration.
+        with self.lock:
+            self.steps = self.rounds_completed = self.rounds_reported = state["steps"]
+            self.lock.notify_all()
 
     # -- the training loop ----------------------------------------------------------------------
 
@@ -136,17 +160,17 @@ class WAGMA(Aggregator):
             return
         with self.lock:
             self._publish_locked()
-            self.fresh = True
-            self.arrivals += 1
-            arrival = self.arrivals
+            self.steps += 1
             self.lock.notify_all()
         started = time.perf_counter()
         with self.ctx.comm.blocked(), self.lock:
-            while self.arrivals_used < arrival and self.error is None:
+            # Round `steps - 1` is this iteration's: started with the model just published,
+            # or already over (drawn in earlier), when its result is taken as it is.
+            while self.rounds_completed < self.steps and self.error is None:
                 self.lock.wait(timeout=0.1)
             self._sync_locked()
-            staleness, rounds = self.max_staleness, self.rounds_done
-            self.max_staleness, self.rounds_done = 0, 0
+            staleness, rounds = self.max_staleness, self.rounds_completed - self.rounds_reported
+            self.max_staleness, self.rounds_reported = 0, self.rounds_completed
         self._check()
         metrics = self.ctx.metrics
         # In modeled seconds, as every recorded time (the compute model's time scale).
@@ -160,6 +184,13 @@ class WAGMA(Aggregator):
         with self.lock:
             self._publish_locked()
             self.training_done = True
+            self.lock.notify_all()
+        # The run's last round is the last iteration of the worker that took the most steps;
+        # meanwhile the thread takes part in the rounds of workers still training.
+        steps = torch.tensor([float(self.steps)], dtype=torch.float64)
+        self.ctx.comm.all_reduce(steps, "max", group=self.global_group)
+        with self.lock:
+            self.last_round = int(steps.item()) - 1
             self.lock.notify_all()
         while self.thread.is_alive():
             self.thread.join(timeout=0.1)
@@ -206,28 +237,25 @@ class _Rounds:
         self.rank, self.n = wagma.ctx.rank, wagma.ctx.world_size
         # round -> (sender, exchange) -> part of a model
         self.inbox: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
-        self.last_fresh_round = 0
-        self.arrival: int | None = None
+        self.latest_round_seen = -1  # in a peer's message: rounds up to it are the run's
         self.receiver = threading.Thread(target=self._receive, daemon=True,
                                          name=f"wagma-receiver-{self.rank}")
         self.receiver.start()
 
     def run(self) -> None:
-        """Rounds in order until a global round finds every worker's training finished.
-
-        A worker whose training has finished keeps taking part with its final model, and
-        starts every round itself, so peers still training are never left waiting for it."""
-        round_index = 0
-        while True:
-            if (round_index + 1) % self.wagma.options.tau == 0:
-                self._wait_for(round_index, peer_may_start=False)
-                if self._global_round(round_index):
-                    break
+        """Rounds in order, from the iteration the run starts at to its last one."""
+        while (round_index := self._wait_for_next()) is not None:
+            if self._is_global(round_index):
+                members = tuple(range(self.n))
             else:
-                self._wait_for(round_index, peer_may_start=True)
-                self._group_round(round_index)
-            round_index += 1
+                members = group_of(self.rank, round_index, self.n, self.wagma.group_size)
+            mine = self._contribute(round_index)
+            average = self._group_average(round_index, members, to_wire(mine))
+            self._complete(mine, average.to(mine.device))
         self._goodbye()
+
+    def _is_global(self, round_index: int) -> bool:
+        return (round_index + 1) % self.wagma.options.tau == 0
 
     def _receive(self) -> None:
         """Stash every peer's model by round until the goodbye from rank - 1."""
@@ -242,6 +270,7 @@ class _Rounds:
                     if round_index < 0:
                         return
                     with wagma.lock:
+                        self.latest_round_seen = max(self.latest_round_seen, round_index)
                         parts = self.inbox.setdefault(round_index, {})
                         parts[sender, exchange] = buffer[HEADER: HEADER + length]
                         wagma.lock.notify_all()
@@ -250,48 +279,50 @@ class _Rounds:
                 wagma.error = error
                 wagma.lock.notify_all()
 
-    def _wait_for(self, round_index: int, peer_may_start: bool) -> None:
-        """Until this worker has a fresh model (or has finished training) or, when
-        `peer_may_start`, a peer has started the round (and `patience` has run out)."""
+    def _wait_for_next(self) -> int | None:
+        """The next round, once this worker takes part in it: its training loop has published
+        the round's iteration, or a peer has started the round (in a group round, once
+        `patience` has run out), or, training over, the round is one of the run's: a peer has
+        reached it or a later one (whose group needs this worker, while this round's group
+        may be workers that have stopped too). None once the run's last round is past."""
         wagma = self.wagma
         patience_until = None
         with wagma.lock:
             while wagma.error is None:
-                if wagma.fresh or wagma.training_done:
-                    return
+                round_index = wagma.rounds_completed  # moved on by a resume's loaded state
+                if wagma.last_round is not None:
+                    return round_index if round_index <= wagma.last_round else None
+                if wagma.steps > round_index:  # fresh: the loop finished this iteration
+                    return round_index
+                if wagma.training_done:
+                    if self.latest_round_seen >= round_index:  # with the final model
+                        return round_index
+                    wagma.lock.wait()
+                    continue
+                started_by_peer = bool(self.inbox.get(round_index))
                 timeout = None
-                if peer_may_start and self.inbox.get(round_index):
+                if started_by_peer and not self._is_global(round_index):
                     if patience_until is None:
                         # patience is modeled: real seconds are time_scale times longer
                         patience_until = (time.perf_counter() + wagma.options.patience
                                           * wagma.ctx.length.time_scale)
                     timeout = patience_until - time.perf_counter()
                     if timeout <= 0:
-                        return
+                        return round_index
                 wagma.lock.wait(timeout=timeout)
             raise RuntimeError("wagma receiver failed") from wagma.error
 
-    def _contribute(self, round_index: int) -> tuple[torch.Tensor, int]:
-        """The model this worker brings to a round, and its staleness in rounds."""
+    def _contribute(self, round_index: int) -> torch.Tensor:
+        """The model this worker brings to round `round_index`: its latest published one,
+        the model of iteration `steps - 1`, stale by round_index + 1 - steps iterations."""
         wagma = self.wagma
         with wagma.lock:
-            model = wagma.published
-            self.arrival = None
-            if wagma.fresh:
-                self.last_fresh_round = round_index
-                wagma.fresh = False
-                self.arrival = wagma.arrivals
-            if wagma.training_done:
-                return model, 0
-            staleness = round_index - self.last_fresh_round
-            wagma.max_staleness = max(wagma.max_staleness, staleness)
-        return model, staleness
-
-    def _group_round(self, round_index: int) -> None:
-        mine, _ = self._contribute(round_index)
-        members = group_of(self.rank, round_index, self.n, self.wagma.group_size)
-        average = self._group_average(round_index, members, to_wire(mine))
-        self._complete(mine, average.to(mine.device))
+            wagma.last_contributed = round_index
+            if not wagma.training_done:
+                staleness = max(0, round_index + 1 - wagma.steps)
+                wagma.max_staleness = max(wagma.max_staleness, staleness)
+            wagma.lock.notify_all()
+            return wagma.published
 
     def _group_average(self, round_index: int, members: tuple[int, ...],
                        model: torch.Tensor) -> torch.Tensor:
@@ -353,33 +384,20 @@ class _Rounds:
                 del self.inbox[round_index]
         return part
 
-    def _global_round(self, round_index: int) -> bool:
-        """The synchronous average of everyone; True when every worker's training is over."""
-        wagma = self.wagma
-        mine, _ = self._contribute(round_index)
-        with wagma.lock:
-            finished = wagma.training_done
-        # The last entry is the share of workers whose training is over (exactly 1 if all).
-        message = torch.cat([to_wire(mine), torch.tensor([float(finished)], dtype=mine.dtype)])
-        self.comm.all_reduce(message, "avg", group=wagma.global_group)
-        self._complete(mine, message[:-1].to(mine.device))
-        return float(message[-1]) == 1.0
-
     def _complete(self, mine: torch.Tensor, average: torch.Tensor) -> None:
         wagma = self.wagma
         with wagma.lock:
             if wagma.published is mine:  # unchanged during the round: exactly the average
                 wagma.published = average
-            else:  # the training loop published meanwhile: move its model by the same amount
+            else:  # the training loop published meanwhile: A + (x - P) keeps its progress
                 wagma.published = wagma.published + (average - mine)
-            if self.arrival is not None:
-                wagma.arrivals_used = self.arrival
-            wagma.rounds_done += 1
+            wagma.rounds_completed += 1
             wagma.lock.notify_all()
 
     def _goodbye(self) -> None:
-        """Every worker sends one goodbye to rank + 1, which ends that rank's receiver. No
-        round message is in flight: every worker has completed the same last round."""
+        """Once every worker is past the run's last round no round message is in flight:
+        each sends one goodbye to rank + 1, which ends that rank's receiver."""
+        self.comm.barrier(group=self.wagma.global_group)
         bye = torch.tensor([-1, self.rank, 0, 0], dtype=self.wagma.vector.dtype)
         self.comm.isend(bye, (self.rank + 1) % self.n, self.wagma.peers_group).wait()
         self.receiver.join()
