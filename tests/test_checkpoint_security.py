@@ -7,6 +7,7 @@ resumed run has written a newer complete one."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -311,7 +312,7 @@ def test_an_experiment_directory_of_another_user_is_refused(tmp_path):
     assert list(directory.iterdir()) == []
 
 
-@pytest.mark.parametrize("name", [".", "..", "a/b", "../up", "a\\b"])
+@pytest.mark.parametrize("name", [".", "..", "a/b", "../up", "a\\b", "a\0b"])
 def test_an_experiment_name_that_leaves_save_dir_is_refused(tmp_path, name):
     spec = write_spec(tmp_path, f"""
         experiments:
@@ -319,8 +320,310 @@ def test_an_experiment_name_that_leaves_save_dir_is_refused(tmp_path, name):
     """)
     result = dsgd_in_process("run", str(spec), "--dry-run")
     assert (result.returncode, result.stderr) == (2, (
-        f"dsgd: error: {spec}: experiments[0].name: expected a name without '/' or '\\', other "
-        f"than '.' and '..', got {name!r}\n"))
+        f"dsgd: error: {spec}: experiments[0].name: expected a name without '/', '\\' or a NUL "
+        f"character, other than '.' and '..', got {name!r}\n"))
+
+
+def test_an_experiment_name_longer_than_a_file_name_is_refused(tmp_path):
+    """A name of more than 255 bytes (UTF-8), or a grid point's name that grows past it, can
+    name no directory under `save_dir`: refused before launch, not after training."""
+    long_name = "é" * 128  # 256 bytes
+    spec = write_spec(tmp_path, f"""
+        experiments:
+          - {{name: {long_name}, task: logreg}}
+    """)
+    result = dsgd_in_process("run", str(spec), "--dry-run")
+    assert (result.returncode, result.stderr) == (2, (
+        f"dsgd: error: {spec}: experiments[0].name: expected a name of at most 255 bytes "
+        f"(UTF-8), the longest file name, got {long_name[:40]!r}... of 256 bytes\n"))
+    spec = write_spec(tmp_path, f"""
+        experiments:
+          - {{name: {"a" * 240}, task: logreg, save_dir: {tmp_path / "models"},
+              grid: {{optimizer.lr: [0.5, 0.25]}}}}
+    """)
+    result = dsgd_in_process("run", str(spec), "--dry-run")
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"dsgd: error: {spec}: experiments[0].grid: expected a name "
+                                    "of at most 255 bytes"), result.stderr
+
+
+# -- roots that hold directories dsgd trusts: the checkpoint root and save_dir ----------------
+
+
+def test_a_checkpoint_root_others_may_write_to_without_the_sticky_bit_is_refused(tmp_path):
+    """In such a root another user can rename this user's run directory and put theirs in its
+    place between a check and a use: refused before launch, and when saving or loading."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    save_steps(root / "a-123", [10])
+    root.chmod(0o777)
+    why = ("is writable by other users without the sticky bit (mode 777), so they could swap "
+           "what is in it")
+    with pytest.raises(DsgdError) as refused:
+        checkpoint.usable_root(root, "sqlite:///r.db")
+    assert str(refused.value) == f"--checkpoint-dir {root} {why}: refused"
+    with pytest.raises(checkpoint.CheckpointRefused) as refused:
+        checkpoint.save(root / "a-123", 20, 0, {"step": 20}, workers=2)
+    assert str(refused.value) == f"checkpoint root {root} {why}: refused"
+    with pytest.raises(checkpoint.CheckpointRefused, match="without the sticky bit"):
+        checkpoint.load(root / "a-123", 10, 0)
+    root.chmod(0o1777)  # like /tmp: only an entry's owner may rename it
+    assert checkpoint.usable_root(root, "sqlite:///r.db") == root
+    checkpoint.save(root / "a-123", 20, 0, {"step": 20}, workers=2)
+    assert checkpoint.load(root / "a-123", 10, 0) == {"step": 10, "rank": 0}
+
+
+@needs_root
+def test_a_checkpoint_root_of_another_user_is_refused(tmp_path):
+    root = tmp_path / "theirs"
+    root.mkdir()
+    save_steps(root / "a-123", [10])
+    owner = give_to_another_user(root).replace("not by you", "not by you or root")
+    with pytest.raises(DsgdError) as refused:
+        checkpoint.usable_root(root, "sqlite:///r.db")
+    assert str(refused.value) == f"--checkpoint-dir {root} {owner}: refused"
+    with pytest.raises(checkpoint.CheckpointRefused) as refused:
+        checkpoint.save(root / "a-123", 20, 0, {"step": 20}, workers=2)
+    assert str(refused.value) == f"checkpoint root {root} {owner}: refused"
+    store, run_id = failed_run(tmp_path, root / "a-123")
+    with pytest.raises(DsgdError) as refused:
+        resumable(store, run_id)
+    assert str(refused.value) == f"run {run_id} cannot resume: checkpoint root {root} {owner}: refused"
+
+
+def test_the_checkpoint_root_made_on_trial_is_kept(tmp_path):
+    """Removed after the trial, its name would be free for another user to make it theirs
+    before the workers write there."""
+    root = tmp_path / "c" / "d"
+    assert checkpoint.usable_root(root, "sqlite:///r.db") == root
+    assert root.is_dir() and root.stat().st_uid == os.getuid()
+
+
+def test_a_save_dir_others_may_write_to_without_the_sticky_bit_is_refused(tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    models.chmod(0o777)
+    why = ("is writable by other users without the sticky bit (mode 777), so they could swap "
+           "what is in it")
+    spec = write_spec(tmp_path, f"""
+        experiments:
+          - {{name: a, task: logreg, save_dir: {models}}}
+    """)
+    result = dsgd_in_process("run", str(spec), "--dry-run")
+    assert (result.returncode, result.stderr) == (2, (
+        f"dsgd: error: {spec}: experiments[0].save_dir: cannot save models in {models}: it "
+        f"{why}\n"))
+    with pytest.raises(UntrustedDirectory) as refused:
+        write_model({"weight": torch.zeros(1)}, models / "a", 0)
+    assert str(refused.value) == f"save_dir {models} {why}: refused"
+    models.chmod(0o1777)
+    write_model({"weight": torch.zeros(1)}, models / "a", 0)
+    assert (models / "a" / "rank0.pt").is_file()
+
+
+def test_a_model_is_written_where_its_directory_was_checked(tmp_path, monkeypatch):
+    """The experiment's directory swapped for a link after it was checked: the model is not
+    written where the link points (the directory is opened once, without following a link,
+    and the files made relative to it)."""
+    from dsgd_cli.spec import directories
+    from dsgd_cli.worker import process
+
+    directory, elsewhere = tmp_path / "models" / "a", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def check_then_swap(path):
+        directories.make_experiment_directory(path)
+        path.rmdir()
+        path.symlink_to(elsewhere)
+
+    monkeypatch.setattr(process, "make_experiment_directory", check_then_swap)
+    with pytest.raises(UntrustedDirectory, match="cannot be opened"):
+        write_model({"weight": torch.zeros(1)}, directory, 0)
+    assert list(elsewhere.iterdir()) == []
+
+
+@needs_root
+def test_a_model_is_not_written_in_another_users_directory_swapped_in_after_the_check(
+        tmp_path, monkeypatch):
+    from dsgd_cli.spec import directories
+    from dsgd_cli.worker import process
+
+    directory = tmp_path / "models" / "a"
+
+    def check_then_swap(path):
+        directories.make_experiment_directory(path)
+        path.rename(path.with_name("checked"))
+        path.mkdir()
+        give_to_another_user(path)
+
+    monkeypatch.setattr(process, "make_experiment_directory", check_then_swap)
+    with pytest.raises(UntrustedDirectory) as refused:
+        write_model({"weight": torch.zeros(1)}, directory, 0)
+    assert str(refused.value) == (f"save_dir: the experiment's directory {directory} is not "
+                                  "your own: refused")
+    assert list(directory.iterdir()) == []
+
+@needs_root
+def test_an_experiment_directory_planted_under_save_dir_is_refused_before_launch(tmp_path):
+    models = tmp_path / "models"
+    (models / "a").mkdir(parents=True)
+    owner = give_to_another_user(models / "a")
+    spec = write_spec(tmp_path, f"""
+        experiments:
+          - {{name: a, task: logreg, workers: 2, steps_per_epoch: 2, epochs: 1,
+              save_dir: {models}}}
+    """)
+    result = dsgd_in_process("run", str(spec), "--db", str(tmp_path / "r.db"))
+    assert (result.returncode, result.stderr) == (2, (
+        f"dsgd: error: save_dir: the experiment's directory {models / 'a'} {owner}: refused\n"))
+    assert Store(str(tmp_path / "r.db")).runs() == []  # nothing launched
+
+
+def swap_after_the_check(monkeypatch, directory: Path, replacement) -> None:
+    """Make every `check_directory` of the run's `directory` check the real one, then swap it
+    for `replacement(directory)`: what another user renaming entries in the root in a loop
+    would do between a check and a use."""
+    check, checked = checkpoint.check_directory, directory.with_name("checked")
+
+    def check_then_swap(path):
+        if checked.exists():  # put back the real one, as the attacker's loop would
+            shutil.rmtree(directory) if not directory.is_symlink() else directory.unlink()
+            checked.rename(directory)
+        check(path)
+        if Path(path) == directory:
+            directory.rename(checked)
+            replacement(directory)
+
+    monkeypatch.setattr(checkpoint, "check_directory", check_then_swap)
+
+
+def test_a_run_directory_swapped_for_a_link_after_its_check_is_not_used(tmp_path, monkeypatch):
+    """The run's directory is opened once, without following a link, and everything is done
+    relative to it: a link put in its place after the check is neither written to nor read."""
+    directory, elsewhere = tmp_path / "root" / "a-123", tmp_path / "elsewhere"
+    save_steps(elsewhere, [10])  # what the link points to: a sound step, someone else's
+    planted = sorted(str(p.relative_to(elsewhere)) for p in elsewhere.rglob("*"))
+    save_steps(directory, [10])
+    swap_after_the_check(monkeypatch, directory, lambda path: path.symlink_to(elsewhere))
+    with pytest.raises(checkpoint.CheckpointRefused, match="cannot be opened"):
+        checkpoint.save(directory, 20, 0, {"step": 20}, workers=2)
+    assert sorted(str(p.relative_to(elsewhere)) for p in elsewhere.rglob("*")) == planted
+    with pytest.raises(checkpoint.CheckpointRefused, match="cannot be opened"):
+        checkpoint.load(directory, 10, 0)
+
+
+@needs_root
+def test_a_run_directory_swapped_for_another_users_after_its_check_is_not_used(tmp_path, monkeypatch):
+    directory = tmp_path / "root" / "a-123"
+    save_steps(directory, [10])
+
+    def theirs(path):
+        shutil.copytree(path.with_name("checked"), path)
+        give_to_another_user(path)
+
+    swap_after_the_check(monkeypatch, directory, theirs)
+    with pytest.raises(checkpoint.CheckpointRefused) as refused:
+        checkpoint.load(directory, 10, 0)
+    assert str(refused.value) == f"checkpoint directory {directory} changed since it was checked: refused"
+
+
+# -- resume and delete trust the recorded path, not where a link there points -----------------
+
+
+def test_resume_refuses_a_run_directory_that_is_a_link(tmp_path):
+    """The recorded directory replaced by a link: refused, never followed (and recorded) to
+    where it points, which `dsgd runs delete` would later delete."""
+    real, recorded = tmp_path / "real", tmp_path / "ck"
+    save_steps(real, [10])
+    recorded.symlink_to(real)
+    store, run_id = failed_run(tmp_path, recorded)
+    with pytest.raises(DsgdError) as refused:
+        resumable(store, run_id)
+    assert str(refused.value) == (f"run {run_id} cannot resume: checkpoint directory {recorded} "
+                                  "is a symbolic link, not a directory: refused")
+    with pytest.raises(DsgdError, match="is a symbolic link"):
+        resumable(store, run_id, checkpoint_dir=tmp_path / "ck")
+    assert store.checkpoint_dir(run_id) == str(recorded)
+    assert checkpoint.steps(real) == [10]
+
+
+def test_deleting_a_run_removes_only_its_checkpoint_files(tmp_path):
+    """The database names the directory: only the step folders' rank files go (then the
+    folders and the directory, when empty); nothing else in it, nothing a link points to."""
+    directory, elsewhere = tmp_path / "ck", tmp_path / "elsewhere"
+    save_steps(directory, [10, 20])
+    (directory / "notes.txt").write_text("not a checkpoint")
+    (checkpoint.step_directory(directory, 20) / "plot.png").write_text("not a checkpoint")
+    elsewhere.mkdir()
+    (elsewhere / "rank-0.pt").write_text("someone else's")
+    (directory / "step-0000000030").symlink_to(elsewhere)
+    failed_run(tmp_path, directory)
+    result = dsgd_in_process("runs", "delete", "1", "--db", str(tmp_path / "r.db"))
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in directory.rglob("*")) == [
+        "notes.txt", "plot.png", "step-0000000020", "step-0000000030"]
+    assert result.stderr == f"dsgd: left {directory}: Directory not empty\n"
+    assert (elsewhere / "rank-0.pt").read_text() == "someone else's"
+
+
+def test_deleting_a_run_whose_directory_is_a_link_leaves_it(tmp_path):
+    real, recorded = tmp_path / "real", tmp_path / "ck"
+    save_steps(real, [10])
+    recorded.symlink_to(real)
+    failed_run(tmp_path, recorded)
+    result = dsgd_in_process("runs", "delete", "1", "--db", str(tmp_path / "r.db"))
+    assert (result.returncode, result.stderr) == (0, f"dsgd: left {recorded}: it is a symbolic "
+                                                  "link, not a checkpoint directory\n")
+    assert checkpoint.steps(real) == [10]
+
+
+# -- what a checkpoint directory may hold ----------------------------------------------------
+
+
+def test_only_ascii_digits_name_a_step(tmp_path):
+    directory = tmp_path / "ck"
+    save_steps(directory, [10])
+    (directory / "step-\u0661\u0660").mkdir()  # Arabic-Indic "10"
+    (directory / "step-0000000010\n").mkdir()
+    assert checkpoint.steps(directory) == [10]
+
+
+def torch_bytes(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("content, why", [
+    (lambda whole: whole[: len(whole) // 2], "is damaged: it cannot be loaded ("),
+    (lambda whole: torch_bytes([1, 2]), "is damaged: it holds a list, not a worker's state")])
+def test_a_checkpoint_that_is_not_a_state_is_damage_on_one_line(tmp_path, content, why):
+    directory = tmp_path / "ck"
+    save_steps(directory, [10])
+    path = checkpoint.rank_file(directory, 10, 0)
+    path.write_bytes(content(path.read_bytes()))
+    forge_sum(path)
+    with pytest.raises(checkpoint.CheckpointRefused) as refused:
+        checkpoint.load(directory, 10, 0)
+    assert str(refused.value).startswith(f"{path} {why}"), refused.value
+    assert "\n" not in str(refused.value)
+
+
+def test_a_later_step_that_cannot_be_removed_is_one_line(tmp_path, monkeypatch):
+    directory = tmp_path / "ck"
+    save_steps(directory, [10])
+    checkpoint.save(directory, 20, 0, {"step": 20}, workers=2)
+    store, run_id = failed_run(tmp_path, directory)
+    experiment = resumable(store, run_id)
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(checkpoint.os, "unlink", refuse)
+    with pytest.raises(DsgdError) as refused:
+        reopen(store, experiment)
+    assert str(refused.value) == (f"cannot remove the later checkpoint "
+                                  f"{checkpoint.step_directory(directory, 20)}: Permission denied")
 
 
 # -- end to end --------------------------------------------------------------------------------

@@ -117,7 +117,7 @@ def test_dsgd_checkpoints_that_is_a_file_is_named(tmp_path, monkeypatch):
     with pytest.raises(DsgdError, match=rf"^\$DSGD_CHECKPOINTS {file}: {file} is a file, not a directory$"):
         checkpoint.usable_root(None, "sqlite:///x.db")
     assert checkpoint.usable_root(tmp_path / "c" / "d", "sqlite:///x.db") == tmp_path / "c" / "d"
-    assert not (tmp_path / "c").exists()  # tried, and removed: the workers make it
+    assert (tmp_path / "c" / "d").is_dir()  # tried, and kept: no one else can make it theirs
 
 
 def test_a_save_dir_that_is_a_file_is_refused_before_launch(tmp_path):

@@ -58,15 +58,16 @@ def delete(ctx: typer.Context, run_ids: RunIds, db: DbOption = None,
                "--force", help="Also delete runs still marked running")] = False) -> None:
     """Delete runs with their metrics, configuration, tags and checkpoints (an unknown id:
     none at all)."""
-    import shutil
-
     from dsgd_cli.results.store import MAX_ID, Store
+    from dsgd_cli.worker.checkpoint import remove_run
 
     store = Store(_db(ctx, db), create=False)
     checkpoints = [store.checkpoint_dir(run_id) for run_id in run_ids if 0 < run_id <= MAX_ID]
     deleted = store.delete_runs(run_ids, force=force)
-    for directory in filter(None, checkpoints):
-        shutil.rmtree(directory, ignore_errors=True)
+    # Only the checkpoint files dsgd writes, never through a link: the recorded path is
+    # whatever the database says, which is no reason to delete what is there.
+    for left in filter(None, map(remove_run, filter(None, checkpoints))):
+        typer.echo(f"dsgd: {left}", err=True)
     typer.echo(f"deleted run{'s' if len(deleted) > 1 else ''} {', '.join(map(str, deleted))}")
 
 

@@ -29,6 +29,8 @@ from dsgd_cli.spec import nodes, registry
 from dsgd_cli.launch import unrecorded
 from dsgd_cli.comm.events import EventReader, events_path, experiment_dir, stop_path
 from dsgd_cli.results.database import one_line, sqlite_path
+from dsgd_cli.errors import DsgdError
+from dsgd_cli.spec.directories import make_experiment_directory
 from dsgd_cli.spec.experiments import PLUGIN_SECTIONS, Experiment
 from dsgd_cli.results.store import MetricRow, RunDeleted, Store, finite_number
 from dsgd_cli.launch.torchrun import Shape, Torchrun
@@ -150,6 +152,7 @@ def run_all(experiments: list[Experiment], store: Store, spec_file: str | None,
     failed, diverged or was killed: its process group is not to be trusted) records that
     experiment and the rest go on in a fresh launch. `early`: a torchrun started before the
     spec was validated (`torchrun.early_start`), for the first launch if it fits."""
+    make_output_directories(experiments)
     results = []
     for planned in plan_launches(experiments, shared):
         pending = planned.experiments
@@ -167,8 +170,24 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
     """Run and record one experiment in a launch of its own. `device`: by default
     `choose_device`'s."""
     callbacks = Callbacks(progress=lambda experiment, progress: on_progress(progress))
+    make_output_directories([experiment])
     device = device or choose_device(local_workers(experiment))
     return _launch([experiment], device, store, spec_file, callbacks)[0]
+
+
+def make_output_directories(experiments: list[Experiment]) -> None:
+    """Make (or check) each experiment's directory under its `save_dir` before anything
+    trains: one planted by another user is refused now (UntrustedDirectory, exit 2), not
+    after training, when the model could only be lost."""
+    for experiment in experiments:
+        if experiment.config.get("save_dir"):
+            name = experiment.config.get("name", experiment.name)
+            directory = Path(experiment.config["save_dir"]) / name.replace("/", "_")  # as the workers
+            try:
+                make_experiment_directory(directory)
+            except OSError as error:
+                raise DsgdError(f"save_dir: cannot make {directory}: "
+                                f"{error.strerror or error}") from None
 
 
 class _Running:

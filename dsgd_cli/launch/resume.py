@@ -68,12 +68,14 @@ def locate(recorded: str | None, option: str | Path | None) -> str | None:
         return None
     roots = [Path(option)] if option else [Path(recorded)] + (
         [Path(os.environ[checkpoint.ENV_ROOT])] if os.environ.get(checkpoint.ENV_ROOT) else [])
+    # Made absolute, never resolved: a link there is refused (`check_directory`), not
+    # followed to wherever it points, which would be recorded and later deleted.
     for root in roots:
-        root = root.expanduser().resolve()
+        root = Path(os.path.abspath(root.expanduser()))
         for directory in (root, root / Path(recorded).name):
             if checkpoint.steps(directory):
                 return str(directory)
-    return str(Path(option).expanduser().resolve()) if option else recorded
+    return os.path.abspath(Path(option).expanduser()) if option else recorded
 
 
 def reopen(store: Store, experiment: Experiment) -> None:

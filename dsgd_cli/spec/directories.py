@@ -1,7 +1,8 @@
 """Checks that a directory dsgd's workers will write to can be written to, made before
 anything launches: a checkpoint directory or a `save_dir` that is a file, lies under a file,
 or cannot be created is a one-line error instead of a failed run; and whether an existing
-directory can be trusted (`distrust`): a real directory of this user's."""
+directory can be trusted (`distrust`): a real directory of this user's; and whether a
+directory that holds trusted ones lets other users swap them (`shared_problem`)."""
 
 from __future__ import annotations
 
@@ -50,25 +51,19 @@ def name_or_file_in_the_way(directory: Path) -> str | None:
 
 def problem_creating(directory: Path) -> str | None:
     """Why files cannot be written in `directory` (None: they can), found by trying: making
-    it (with its parents) and a temporary file in it. What the trial made is removed again
-    (the workers make the directory when they write)."""
+    it (with its parents) and a temporary file in it. What the trial made is kept: removed,
+    its name would be free for another user to make it theirs before the workers write."""
     in_the_way = name_or_file_in_the_way(directory)
     if in_the_way:
         return in_the_way
-    missing = [path for path in (directory, *directory.parents) if not path.exists()]
+    existed = directory.exists()
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as error:
-        made = not missing or directory.exists()
+        made = existed or directory.exists()
         return f"cannot {'write in' if made else 'create'} it: {error.strerror or error}"
-    finally:
-        for path in missing:  # deepest first; only what is still empty
-            try:
-                path.rmdir()
-            except OSError:
-                break
     return None
 
 
@@ -102,6 +97,30 @@ def distrust(path: Path, private: bool = False) -> str | None:
     return None
 
 
+def shared_problem(path: Path) -> str | None:
+    """Why the directory `path`, which holds directories dsgd trusts (the checkpoint root,
+    `save_dir`), would let another user rename or swap what is in it (None: it would not):
+    owned by a user other than you or root, or writable by others without the sticky bit
+    (a sticky directory such as /tmp lets only an entry's owner rename it). A link is
+    followed: the entries live in the directory it points to."""
+    info = os.stat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a directory"
+    if info.st_uid not in (os.getuid(), 0):
+        return f"is owned by {_user(info.st_uid)}, not by you or root"
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        return (f"is writable by other users without the sticky bit (mode "
+                f"{stat.S_IMODE(info.st_mode):o}), so they could swap what is in it")
+    return None
+
+
+def refuse_shared(path: Path, what: str) -> None:
+    """Raise UntrustedDirectory, naming `what` it is, when `shared_problem` finds a reason."""
+    problem = shared_problem(path)
+    if problem is not None:
+        raise UntrustedDirectory(f"{what} {path} {problem}: refused")
+
+
 def _user(uid: int) -> str:
     try:
         return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
@@ -118,3 +137,16 @@ def refuse_untrusted(path: Path, what: str, private: bool = False) -> None:
     problem = distrust(path, private)
     if problem is not None:
         raise UntrustedDirectory(f"{what} {path} {problem}: refused")
+
+
+def make_experiment_directory(directory: Path) -> None:
+    """Make `directory`, an experiment's directory under `save_dir` (its parent), or take
+    the one already there; refused (UntrustedDirectory) when `save_dir` lets other users
+    swap what is in it, or the experiment's directory is a link or another user's."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    refuse_shared(directory.parent, "save_dir")
+    try:
+        os.mkdir(directory)
+    except FileExistsError:
+        pass  # an earlier run's, or planted: `refuse_untrusted` tells
+    refuse_untrusted(directory, "save_dir: the experiment's directory")

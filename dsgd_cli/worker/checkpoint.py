@@ -14,9 +14,12 @@ complete and sound.
 
 What is loaded can be trusted no further than the directory it is in (README, "Security"):
 the first worker to save makes the run's directory itself, mode 0700, and one that another
-user made, or that others may write to, is refused, on saving and on loading. Entries named
-like a step that are not real folders (symbolic links, files) are never read, followed or
-deleted. Files are loaded with torch's `weights_only`, which builds tensors and plain data
+user made, or that others may write to, is refused, on saving and on loading; so is a run
+directory in a root where another user could swap it for theirs (a root of another user's,
+or writable by others without the sticky bit). The run's directory is then opened once,
+without following a link, and checked again as opened; every file is made, read, renamed
+and deleted relative to it. Entries named like a step that are not real folders (symbolic
+links, files) are never read, followed or deleted. Files are loaded with torch's `weights_only`, which builds tensors and plain data
 only and never runs code, so a checkpoint holds nothing else (`storable`).
 
 Each rank deletes its own files of steps older than the two latest complete ones up to the
@@ -26,6 +29,7 @@ asynchronous workers drift many checkpoints apart, and one to fall back to once 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -37,12 +41,14 @@ import uuid
 from collections import OrderedDict
 from pathlib import Path
 
-from dsgd_cli.spec.directories import distrust, problem_creating
+from dsgd_cli.spec.directories import distrust, problem_creating, shared_problem
 from dsgd_cli.errors import DsgdError
 
 ENV_ROOT = "DSGD_CHECKPOINTS"
 KEEP_COMPLETE = 2  # complete steps each rank keeps: the latest, and one to fall back to
-_STEP = re.compile(r"^step-(\d+)$")
+_STEP = re.compile(r"step-([0-9]+)")  # fullmatch: "\d" and "$" let more through
+# The files a rank writes in a step folder, and their temporary names: what deleting removes.
+_RANK_FILE = re.compile(r"\.?rank-[0-9]+\.pt(\.sum)?(\.[0-9]+\.tmp)?")
 
 
 class CheckpointRefused(DsgdError):
@@ -73,6 +79,9 @@ def usable_root(option: str | Path | None, db_url: str) -> Path:
     problem = problem_creating(root)
     if problem is not None:
         raise DsgdError(f"{source} {root}: {problem}")
+    problem = shared_problem(root)
+    if problem is not None:
+        raise DsgdError(f"{source} {root} {problem}: refused")
     return root
 
 
@@ -92,7 +101,12 @@ def rank_file(directory: str | Path, step: int, rank: int) -> Path:
 
 
 def check_directory(directory: str | Path) -> None:
-    """Refuse (CheckpointRefused) a run directory this user did not make for itself."""
+    """Refuse (CheckpointRefused) a run directory this user did not make for itself, or in
+    a root where another user could swap it for theirs (`shared_problem`)."""
+    root = Path(directory).parent
+    problem = shared_problem(root)
+    if problem is not None:
+        raise CheckpointRefused(f"checkpoint root {root} {problem}: refused")
     problem = distrust(Path(directory), private=True)
     if problem is not None:
         raise CheckpointRefused(f"checkpoint directory {directory} {problem}: refused")
@@ -105,7 +119,7 @@ def _step_entries(directory: str | Path) -> list[tuple[int, Path, os.stat_result
     except OSError:
         return []
     entries = []
-    for match in filter(None, map(_STEP.match, names)):
+    for match in filter(None, map(_STEP.fullmatch, names)):
         path = Path(directory) / match.group(0)
         try:
             entries.append((int(match.group(1)), path, os.lstat(path)))
@@ -180,19 +194,19 @@ def damage(path: Path) -> str | None:
             size, digest = _size_and_digest(file)
     except OSError as error:
         return f"{path} cannot be read ({error.strerror or error})"
-    return _differs_from_sum(path, size, digest)
+    return _differs_from_sum(path, size, digest, lambda: _read(sum_file(path)).decode())
 
 
-def _differs_from_sum(path: Path, size: int, digest: str) -> str | None:
-    """What is wrong with `path`, whose content has `size` and `digest`, by its sum file; a
-    missing sum is damage too: nothing says the file is what dsgd wrote."""
+def _differs_from_sum(path: Path, size: int, digest: str, read_sum) -> str | None:
+    """What is wrong with `path`, whose content has `size` and `digest`, by its sum file (its
+    text, from `read_sum()`); a missing sum is damage too: nothing says the file is what
+    dsgd wrote."""
     try:
-        with open(sum_file(path), opener=_no_follow) as file:
-            recorded_size, recorded_digest = file.read().split()
+        recorded_size, recorded_digest = read_sum().split()
         recorded = int(recorded_size)
     except FileNotFoundError:
         return f"{path} has no recorded checksum ({sum_file(path).name} is missing)"
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError
         return f"{sum_file(path)} cannot be read ({getattr(error, 'strerror', None) or error})"
     if size != recorded:
         return f"{path} is damaged ({size} bytes, {recorded} when written)"
@@ -204,6 +218,37 @@ def _differs_from_sum(path: Path, size: int, digest: str) -> str | None:
 def _no_follow(path, flags: int) -> int:
     """An `open` opener that refuses a symbolic link in place of the file."""
     return os.open(path, flags | os.O_NOFOLLOW)
+
+
+def _read(name: str | Path, folder: int | None = None) -> bytes:
+    """The content of the file `name` (relative to the open directory `folder`, when given),
+    never through a symbolic link."""
+    with os.fdopen(os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder), "rb") as file:
+        return file.read()
+
+
+def _open_folder(name: str | Path, parent: int | None = None) -> int:
+    """The directory `name` (relative to the open directory `parent`, when given), opened
+    without following a link: what is then done relative to it is done in that directory,
+    whatever is renamed or swapped in its place since."""
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+
+
+def _open_run_directory(directory: str | Path) -> int:
+    """The run's directory, checked (`check_directory`) and opened once; checked again as
+    opened (its owner and mode), so that a directory swapped in between is refused."""
+    check_directory(directory)
+    try:
+        run = _open_folder(directory)
+    except OSError as error:
+        raise CheckpointRefused(f"checkpoint directory {directory} cannot be opened "
+                                f"({error.strerror or error}): refused") from None
+    info = os.fstat(run)
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        os.close(run)
+        raise CheckpointRefused(f"checkpoint directory {directory} changed since it was "
+                                "checked: refused")
+    return run
 
 
 def _size_and_digest(file) -> tuple[int, str]:
@@ -221,17 +266,26 @@ def save(directory: str | Path, step: int, rank: int, state: dict, workers: int)
     state = storable(state, "state")
     _make_run_directory(directory)
     target = rank_file(directory, step, rank)
-    _make_step_directory(target.parent)
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    with _create(temporary, "wb") as file:
-        torch.save(state, file)
-        file.flush()
-        os.fsync(file.fileno())
-    with open(temporary, "rb") as file:
-        size, digest = _size_and_digest(file)
-    _write_atomically(sum_file(target), f"{size} {digest}\n")
-    os.replace(temporary, target)  # after its sum: a file in place always has one
-    _prune(directory, rank, workers, written=step)
+    temporary = f".{target.name}.{os.getpid()}.tmp"
+    run = _open_run_directory(directory)
+    try:
+        folder = _make_step_directory(run, target.parent)
+        try:
+            with _create(folder, temporary, "wb") as file:
+                torch.save(state, file)
+                file.flush()
+                os.fsync(file.fileno())
+            with os.fdopen(os.open(temporary, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder),
+                           "rb") as file:
+                size, digest = _size_and_digest(file)
+            _write_atomically(folder, sum_file(target).name, f"{size} {digest}\n")
+            # After its sum: a file in place always has one.
+            os.replace(temporary, target.name, src_dir_fd=folder, dst_dir_fd=folder)
+        finally:
+            os.close(folder)
+        _prune(run, directory, rank, workers, written=step)
+    finally:
+        os.close(run)
 
 
 def _make_run_directory(directory: str | Path) -> None:
@@ -245,33 +299,41 @@ def _make_run_directory(directory: str | Path) -> None:
     check_directory(directory)
 
 
-def _make_step_directory(path: Path) -> None:
+def _make_step_directory(run: int, path: Path) -> int:
+    """The step folder `path` in the open run directory `run`, made unless a rank made it,
+    opened; an entry there that is not a real folder is refused."""
     try:
-        os.mkdir(path, 0o700)
+        os.mkdir(path.name, 0o700, dir_fd=run)
     except FileExistsError:
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            raise CheckpointRefused(f"{path} is {_kind(os.lstat(path))}, not a checkpoint "
-                                    f"folder: refused") from None
-
-
-def _create(path: Path, mode: str):
-    """A new file at `path` (a stale one of a killed writer is replaced), never through a
-    symbolic link."""
+        pass
     try:
-        os.unlink(path)
+        return _open_folder(path.name, run)
+    except OSError:
+        info = os.stat(path.name, dir_fd=run, follow_symlinks=False)
+        if stat.S_ISDIR(info.st_mode):
+            raise
+        raise CheckpointRefused(f"{path} is {_kind(info)}, not a checkpoint folder: "
+                                "refused") from None
+
+
+def _create(folder: int, name: str, mode: str):
+    """A new file `name` in the open directory `folder` (a stale one of a killed writer is
+    replaced), never through a symbolic link."""
+    try:
+        os.unlink(name, dir_fd=folder)
     except FileNotFoundError:
         pass
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600),
-                     mode)
+    return os.fdopen(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                             dir_fd=folder), mode)
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with _create(temporary, "w") as file:
+def _write_atomically(folder: int, name: str, text: str) -> None:
+    temporary = f".{name}.{os.getpid()}.tmp"
+    with _create(folder, temporary, "w") as file:
         file.write(text)
         file.flush()
         os.fsync(file.fileno())
-    os.replace(temporary, path)
+    os.replace(temporary, name, src_dir_fd=folder, dst_dir_fd=folder)
 
 
 def load(directory: str | Path, step: int, rank: int) -> dict:
@@ -280,19 +342,33 @@ def load(directory: str | Path, step: int, rank: int) -> dict:
     plain data only (torch's `weights_only`), so that a planted file runs no code."""
     import torch
 
-    check_directory(directory)
     path = rank_file(directory, step, rank)
-    with open(path, "rb", opener=_no_follow) as file:
-        content = file.read()
-    problem = _differs_from_sum(path, len(content), hashlib.sha256(content).hexdigest())
+    run = _open_run_directory(directory)
+    try:
+        folder = _open_folder(path.parent.name, run)
+    finally:
+        os.close(run)
+    try:
+        content = _read(path.name, folder)
+        problem = _differs_from_sum(path, len(content), hashlib.sha256(content).hexdigest(),
+                                    lambda: _read(sum_file(path).name, folder).decode())
+    finally:
+        os.close(folder)
     if problem is not None:
         raise CheckpointRefused(problem)
     try:
-        return torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         raise CheckpointRefused(f"{path} holds more than tensors and plain data "
                                 f"({_why_unpickling_failed(error)}): refused, as loading it "
                                 "could run code") from None
+    except Exception as error:  # a truncated or foreign file, whatever torch says of it
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise CheckpointRefused(f"{path} is damaged: it cannot be loaded ({first_line})") from None
+    if not isinstance(state, dict):
+        raise CheckpointRefused(f"{path} is damaged: it holds a {type(state).__name__}, not "
+                                "a worker's state")
+    return state
 
 
 def _why_unpickling_failed(error: Exception) -> str:
@@ -349,15 +425,26 @@ def remove_later(directory: str | Path, step: int) -> None:
     """Remove the steps after `step`: a resumed run goes on from `step`, and what it writes
     must not mix with files that an earlier attempt wrote for a later step. (The steps
     before go only once the resumed run has written a newer complete one: `_prune`.)"""
-    for later in steps(directory):
-        if later > step:
-            _remove_tree(step_directory(directory, later))
+    later_steps = [later for later in steps(directory) if later > step]
+    if not later_steps:
+        return
+    run = _open_run_directory(directory)
+    try:
+        for later in later_steps:
+            try:
+                _remove_tree(step_directory(directory, later).name, parent=run)
+            except OSError as error:
+                raise CheckpointRefused(f"cannot remove the later checkpoint "
+                                        f"{step_directory(directory, later)}: "
+                                        f"{error.strerror or error}") from None
+    finally:
+        os.close(run)
 
 
-def _prune(directory: str | Path, rank: int, workers: int, written: int) -> None:
+def _prune(run: int, directory: str | Path, rank: int, workers: int, written: int) -> None:
     """Delete this rank's files of the steps older than the two latest complete ones, among
     the steps up to `written` (the step this rank just wrote): a later step is none of this
-    run's doing."""
+    run's doing. `run`: the run's directory, open; what is deleted is deleted in it."""
     kept = [step for step in complete_steps(directory, workers) if step <= written][-KEEP_COMPLETE:]
     if len(kept) < KEEP_COMPLETE:
         return
@@ -365,34 +452,81 @@ def _prune(directory: str | Path, rank: int, workers: int, written: int) -> None
         if old >= kept[0]:
             break
         mine = rank_file(directory, old, rank)
-        for path in (mine, sum_file(mine)):
-            try:
-                path.unlink()  # never follows a link: it would remove the link
-            except FileNotFoundError:
-                pass
         try:
-            mine.parent.rmdir()  # the last rank out removes the folder
+            folder = _open_folder(mine.parent.name, run)
+        except OSError:
+            continue  # gone since listed, or swapped for a link: not ours
+        try:
+            for name in (mine.name, sum_file(mine).name):
+                try:
+                    os.unlink(name, dir_fd=folder)  # never follows a link: removes the link
+                except FileNotFoundError:
+                    pass
+        finally:
+            os.close(folder)
+        try:
+            os.rmdir(mine.parent.name, dir_fd=run)  # the last rank out removes the folder
         except OSError:
             pass
 
 
-def _remove_tree(path: Path) -> None:
-    """Remove the step folder `path` and the files in it, never following a link: `path` is
-    opened as a directory that must not be one, and its entries unlinked relative to it."""
+def _remove_tree(path: Path, parent: int | None = None) -> None:
+    """Remove the step folder `path` and the rank files in it, never following a link: `path`
+    (relative to the open directory `parent`, when given) is opened as a directory that must
+    not be a link, and its entries unlinked relative to it. An OSError other than a missing
+    or not-real folder is raised."""
     try:
-        folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return  # gone, or not a real folder (a link, a file): not ours to remove
+        folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+    except (FileNotFoundError, NotADirectoryError):
+        return  # gone, or not a real folder (a file)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return  # a link: not ours to remove
+        raise
     try:
         for name in os.listdir(folder):
-            if not stat.S_ISDIR(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
+            if _RANK_FILE.fullmatch(name) and not stat.S_ISDIR(
+                    os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
                 os.unlink(name, dir_fd=folder)
     finally:
         os.close(folder)
     try:
-        path.rmdir()
+        os.rmdir(path, dir_fd=parent)
     except OSError:
         pass  # something left in it that dsgd did not write
+
+
+def remove_run(directory: str | Path) -> str | None:
+    """Delete a run's checkpoint directory, as recorded in the database: its step folders'
+    rank files, then the folders and the directory if nothing else is left. Never follows a
+    link and never deletes anything else; a directory that is not this user's own is left.
+    Returns why something was left (None: all gone, or there was nothing)."""
+    try:
+        run = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        try:
+            info = os.lstat(directory)
+        except OSError:
+            return f"left {directory}: {error.strerror or error}"
+        if stat.S_ISDIR(info.st_mode):
+            return f"left {directory}: {error.strerror or error}"
+        return f"left {directory}: it is {_kind(info)}, not a checkpoint directory"
+    try:
+        if os.fstat(run).st_uid != os.getuid():
+            return f"left {directory}: it is not your own"
+        for name in filter(_STEP.fullmatch, os.listdir(run)):
+            _remove_tree(name, parent=run)
+    except OSError as error:
+        return f"left part of {directory}: {error.strerror or error}"
+    finally:
+        os.close(run)
+    try:
+        os.rmdir(directory)
+    except OSError as error:
+        return f"left {directory}: {error.strerror or error}"
+    return None
 
 
 def rng_state(device) -> dict:

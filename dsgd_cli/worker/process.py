@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from dsgd_cli.comm.communicator import DEFAULT_TIMEOUT_S
 from dsgd_cli.spec.compute_model import time_scale
-from dsgd_cli.spec.directories import refuse_untrusted
+from dsgd_cli.spec.directories import UntrustedDirectory, make_experiment_directory
 from dsgd_cli.comm.events import EventWriter, events_path, experiment_dir, launcher_gone, stop_path
 from dsgd_cli.worker.training import Diverged, Stopped, StopRequest, Totals, TrainingLoop
 from dsgd_cli.worker.parts import Worker, build_worker
@@ -145,24 +145,40 @@ def save_model(worker: Worker, directory: Path) -> None:
 def write_model(state: dict, directory: Path, rank: int) -> Path:
     """Write `state` to `DIRECTORY/rank{RANK}.pt` through a new temporary file in the same
     directory, renamed over it: the final path is never opened, so a link planted there is
-    replaced, not written through. A directory that is a link, or another user's, is refused
-    (UntrustedDirectory)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    refuse_untrusted(directory, "save_dir: the experiment's directory")
+    replaced, not written through. A `save_dir` (its parent) where other users could swap
+    the directory, and a directory that is a link or another user's, are refused
+    (UntrustedDirectory). The directory is opened once, and the files made and renamed
+    relative to it: what was checked is where the model goes, whatever is renamed since."""
+    make_experiment_directory(directory)
     target = directory / f"rank{rank}.pt"
-    temporary = directory / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    # O_EXCL: a new file, never one (or a link) already there; 0o666 less the umask, as
-    # any file the user writes.
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    temporary = f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        with os.fdopen(descriptor, "wb") as file:
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+        folder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as error:  # swapped for a link since it was checked, or gone
+        raise UntrustedDirectory(f"save_dir: the experiment's directory {directory} cannot be "
+                                 f"opened ({error.strerror or error}): refused") from None
+    try:
+        if os.fstat(folder).st_uid != os.getuid():  # swapped since it was checked
+            raise UntrustedDirectory(f"save_dir: the experiment's directory {directory} is "
+                                     "not your own: refused")
+        # O_EXCL: a new file, never one (or a link) already there; 0o666 less the umask, as
+        # any file the user writes.
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                             0o666, dir_fd=folder)
+        try:
+            with os.fdopen(descriptor, "wb") as file:
+                torch.save(state, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, target.name, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            try:
+                os.unlink(temporary, dir_fd=folder)
+            except FileNotFoundError:
+                pass
+            raise
+    finally:
+        os.close(folder)
     return target
 
 
