@@ -58,15 +58,10 @@ class Adam(OptimizerPlugin):
 
 
 @dataclass
-class AdamWOptions:
-    lr: float = option(0.001, min=0.0, help="learning rate")
-    beta1: float = option(0.9, min=0.0, max=1.0, help="first-moment decay, below 1")
-    beta2: float = option(0.999, min=0.0, max=1.0, help="second-moment decay, below 1")
-    eps: float = option(1e-8, min=0.0, help="denominator term")
-    weight_decay: float = option(0.01, min=0.0, help="decoupled weight decay: x ← x − lr·wd·x")
+class AdamWOptions(AdamOptions):
+    """Adam's options; weight decay is decoupled, and on by default as in torch."""
 
-    def __post_init__(self):
-        _check_below_one(beta1=self.beta1, beta2=self.beta2)
+    weight_decay: float = option(0.01, min=0.0, help="decoupled weight decay: x ← x − lr·wd·x")
 
 
 class AdamW(OptimizerPlugin):
