@@ -8,7 +8,9 @@ Plugins never call torch.distributed themselves (README, "Writing a plugin"). Ea
 * counts the seconds the caller is blocked (a synchronous call's duration, or the time spent
   in `Handle.wait()` for a non-blocking one),
 * applies the spec's network emulation: an operation never completes sooner than
-  `messages * latency + bytes_sent / bandwidth` after it was issued.
+  `messages * latency + bytes_sent / bandwidth` after it was issued, or, on a cluster of
+  nodes and regions (cluster.py), than the messages it sends take on the links they cross;
+  there it also splits the bytes sent by the link level they crossed.
 
 Counters are per process and safe to update from background threads (asynchronous gossip).
 """
@@ -25,8 +27,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from dsgd_cli.comm.cluster import LEVELS, Cluster
+
 
 DEFAULT_TIMEOUT_S = 600.0  # the spec's `timeout` when it has none
+# What an operation costs on a cluster: its real seconds, and its bytes sent per link level.
+Cost = tuple[float, dict[str, int]]
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,8 @@ class Traffic:
     bytes_received: int = 0
     seconds: float = 0.0
     calls: int = 0
+    # On a cluster: bytes_sent split by the link level they crossed (cluster.LEVELS).
+    sent_by_level: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +209,11 @@ class Handle:
         self._tracked = comm._tracking() and comm._counting_seconds()
         self._blocking = blocking  # the caller has been blocked since the operation was issued
 
+    @property
+    def emulated_seconds(self) -> float:
+        """The real seconds the network emulation makes this operation last at least."""
+        return self._emulated_s
+
     def is_completed(self) -> bool:
         if self._done:
             return True
@@ -241,13 +254,15 @@ class Comm:
 
     def __init__(self, rank: int, world_size: int, network: NetworkModel | None = None,
                  device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 namespace: str = ""):
+                 namespace: str = "", cluster: Cluster | None = None):
         self.rank = rank
         # Experiments that share a launch keep their counters apart (see `counter`).
         self.namespace = namespace
         self._groups: list[Any] = []  # process groups made by new_group, for close()
         self.world_size = world_size
         self.network = network or NetworkModel()
+        # Nodes, regions and their links, in real time: replaces `network` when set.
+        self.cluster = cluster
         # Process groups give up on an operation after this long (gloo enforces it).
         self.timeout_s = timeout_s
         # Tensors for the world group and for groups of its backend live here: with NCCL the
@@ -255,7 +270,7 @@ class Comm:
         self.device = torch.device(device)
         self.world = Group(tuple(range(world_size)), None,
                            dist.get_backend() if dist.is_initialized() else "gloo")
-        self._traffic = Traffic()
+        self._traffic = self._new_traffic()
         self._lock = threading.Lock()
         self._local = threading.local()
         self._collectives = CollectiveCounts(rank, namespace)
@@ -270,8 +285,11 @@ class Comm:
     def take_traffic(self) -> Traffic:
         """Return the counters accumulated so far and start new ones."""
         with self._lock:
-            traffic, self._traffic = self._traffic, Traffic()
+            traffic, self._traffic = self._traffic, self._new_traffic()
         return traffic
+
+    def _new_traffic(self) -> Traffic:
+        return Traffic(sent_by_level=None if self.cluster is None else dict.fromkeys(LEVELS, 0))
 
     @contextmanager
     def _local_flag(self, name: str, value: bool):
@@ -310,8 +328,12 @@ class Comm:
             if self._tracking() and self._counting_seconds():
                 self._add(seconds=time.perf_counter() - started)
 
-    def _add(self, *, sent: int = 0, received: int = 0, seconds: float = 0.0, calls: int = 0):
+    def _add(self, *, sent: int = 0, received: int = 0, seconds: float = 0.0, calls: int = 0,
+             levels: dict[str, int] | None = None):
         with self._lock:
+            if levels:
+                for level, nbytes in levels.items():
+                    self._traffic.sent_by_level[level] += nbytes
             self._traffic.bytes_sent += sent
             self._traffic.bytes_received += received
             self._traffic.seconds += seconds
@@ -320,17 +342,26 @@ class Comm:
     def _issue(self, start: Callable[[], Any], *, sent: int, received: int, messages: int,
                async_op: bool, operation: str, result: Any = None,
                on_complete: Callable[[], Any] | None = None,
-               collective: Group | None = None) -> Any:
+               collective: Group | None = None,
+               on_cluster: Callable[[Cluster], Cost] | None = None) -> Any:
         """Run one operation: count it, emulate the network, block unless `async_op`.
-        `collective`: the group of a collective (every member must enter it), counted."""
+        `collective`: the group of a collective (every member must enter it), counted.
+        `on_cluster`: what the operation costs on the cluster, when there is one (an
+        operation that sends nothing costs nothing)."""
         entered = None
         name = self._group_name(collective) if collective is not None else None
         if name is not None:
             entered = self._collectives.enter(name, collective.ranks)
         tracked = self._tracking()
-        emulated_s = self.network.duration(sent, messages) if tracked else 0.0
+        emulated_s, levels = 0.0, None
+        if tracked and self.cluster is not None:
+            if on_cluster is not None:
+                emulated_s, levels = on_cluster(self.cluster)
+            assert sum((levels or {}).values()) == sent, operation  # the ledger adds up
+        elif tracked:
+            emulated_s = self.network.duration(sent, messages)
         if tracked:
-            self._add(sent=sent, received=received, calls=1)
+            self._add(sent=sent, received=received, calls=1, levels=levels)
         issued_at = time.perf_counter()
         try:
             work = start()
@@ -388,11 +419,32 @@ class Comm:
     def _size(self, group: Group | None) -> int:
         return self.world_size if group is None else group.size
 
+    def _ring_cost(self, group: Group | None, sent: int,
+                   seconds: Callable[[Cluster, tuple[int, ...]], float]) -> Callable[[Cluster], Cost]:
+        """A ring collective's cost: `seconds(cluster, ranks)`, and everything this worker
+        sends goes to its successor in the ring, over the link between them."""
+        ranks = (group or self.world).ranks
+
+        def cost(cluster: Cluster) -> Cost:
+            successor = ranks[(ranks.index(self.rank) + 1) % len(ranks)]
+            return seconds(cluster, ranks), {cluster.level(self.rank, successor): sent}
+        return cost
+
+    def _message_cost(self, destination: int, *sizes: int) -> Callable[[Cluster], Cost]:
+        """Point-to-point messages of `sizes` bytes to `destination`, one after the other."""
+        def cost(cluster: Cluster) -> Cost:
+            seconds = sum(cluster.p2p_seconds(self.rank, destination, size) for size in sizes)
+            return seconds, {cluster.level(self.rank, destination): sum(sizes)}
+        return cost
+
     # -- collectives ------------------------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Group | None = None,
-                   async_op: bool = False):
-        """Reduce `tensor` in place over the group. `op`: sum, avg, max, min."""
+                   async_op: bool = False, concurrent: int = 1):
+        """Reduce `tensor` in place over the group. `op`: sum, avg, max, min.
+        `concurrent`: on a cluster, how many all-reduces of this shape run at once on other
+        ranks of the same nodes (a hierarchical all-reduce's slices): they share each node's
+        link."""
         self._check(tensor, group, "all_reduce")
         reduce_ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
                       "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -409,7 +461,30 @@ class Comm:
             lambda: dist.all_reduce(tensor, reduce_ops[op], group=self._pg(group), async_op=True),
             sent=traffic, received=traffic, messages=2 * (n - 1), async_op=async_op,
             operation=f"all_reduce over {self._members(group)}", result=tensor,
-            on_complete=finish, collective=group or self.world)
+            on_complete=finish, collective=group or self.world,
+            on_cluster=self._ring_cost(group, traffic, lambda cluster, ranks: (
+                cluster.ring_all_reduce_seconds(ranks, _nbytes(tensor), concurrent))))
+
+    def reduce_scatter(self, tensor: torch.Tensor, group: Group | None = None,
+                       async_op: bool = False):
+        """Sum `tensor` over the group and give member i (in group order) its i-th of n equal
+        chunks; `tensor.numel()` must be a multiple of the group's size. A ring: each member
+        sends (n-1)/n of the tensor."""
+        self._check(tensor, group, "reduce_scatter")
+        n = self._size(group)
+        if tensor.numel() % n:
+            raise ValueError(f"reduce_scatter: {tensor.numel()} elements do not split into "
+                             f"{n} equal chunks")
+        output = torch.empty(tensor.numel() // n, dtype=tensor.dtype, device=tensor.device)
+        traffic = (n - 1) * _nbytes(tensor) // n
+        return self._issue(
+            lambda: dist.reduce_scatter_tensor(output, tensor, group=self._pg(group),
+                                               async_op=True),
+            sent=traffic, received=traffic, messages=n - 1, async_op=async_op,
+            operation=f"reduce_scatter over {self._members(group)}", result=output,
+            collective=group or self.world,
+            on_cluster=self._ring_cost(group, traffic, lambda cluster, ranks: (
+                cluster.ring_reduce_scatter_seconds(ranks, _nbytes(tensor)))))
 
     def all_gather(self, tensor: torch.Tensor, group: Group | None = None,
                    async_op: bool = False):
@@ -422,7 +497,9 @@ class Comm:
             lambda: dist.all_gather(outputs, tensor, group=self._pg(group), async_op=True),
             sent=traffic, received=traffic, messages=n - 1, async_op=async_op,
             operation=f"all_gather over {self._members(group)}", result=outputs,
-            collective=group or self.world)
+            collective=group or self.world,
+            on_cluster=self._ring_cost(group, traffic, lambda cluster, ranks: (
+                cluster.ring_all_gather_seconds(ranks, _nbytes(tensor)))))
 
     def all_gather_uneven(self, tensor: torch.Tensor, group: Group | None = None) -> list[torch.Tensor]:
         """All-gather of 1-D tensors whose lengths differ between members (lengths go first)."""
@@ -440,12 +517,19 @@ class Comm:
         n = self._size(group)
         size = _nbytes(tensor)
         is_root = self.rank == src
+        ranks = (group or self.world).ranks
+
+        def on_cluster(cluster: Cluster) -> Cost:
+            if not is_root:
+                return 0.0, {}
+            return (cluster.broadcast_seconds(src, ranks, size),
+                    cluster.bytes_by_level([(src, rank, size) for rank in ranks if rank != src]))
         return self._issue(
             lambda: dist.broadcast(tensor, src, group=self._pg(group), async_op=True),
             sent=(n - 1) * size if is_root else 0, received=0 if is_root else size,
             messages=n - 1 if is_root else 0, async_op=async_op,
             operation=f"broadcast from rank {src} over {self._members(group)}", result=tensor,
-            collective=group or self.world)
+            collective=group or self.world, on_cluster=on_cluster)
 
     def barrier(self, group: Group | None = None) -> None:
         self._issue(lambda: dist.barrier(group=self._pg(group), async_op=True),
@@ -485,8 +569,12 @@ class Comm:
         (rank 0's coordinator beside its training loop): counts the bytes sent and received
         and blocks for the emulated transfer time, so that the local rank is not favoured."""
         size = _nbytes(tensor)
+        # On a cluster: as from the worker farthest from this one (the highest level).
+        farthest = max(range(self.world_size), key=lambda rank: (
+            LEVELS.index(self.cluster.level(self.rank, rank)), rank)) if self.cluster else 0
         self._issue(lambda: None, sent=size, received=size, messages=1, async_op=False,
-                    operation="send within this process")
+                    operation="send within this process",
+                    on_cluster=self._message_cost(farthest, size))
 
     def recv(self, tensor: torch.Tensor, src: int | None = None,
              group: Group | None = None) -> torch.Tensor:
@@ -498,7 +586,8 @@ class Comm:
         self._check(tensor, group, "isend")
         return self._issue(lambda: dist.isend(tensor, dst, group=self._pg(group)),
                            sent=_nbytes(tensor), received=0, messages=1, async_op=True,
-                           operation=f"send to rank {dst}", result=tensor)
+                           operation=f"send to rank {dst}", result=tensor,
+                           on_cluster=self._message_cost(dst, _nbytes(tensor)))
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, group: Group | None = None,
               length: Callable[[torch.Tensor], int] | None = None) -> Handle:
@@ -543,12 +632,14 @@ class Comm:
         if uniform:
             return self._issue(lambda: dist.isend(body, dst, group=pg), sent=_nbytes(body),
                                received=0, messages=1, async_op=True,
-                               operation=f"send to rank {dst}", result=list(tensors))
+                               operation=f"send to rank {dst}", result=list(tensors),
+                               on_cluster=self._message_cost(dst, _nbytes(body)))
         lengths = torch.tensor([b.numel() for b in as_bytes], dtype=torch.int64, device=device)
         return self._issue(lambda: [dist.isend(lengths, dst, group=pg),
                                     dist.isend(body, dst, group=pg)],
                            sent=_nbytes(lengths) + _nbytes(body), received=0, messages=2,
-                           async_op=True, operation=f"send to rank {dst}", result=list(tensors))
+                           async_op=True, operation=f"send to rank {dst}", result=list(tensors),
+                           on_cluster=self._message_cost(dst, _nbytes(lengths), _nbytes(body)))
 
     def irecv_tensors(self, like: Sequence[torch.Tensor], src: int, group: Group | None = None,
                       uniform: bool = True) -> Handle:

@@ -8,8 +8,9 @@ The spec's `compute` section:
       variation: {distribution: lognormal, sigma: 0.3}  # optional per-step random factor
       time_scale: 4                                     # real seconds per modeled second
 
-A step's modeled compute is `step_seconds × straggler factor × variation draw`; the draw comes
-from (seed, rank, step), so the same seed gives the same timeline. The worker pads its real
+A step's modeled compute is `step_seconds × straggler factor × variation draw ÷ speed`; the draw
+comes from (seed, rank, step), so the same seed gives the same timeline, and `speed` is the
+relative speed of the worker's node (`cluster.speed`, 1 without it). The worker pads its real
 forward and backward to `time_scale` times that (it sleeps the rest), and the network
 emulation stretches every link's time by the same `time_scale`, so the real timeline is the
 modeled one, `time_scale` times slower. Every time dsgd records is then real time divided by
@@ -165,8 +166,10 @@ class PaddedCompute:
     by it (`blocked` reads the Comm's blocked seconds of this step).
     """
 
-    def __init__(self, compute: dict, seed: int, rank: int, blocked: Callable[[], float]):
+    def __init__(self, compute: dict, seed: int, rank: int, blocked: Callable[[], float],
+                 speed: float = 1.0):
         self.step_seconds = compute["step_seconds"]
+        self.speed = speed  # the node's relative compute speed: 0.5 takes twice as long
         self.variation = compute["variation"]
         self.scale = compute["time_scale"]
         self.seed, self.rank = seed, rank
@@ -179,7 +182,7 @@ class PaddedCompute:
     def modeled_seconds(self, step: int, slowdown: float = 1.0) -> float:
         """The modeled compute of `step`."""
         return (self.step_seconds * slowdown
-                * variation_factor(self.variation, self.seed, self.rank, step))
+                * variation_factor(self.variation, self.seed, self.rank, step) / self.speed)
 
     def start(self, step: int, slowdown: float = 1.0) -> None:
         self._budget = self.scale * self.modeled_seconds(step, slowdown)

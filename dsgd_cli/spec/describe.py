@@ -23,7 +23,9 @@ class Describer:
     def lines(self, config: dict[str, Any]) -> list[str]:
         return [f"length: {self.length(config)}",
                 f"compute: {compute(config.get('compute'))}",
-                f"network: {network(config.get('network'))}",
+                f"network: {network(config.get('network'))}"
+                if config.get("cluster") is None else
+                f"cluster: {cluster(config['cluster'], config['workers'])}",
                 f"stragglers: {stragglers(config.get('stragglers'))}"]
 
     def length(self, config: dict[str, Any]) -> str:
@@ -83,6 +85,18 @@ def network(section: dict[str, Any] | None) -> str:
     bandwidth = ("unlimited bandwidth" if per_second is None else
                  f"{_si(per_second, 'B/s')} = {_si(per_second * 8, 'bit/s')}")
     return f"{bandwidth}, latency {_seconds(section['latency_s'])}"
+
+
+def cluster(section: dict[str, Any], workers: int) -> str:
+    """`4 nodes × 2 workers in regions 2, 2; intra_node …; NIC shared`."""
+    text = f"{section['nodes']} nodes × {workers // section['nodes']} workers"
+    if section["regions"]:
+        text += f" in regions of {', '.join(map(str, section['regions']))} nodes"
+    links = "; ".join(f"{level} {network(link)}" for level, link in section["links"].items())
+    text += f"; {links}; NIC {section['nic']}"
+    if section["speed"]:
+        text += f"; node speeds {', '.join(f'{speed:g}' for speed in section['speed'])}"
+    return text
 
 
 def stragglers(section: dict[str, Any] | None) -> str:

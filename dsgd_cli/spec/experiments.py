@@ -17,8 +17,9 @@ from typing import Any
 
 from dsgd_cli.spec import registry, specfile
 from dsgd_cli.comm.communicator import NetworkModel
+from dsgd_cli.spec.cluster_spec import check_cluster_fits, parse_cluster, slowest_speed
 from dsgd_cli.spec.compute_model import parse_compute
-from dsgd_cli.spec.directories import problem_without_creating
+from dsgd_cli.spec.directories import problem_without_creating, shared_problem
 from dsgd_cli.errors import PluginError, SpecError
 from dsgd_cli.spec.learning_rate import SCALINGS, total_steps
 from dsgd_cli.spec.nodes import NodePlan, check_split
@@ -65,15 +66,17 @@ class Experiment:
 
 
 def load_spec(path: str | Path, *, only: list[str] | None = None,
-              workers: int | None = None, launch: dict[str, Any] | None = None) -> list[Experiment]:
+              workers: int | None = None, launch: dict[str, Any] | None = None,
+              overrides: list[tuple[str, Any]] = ()) -> list[Experiment]:
     """Read, expand and validate the spec at `path`; `only` selects experiments by name;
-    `workers` and `launch` (the keys of its `launch:` section) are the command line's."""
+    `workers`, `launch` (the keys of its `launch:` section) and `overrides` (`--set`) are the
+    command line's."""
     file = str(path)
     try:
         text, document = specfile.read_document(Path(path))
         try:
             experiments = resolve_document(document, workers_override=workers,
-                                           launch_override=launch)
+                                           launch_override=launch, overrides=overrides)
         except RecursionError:  # a YAML alias inside itself (`&a [*a]`), or absurd nesting
             raise SpecError("nested too deeply, or a YAML alias contains itself") from None
         for experiment in experiments:
@@ -86,11 +89,12 @@ def load_spec(path: str | Path, *, only: list[str] | None = None,
 
 
 def resolve_document(document: Any, workers_override: int | None = None,
-                     launch_override: dict[str, Any] | None = None) -> list[Experiment]:
+                     launch_override: dict[str, Any] | None = None,
+                     overrides: list[tuple[str, Any]] = ()) -> list[Experiment]:
     defaults, entries, nodes = specfile.sections(document, launch_override)
     experiments: list[Experiment] = []
     cache = _Cache()  # grid points share most sections: each distinct one is checked once
-    for point in specfile.points(defaults, entries, workers_override):
+    for point in specfile.points(defaults, entries, workers_override, overrides):
         config = validate_experiment(point.raw, point.path, point.name, cache)
         if nodes is not None:
             check_split(nodes, config["workers"], point.path)
@@ -133,6 +137,8 @@ def validate_experiment(raw: dict, path: str, name: str,
     config["network"] = parse_network(raw["network"], f"{path}.network")
     config["stragglers"] = parse_stragglers(raw["stragglers"], f"{path}.stragglers", config["workers"])
     config["compute"] = parse_compute(raw["compute"], f"{path}.compute")
+    config["cluster"] = parse_cluster(raw["cluster"], f"{path}.cluster", config["workers"])
+    check_cluster_fits(config, path)
     check_step_fits_timeout(config, path)
     config["budget"] = parse_budget(raw["budget"], f"{path}.budget")
     config["checkpoint_every"] = None
@@ -194,11 +200,13 @@ def _check_schedule(config: dict[str, Any], examples: int | None, path: str,
     by_seconds = budget is not None and budget["seconds"] is not None
     if examples is None and not by_seconds:
         return
-    per_epoch = 1  # under a seconds budget without a known size, only cosine's need is checked
+    # Under a seconds budget without a known size, only cosine's need is checked.
+    shard_size, per_epoch = 1, 1
     if examples is not None:
         shard = Shard(examples, 0, config["workers"], config["seed"])
+        shard_size = shard.size
         per_epoch = steps_per_epoch(shard, config["batch_size"], config["steps_per_epoch"])
-    total = total_steps(config, per_epoch)
+    total = total_steps(config, shard_size, per_epoch)
     if key is not None and (key, total, per_epoch) in cache.schedules:
         return
     cls = registry.load("lr_schedule", config["lr_schedule"]["name"])
@@ -223,6 +231,9 @@ def _directory(value: Any, path: str) -> str | None:
     except (OSError, ValueError) as error:  # ValueError: a NUL character in the path
         raise SpecError(f"expected a directory path, got {show(value)} ({error})", path=path) from None
     problem = problem_without_creating(directory)
+    if problem is None and directory.is_dir():
+        problem = shared_problem(directory)  # others could swap an experiment's directory
+        problem = problem and f"it {problem}"
     if problem is not None:
         raise SpecError(f"cannot save models in {directory}: {problem}", path=path)
     return str(directory)
@@ -257,6 +268,9 @@ def _plugin_section(kind: str, raw: Any, path: str) -> dict[str, Any]:
         raise SpecError(str(error), path=f"{path}.name") from None
     options = parse_options(cls.Options, {k: v for k, v in raw.items() if k != "name"}, path)
     return {"name": name, **options_to_dict(options)}
+
+
+plugin_section = _plugin_section  # what an option declared with `option(plugin=kind)` goes through
 
 
 # Built-in graphs that do not depend on the seed: checking one for a world size holds for
@@ -560,7 +574,7 @@ def check_step_fits_timeout(config: dict[str, Any], path: str) -> None:
     compute = config["compute"]
     if compute is None:
         return
-    real = compute["step_seconds"] * compute["time_scale"]
+    real = compute["step_seconds"] * compute["time_scale"] / slowest_speed(config)
     stragglers = config["stragglers"]
     if stragglers is not None:
         real *= stragglers["slowdown"] if stragglers["ranks"] else 1.0

@@ -38,6 +38,7 @@ EXPERIMENT_DEFAULTS: dict[str, Any] = {
     "log_interval": 10,        # steps between logged training metrics
     "target_accuracy": None,   # records time_to_accuracy when reached
     "network": None,
+    "cluster": None,           # nodes, regions and a link per level: a hierarchical network
     "stragglers": None,
     "compute": None,           # modeled step time and time scale: an emulated cluster
     "budget": None,            # {samples: N} or {seconds: T}: train until spent, not for epochs
@@ -123,6 +124,7 @@ def _read_text(path: Path) -> str:
                         f"(offset {error.start}); save the spec as UTF-8") from None
 
 
+MAX_NAME_BYTES = 255  # the longest file name most filesystems take: a name is a directory
 _LINE_BREAKS = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
 
 
@@ -228,10 +230,11 @@ def expand_grid(experiment: dict, path: str) -> list[tuple[str, dict]]:
     name = experiment.get("name")
     if not isinstance(name, str) or not name:
         raise SpecError("expected a non-empty string", path=f"{path}.name")
-    if name in (".", "..") or "/" in name or "\\" in name:
+    if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
         # It names the run's directory under `save_dir`: it must stay one directory there.
-        raise SpecError(f"expected a name without '/' or '\\', other than '.' and '..', got "
-                        f"{name!r}", path=f"{path}.name")
+        raise SpecError(f"expected a name without '/', '\\' or a NUL character, other than "
+                        f"'.' and '..', got {name!r}", path=f"{path}.name")
+    _check_name_length(name, f"{path}.name")
     grid = experiment.pop("grid", None)
     if grid is None:
         return [(name, experiment)]
@@ -249,8 +252,19 @@ def expand_grid(experiment: dict, path: str) -> list[tuple[str, dict]]:
         for key, value in zip(grid, combination):
             _set_dotted(point, str(key), value, f"{path}.grid.{key}")
             labels.append(f"{key}={value}")
-        points.append((f"{name}[{','.join(labels)}]", point))
+        point_name = f"{name}[{','.join(labels)}]"
+        if point.get("save_dir"):  # the point's name is then a directory's
+            _check_name_length(point_name.replace("/", "_"), f"{path}.grid")
+        points.append((point_name, point))
     return points
+
+
+def _check_name_length(name: str, path: str) -> None:
+    """Refuse a name longer than a file name may be: it names a directory under `save_dir`."""
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if size > MAX_NAME_BYTES:
+        raise SpecError(f"expected a name of at most {MAX_NAME_BYTES} bytes (UTF-8), the "
+                        f"longest file name, got {name[:40]!r}... of {size} bytes", path=path)
 
 
 def _set_dotted(mapping: dict, dotted: str, value: Any, path: str, what: str = "grid key") -> None:

@@ -23,6 +23,10 @@ class IntervalMetrics:
         self.comm_seconds = 0.0
         self.bytes_sent = 0
         self.bytes_received = 0
+        # On a cluster: bytes sent per link level, and the most one step sent per second on
+        # each (a modeled rate), over the interval.
+        self.sent_by_level: dict[str, int] = {}
+        self.peak_rate_by_level: dict[str, float] = {}
         self.custom: dict[str, list[float]] = {}
 
     def log(self, name: str, value: float) -> None:
@@ -36,12 +40,21 @@ class IntervalMetrics:
         self.comm_seconds += traffic.seconds
         self.bytes_sent += traffic.bytes_sent
         self.bytes_received += traffic.bytes_received
+        self._add_levels(traffic)
+        for level, sent in (traffic.sent_by_level or {}).items():
+            rate = sent / step_seconds if step_seconds > 0 else 0.0
+            self.peak_rate_by_level[level] = max(self.peak_rate_by_level.get(level, 0.0), rate)
 
     def add_bytes(self, traffic: Traffic) -> None:
         """Count bytes sent and received after the interval's last step, in that step (the
         aggregator's finish(), its background threads)."""
         self.bytes_sent += traffic.bytes_sent
         self.bytes_received += traffic.bytes_received
+        self._add_levels(traffic)
+
+    def _add_levels(self, traffic: Traffic) -> None:
+        for level, sent in (traffic.sent_by_level or {}).items():
+            self.sent_by_level[level] = self.sent_by_level.get(level, 0) + sent
 
     def flush(self, events: EventWriter, step: int, epoch: int, lr: float) -> None:
         """Write the interval's per-step means at `step` (`lr` as it is now) and start a new
@@ -58,6 +71,10 @@ class IntervalMetrics:
             "bytes_sent": self.bytes_sent / n,
             "bytes_received": self.bytes_received / n,
         }
+        per_step.update({f"bytes_sent_{level}": sent / n
+                         for level, sent in self.sent_by_level.items()})
+        per_step.update({f"peak_rate_{level}": rate
+                         for level, rate in self.peak_rate_by_level.items()})
         per_step.update({name: sum(v) / len(v) for name, v in self.custom.items()})
         for name, value in per_step.items():
             events.metric(name, value, step=step, epoch=epoch)
@@ -65,7 +82,9 @@ class IntervalMetrics:
 
     def state(self) -> dict:
         """The sums so far, for a checkpoint inside the interval."""
-        return {**vars(self), "custom": {k: list(v) for k, v in self.custom.items()}}
+        return {**vars(self), "custom": {k: list(v) for k, v in self.custom.items()},
+                "sent_by_level": dict(self.sent_by_level),
+                "peak_rate_by_level": dict(self.peak_rate_by_level)}
 
     def restore(self, state: dict) -> None:
         vars(self).update(state)

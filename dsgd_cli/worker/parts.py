@@ -16,6 +16,7 @@ from dsgd_cli.comm.events import EventWriter
 from dsgd_cli.worker.interval_metrics import IntervalMetrics
 from dsgd_cli.spec.learning_rate import DEFAULT_SCHEDULE, LearningRate, total_steps
 from dsgd_cli.worker.schedule import StopRule, Straggling, run_length
+from dsgd_cli.spec.cluster_spec import cluster_model, node_speed
 from dsgd_cli.spec.experiments import build_plugin, network_model
 from dsgd_cli.spec.sharding import Shard, steps_per_epoch
 from dsgd_cli.worker.data import load_data
@@ -76,8 +77,10 @@ def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
     warm_up(task, model, config["optimizer"], train_x[:config["batch_size"]],
             train_y[:config["batch_size"]])
     network = real_network(network_model(config), time_scale(config))  # links in real time
+    cluster = cluster_model(config)
     comm = Comm(rank, world_size, network, device,
-                timeout_s=config.get("timeout", DEFAULT_TIMEOUT_S), namespace=namespace)
+                timeout_s=config.get("timeout", DEFAULT_TIMEOUT_S), namespace=namespace,
+                cluster=cluster.scaled(time_scale(config)) if cluster is not None else None)
     interval = IntervalMetrics()
     shard = Shard(len(train_y), rank, world_size, seed, config.get("data_split", "random"),
                   data.train_y)
@@ -106,7 +109,8 @@ def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
     straggling = Straggling(config.get("stragglers"), rank, seed)
     padding = None
     if config.get("compute") is not None:
-        padding = PaddedCompute(config["compute"], seed, rank, comm.blocked_seconds)
+        padding = PaddedCompute(config["compute"], seed, rank, comm.blocked_seconds,
+                                speed=node_speed(config, rank))
     if resumed is not None:
         checkpoint.set_rng_state(resumed["rng"], device)
     return Worker(

@@ -10,6 +10,14 @@ as PowerSGD need the tensor's shape), and all payloads travel together in one co
 for PowerSGD and dqsgd). Error feedback applies when the spec asks for it or the compressor
 requires it.
 
+`hierarchical: true` averages each bucket in three collectives over the nodes of the spec's
+`cluster` (as NCCL and Horovod do on clusters of multi-GPU nodes): a reduce-scatter inside
+each node, an all-reduce of each slice across nodes among the members holding that slice, and
+an all-gather inside the node. Only the across-node all-reduce crosses a node's link, with
+1/w of the bucket per member (w workers per node): 2(N-1)/N of a model leaves each node per
+step (N nodes) where a flat ring sends 2(p-1)/p. The sum is the flat one, added in another
+order. Without a cluster every worker counts as one node's: it is the flat all-reduce.
+
 `momentum_before_compression` moves momentum in front of the compressor (Zheng et al., 2019):
 each worker keeps m <- beta m + g and compresses m, and the optimizer, without momentum of its
 own, applies the average. Sign compressors with error feedback need it: behind the compressor,
@@ -18,6 +26,7 @@ momentum re-applies the delayed residuals for many steps and training stalls.
 
 from __future__ import annotations
 
+import math
 import time
 
 from dataclasses import dataclass
@@ -36,6 +45,14 @@ class AllReduceOptions(AggregatorOptions):
         0.0, min=0.0, max=0.999,
         help="momentum kept on each worker and compressed instead of the gradient (use an "
              "optimizer without momentum)")
+    hierarchical: bool = option(
+        False, help="reduce-scatter inside each node of the cluster, all-reduce the slices "
+                    "across nodes, all-gather inside the node; after backward, no overlap")
+
+    def __post_init__(self):
+        if self.hierarchical and self.momentum_before_compression > 0:
+            raise ValueError("hierarchical: true averages gradients uncompressed; it does not "
+                             "take momentum_before_compression")
 
 
 class _Bucket:
@@ -67,9 +84,51 @@ def _bucket_params(params: list[torch.nn.Parameter], limit_bytes: float) -> list
     return groups + [current] if current else groups
 
 
+class _Hierarchy:
+    """The groups of a hierarchical all-reduce: this worker's node, and the members of every
+    node with its own place in its node (they hold the same slice). Every rank makes every
+    group, in the same order."""
+
+    def __init__(self, comm):
+        n = comm.world_size
+        cluster = comm.cluster
+        self.comm = comm
+        self.per_node = per_node = cluster.workers_per_node if cluster is not None else n
+        nodes = n // per_node
+        node_groups = [comm.new_group(range(k * per_node, (k + 1) * per_node))
+                       for k in range(nodes)] if per_node > 1 else []
+        slice_groups = [comm.new_group(range(i, n, per_node))
+                        for i in range(per_node)] if nodes > 1 else []
+        self.node = node_groups[comm.rank // per_node] if node_groups else None
+        self.across = slice_groups[comm.rank % per_node] if slice_groups else None
+
+    def all_reduce(self, buffer: torch.Tensor) -> None:
+        """Sum `buffer` over every worker, in place."""
+        comm, per_node = self.comm, self.per_node
+        if self.node is None:  # one worker per node: the flat ring across nodes
+            comm.all_reduce(buffer, "sum", group=self.across)
+            return
+        # Pad to a multiple of the node's size: member i of each node holds slice i.
+        length = math.ceil(buffer.numel() / per_node) * per_node
+        padded = torch.zeros(length, dtype=buffer.dtype, device=buffer.device)
+        padded[:buffer.numel()] = buffer
+        part = comm.reduce_scatter(padded, group=self.node)
+        if self.across is not None:
+            # The node's members send their slices across at once: they share its link.
+            comm.all_reduce(part, "sum", group=self.across, concurrent=per_node)
+        gathered = comm.all_gather(part, group=self.node)
+        buffer.copy_(torch.cat(gathered)[:buffer.numel()])
+
+
 class AllReduce(Aggregator):
     Options = AllReduceOptions
     supports_compression = True
+
+    @classmethod
+    def check_compressor(cls, options, compressor):
+        if options.hierarchical and not compressor.identity:
+            raise ValueError("hierarchical: true averages gradients uncompressed; remove the "
+                             "compressor")
 
     def setup(self, ctx):
         super().setup(ctx)
@@ -84,6 +143,7 @@ class AllReduce(Aggregator):
         if self.compressed:
             self.keys = [f"param{index}" for index in range(len(self.params))]
             return
+        self.hierarchy = _Hierarchy(ctx.comm) if self.options.hierarchical else None
         # Backward produces gradients roughly from the last layer to the first.
         ordered = list(reversed(self.params))
         self.buckets = [_Bucket(i, group) for i, group in
@@ -91,8 +151,9 @@ class AllReduce(Aggregator):
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.next_to_launch = 0
         # With one bucket there is nothing to overlap: it can only go once backward is done.
-        # Skipping the per-parameter Python hooks then saves their cost on every step.
-        if self.options.overlap and len(self.buckets) > 1:
+        # Skipping the per-parameter Python hooks then saves their cost on every step. The
+        # hierarchical all-reduce is three collectives in a row: it goes after backward.
+        if self.options.overlap and len(self.buckets) > 1 and self.hierarchy is None:
             for p in ordered:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -117,8 +178,12 @@ class AllReduce(Aggregator):
                 view.zero_()
             else:  # divide on the way in: the sum that comes back is the average
                 torch.div(p.grad.reshape(-1), n, out=view)
-        bucket.handle = self.ctx.comm.all_reduce(bucket.buffer, "sum", async_op=True)
         self.next_to_launch += 1
+        if self.hierarchy is not None:
+            self.hierarchy.all_reduce(bucket.buffer)
+            bucket.handle = None
+            return
+        bucket.handle = self.ctx.comm.all_reduce(bucket.buffer, "sum", async_op=True)
 
     def before_forward(self, step):
         if not self.compressed:
@@ -133,7 +198,8 @@ class AllReduce(Aggregator):
         while self.next_to_launch < len(self.buckets):  # no overlap, or unused parameters
             self._launch(self.buckets[self.next_to_launch])
         for bucket in self.buckets:
-            bucket.handle.wait()
+            if bucket.handle is not None:
+                bucket.handle.wait()
             # The averaged gradients stay in the bucket; .grad becomes a view of it (the
             # runtime's zero_grad(set_to_none=True) detaches it again before the next step).
             for p, view in zip(bucket.params, bucket.views):
