@@ -260,6 +260,7 @@ def test_torch_save_on_a_full_tmpfs_is_recognised(tiny_tmpfs):
     assert out_of_space(raised.value, tiny_tmpfs)
 
 
+@pytest.mark.slow  # a real full tmpfs under a launch; the translation is tested in process
 def test_a_full_launch_directory_is_named(tiny_tmpfs, tmp_path):
     """$TMPDIR fills up while the workers write their events: the run says so, with the
     launch directory, instead of "torchrun exited with code 1: (no output)"."""
@@ -277,6 +278,7 @@ def test_a_full_launch_directory_is_named(tiny_tmpfs, tmp_path):
     assert f"(in $TMPDIR, {tiny_tmpfs})" in run.reason
 
 
+@pytest.mark.slow  # a real full tmpfs under a run; the translation is tested in process
 def test_a_full_checkpoint_directory_is_named(tiny_tmpfs, tmp_path):
     spec = write_spec(tmp_path, """
         experiments:

@@ -301,6 +301,9 @@ def _final(run, metric: str) -> float:
     return value
 
 
+# Slow (40 s): the 8-worker launch. The default suite checks the same arithmetic on 4 nodes ×
+# 2 workers in tests/test_cluster.py (ring all-reduce, stragglers under backup, speeds).
+@pytest.mark.slow
 def test_cluster_arithmetic_at_8_workers(cluster):
     runs, store = cluster
     for run in runs.values():  # the real work fit: the times below are the model's

@@ -210,7 +210,7 @@ def _write(spec: Path, document) -> Path | None:
     return spec
 
 
-@settings(max_examples=500, deadline=None, derandomize=True, database=None,
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
           suppress_health_check=QUIET)
 @given(document=documents())
 def test_random_documents_load_or_fail_in_one_line(tmp_path_factory, document):
@@ -262,7 +262,7 @@ def _mutate(document, data, rng: random.Random) -> object:
 EXAMPLE_DOCUMENTS = {spec.name: yaml.safe_load(spec.read_text()) for spec in EXAMPLES}
 
 
-@settings(max_examples=750, deadline=None, derandomize=True, database=None,
+@settings(max_examples=400, deadline=None, derandomize=True, database=None,
           suppress_health_check=QUIET)
 @given(name=st.sampled_from(sorted(EXAMPLE_DOCUMENTS)), data=st.data())
 def test_mutated_examples_load_or_fail_in_one_line(tmp_path_factory, name, data):
