@@ -307,15 +307,15 @@ def test_every_format_has_the_same_rows(scaling_db, monkeypatch):
     rows = list(csv.DictReader(io.StringIO(result.stdout)))
     assert list(rows[0]) == ["aggregator", "compressor", "workers", "seconds_per_step",
                              "steps_to_target", "time_to_target", "time_low", "time_high",
-                             "extrapolated", "rank", "best", "fit_error", "warning",
-                             "advice"]
+                             "extrapolated", "rank", "best", "fit_error", "clock",
+                             "warning", "advice"]
     assert len(rows) == len(as_json)
     assert float(rows[0]["time_to_target"]) == pytest.approx(as_json[0]["time_to_target"])
     monkeypatch.setenv("COLUMNS", "300")  # room for every column
     table = dsgd_in_process("advise", "--db", str(scaling_db), "--target", TARGET)
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
-    assert lines[0] == "every row: compressor none"  # what all rows share, said once
+    assert lines[0] == "every row: compressor none, clock measured"  # what all rows share
     assert lines[1].split()[:2] == ["aggregator", "workers"]
     assert "run at n = 2 and 8" in lines[-1] and lines[-1].startswith("sgp")
     assert any(line.split()[1] == "16" and " yes " in line for line in lines[2:])

@@ -513,7 +513,8 @@ def parse_workers(text: str) -> list[int]:
 
 
 ROW_COLUMNS = ["workers", "seconds_per_step", "steps_to_target", "time_to_target", "time_low",
-               "time_high", "extrapolated", "rank", "best", "fit_error", "warning", "advice"]
+               "time_high", "extrapolated", "rank", "best", "fit_error", "clock", "warning",
+               "advice"]
 
 
 def advice_rows(groups: list[GroupAdvice], keys: list[str]) -> list[dict[str, Any]]:
@@ -576,4 +577,10 @@ def advise(store: Results, runs: list[RunRecord], target: Target, keys: list[str
     counts = workers or default_workers(run.workers for run in runs)
     advice = [advise_group(label, [observations[run.id] for run in members], counts, target)
               for label, members in groups.items()]
-    return advice_rows(advice, keys)
+    rows = advice_rows(advice, keys)
+    # Which clock a group's seconds are on: modeled (an emulated cluster) or measured.
+    clocks = {label: ",".join(sorted({run.clock for run in members}))
+              for label, members in groups.items()}
+    for row in rows:
+        row["clock"] = clocks[tuple(row[key] for key in keys)]
+    return rows
