@@ -467,8 +467,10 @@ def test_wagma_fast_workers_do_not_wait_for_the_straggler(spawned):
     # straggler's peers went on with its latest model, which it reports as stale. One round
     # per iteration: the straggler's rounds after its last step are in no step of its own.
     assert max(straggler["metrics"]["staleness"]) >= 1
+    # A fast worker drawn into round t + 1 by a faster peer before it reaches t + 1 counts two
+    # rounds in one step and none in the next: one round per iteration over the run.
     for r in fast:
-        assert r["metrics"]["rounds"] == [1.0] * 40
+        assert len(r["metrics"]["rounds"]) == 40 and sum(r["metrics"]["rounds"]) == 40
     assert sum(straggler["metrics"]["rounds"]) == 10
     # Staleness is bounded by the global average every tau = 5 rounds.
     for r in runs:
