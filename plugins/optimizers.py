@@ -153,15 +153,14 @@ class LARSOptimizer(torch.optim.Optimizer):
 
 
 @dataclass
-class LAMBOptions:
-    lr: float = option(0.001, min=0.0, help="learning rate")
-    beta1: float = option(0.9, min=0.0, max=1.0, help="first-moment decay, below 1")
-    beta2: float = option(0.999, min=0.0, max=1.0, help="second-moment decay, below 1")
+class LAMBOptions(AdamOptions):
+    """Adam's options, with the paper's eps (which must be positive) and decoupled decay."""
+
     eps: float = option(1e-6, min=0.0, help="denominator term > 0 (the paper's 1e-6)")
     weight_decay: float = option(0.01, min=0.0, help="decoupled weight decay λ, inside the trust ratio")
 
     def __post_init__(self):
-        _check_below_one(beta1=self.beta1, beta2=self.beta2)
+        super().__post_init__()
         if self.eps <= 0:  # a zero gradient would give m̂ / √v̂ = 0 / 0
             raise ValueError(f"eps: expected a value > 0, got {self.eps!r}")
 
