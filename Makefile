@@ -19,7 +19,7 @@ endif
 TORCH_INDEX ?=
 TORCH_SOURCE := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 
-.PHONY: setup setup-test run test test-all bench clean
+.PHONY: setup setup-test run test test-all bench docs clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,11 @@ test-all: $(TEST_STAMP)
 
 bench: $(TEST_STAMP)
 	$(PY) benchmarks/overhead.py
+
+# docs/reference.md is generated from the plugins' option declarations (tests/test_docs.py
+# fails when it is stale).
+docs: $(STAMP)
+	$(VENV)/bin/dsgd plugins --markdown > docs/reference.md.tmp && mv docs/reference.md.tmp docs/reference.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

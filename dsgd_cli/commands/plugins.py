@@ -22,14 +22,26 @@ def plugins(
     check: Annotated[bool, typer.Option(
         "--check", help="Import every plugin and report whether it loads (imports torch: seconds)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
+    markdown: Annotated[bool, typer.Option(
+        "--markdown", help="Print the Markdown reference of the built-in plugins and the "
+                           "experiment keys (docs/reference.md); with NAME, that plugin's section")] = False,
 ) -> None:
     """List registered aggregators, compressors, optimizers and tasks from their
     distributions' metadata, without importing them; --check loads each one. With NAME, show
     that plugin: what it does and each option with its type, default, bounds and help."""
+    from dsgd_cli.commands import reference
     from dsgd_cli.spec import registry
 
+    if markdown and (check or as_json):
+        raise DsgdError("--markdown goes with neither --check nor --json")
+    if markdown and name is None:
+        typer.echo(reference.reference_markdown(), nl=False)
+        return
     if name is not None:
         entry = _find(registry, name)
+        if markdown:
+            typer.echo(reference.plugin_markdown(entry))
+            return
         described = describe(entry)
         if as_json:
             typer.echo(json.dumps(described, indent=2, default=str))
@@ -88,13 +100,25 @@ def option_rows(options_class: type) -> list[dict[str, Any]]:
             default = field.default_factory()
         else:
             default = "required"
-        low, high = field.metadata.get("min"), field.metadata.get("max")
-        bounds = ("" if low is None and high is None else
-                  f">= {low}" if high is None else f"<= {high}" if low is None else f"{low} to {high}")
-        rows.append({"option": field.name, "type": describe_type(hints.get(field.name, field.type)),
+        bounds = _bounds(field.metadata)
+        section_of = field.metadata.get("plugin")  # a nested plugin section (slowmo's `base`)
+        article = "an" if section_of and section_of[0] in "aeiou" else "a"
+        shown_type = (f"{article} {section_of} section" if section_of
+                      else describe_type(hints.get(field.name, field.type)))
+        rows.append({"option": field.name, "type": shown_type,
                      "default": default, "bounds": bounds,
                      "help": field.metadata.get("help", "")})
     return rows
+
+
+def _bounds(metadata) -> str:
+    """An option's bounds as declared: `>= 1`, `<= 0.999`, `0 to 1`, `> 0` (`more_than`)."""
+    low, high, above = metadata.get("min"), metadata.get("max"), metadata.get("more_than")
+    if above is not None:
+        return f"> {above}" + ("" if high is None else f" and <= {high}")
+    if low is None and high is None:
+        return ""
+    return f">= {low}" if high is None else f"<= {high}" if low is None else f"{low} to {high}"
 
 
 def _as_text(described: dict[str, Any]) -> str:

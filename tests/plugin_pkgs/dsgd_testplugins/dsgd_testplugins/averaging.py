@@ -1,6 +1,6 @@
 """A complete third-party aggregator: average the models every `every` steps.
 
-The same code is the worked example in dsgd's README.
+The same code is the worked example of dsgd's docs/writing-plugins.md (tests/test_docs.py checks it).
 """
 
 from dataclasses import dataclass
