@@ -409,3 +409,21 @@ def test_a_comparison_across_clocks_says_so(tmp_path):
     result = dsgd("compare", "--db", str(tmp_path / "r.db"))
     assert "note: 1 of these 2 runs have modeled times" in result.stderr
     assert compare(tmp_path / "r.db", "--where", "clock=modeled")[0]["experiment"] == "emulated"
+
+
+def test_the_table_dsgd_run_prints_is_compares_plain_table(db):
+    """`dsgd run` ends with `compare_rows`, from the results package (no command imports
+    another command's module for it): the rows of `compare -f json`, metrics added too."""
+    import ast
+    import inspect
+
+    from dsgd_cli.commands import run as run_command
+    from dsgd_cli.results.analysis import compare_rows
+    from dsgd_cli.results.reader import Results
+
+    imported = {node.module for node in ast.walk(ast.parse(inspect.getsource(run_command)))
+                if isinstance(node, ast.ImportFrom)}
+    assert "dsgd_cli.results.analysis" in imported and "dsgd_cli.commands.compare" not in imported
+    store = Results(str(db))
+    assert compare_rows(store, store.runs(details=False)) == compare(db)
+    assert compare_rows(store, store.runs(ids=[5]), ["lr"]) == compare(db, "--metric", "lr", "--last", "1")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_SPEC, dsgd, dsgd_in_process, write_spec
+from dsgd_cli.results.schema import SCHEMA_VERSION
 from test_store import fill
 
 
@@ -113,7 +114,7 @@ def test_a_database_lacking_a_table_is_refused_on_one_line(tmp_path, recorded, t
         connection.execute(f"DROP TABLE {table}")
     before = content(db)
     expected = (f"dsgd: error: results database sqlite:///{db} is damaged: it lacks the table "
-                f"'{table}' of schema version 3")
+                f"'{table}' of schema version {SCHEMA_VERSION}")
     for args in READERS + [["runs", "tag", "1", "x"], ["runs", "delete", "1"]]:
         args = [arg.replace("{dir}", str(tmp_path)) for arg in args]
         assert one_line_error(dsgd_in_process(*args, "--db", str(db))) == expected, args

@@ -39,6 +39,14 @@ def tables(path: Path) -> set[str]:
         return {name for (name,) in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
 
 
+def table_sql(path: Path, table: str) -> str:
+    """The table's CREATE TABLE as SQLite keeps it, blanks and quotes aside."""
+    with sqlite3.connect(path) as connection:
+        sql = connection.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?",
+                                 (table,)).fetchone()[0]
+    return " ".join(sql.replace('"', "").split())
+
+
 def test_the_fixture_is_schema_1():
     assert version(FIXTURE) == "1"
     assert tables(FIXTURE) == {"meta", "runs", "params", "plugin_versions", "metrics", "summaries"}
@@ -46,7 +54,7 @@ def test_the_fixture_is_schema_1():
 
 def test_a_writing_open_upgrades_in_place_keeping_everything(old_db):
     store = Store(str(old_db))
-    assert version(old_db) == str(SCHEMA_VERSION) == "3"
+    assert version(old_db) == str(SCHEMA_VERSION) == "4"
     assert {"tags", "checkpoints"} <= tables(old_db)
 
     runs = store.runs()
@@ -76,7 +84,7 @@ def test_a_writing_open_upgrades_in_place_keeping_everything(old_db):
     store.finish_run(new_run, "completed")
     assert new_run == 3
     Store(str(old_db))  # opening it again changes nothing more
-    assert version(old_db) == "3" and Store(str(old_db)).get_run(1).tag_names == ["baseline", "v1"]
+    assert version(old_db) == "4" and Store(str(old_db)).get_run(1).tag_names == ["baseline", "v1"]
     assert store.checkpoint_dir(1) is None and store.resumes(1) == []
 
 
@@ -96,6 +104,7 @@ def test_an_upgraded_database_has_the_schema_of_a_new_one(old_db, tmp_path):
 
     upgraded, new = schema(old_db), schema(tmp_path / "new.db")
     assert upgraded == new
+    assert table_sql(old_db, "runs") == table_sql(tmp_path / "new.db", "runs")  # AUTOINCREMENT too
     assert new["tags"][1:3] == (["run_id", "tag"], [(["run_id"], "runs", "CASCADE")])
     assert new["checkpoints"][1:3] == (["run_id"], [(["run_id"], "runs", "CASCADE")])
 
@@ -120,7 +129,7 @@ def test_a_reading_open_reads_an_old_database_as_it_is(old_db):
 def test_a_writing_command_upgrades_an_old_database(old_db):
     result = dsgd("runs", "tag", "2", "flaky", "--db", str(old_db))
     assert (result.returncode, result.stdout, result.stderr) == (0, "run 2: tags flaky\n", "")
-    assert version(old_db) == "3"
+    assert version(old_db) == "4"
 
 
 def test_a_failed_migration_leaves_the_database_as_it_was(old_db, monkeypatch):
@@ -135,18 +144,106 @@ def test_a_failed_migration_leaves_the_database_as_it_was(old_db, monkeypatch):
     assert version(old_db) == "1" and "tags" not in tables(old_db)  # one transaction: all or nothing
     monkeypatch.undo()
     assert Store(str(old_db)).runs()[0].experiment == "allreduce"
-    assert version(old_db) == "3"
+    assert version(old_db) == "4"
 
 
 def test_a_database_of_a_newer_schema_is_refused(old_db):
     with sqlite3.connect(old_db) as connection:
-        connection.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+        connection.execute("UPDATE meta SET value = '5' WHERE key = 'schema_version'")
     for opening in (Results, Store):
-        with pytest.raises(StoreError, match="has schema version 4, newer than this dsgd "
-                                             r"understands \(3\); upgrade dsgd"):
+        with pytest.raises(StoreError, match="has schema version 5, newer than this dsgd "
+                                             r"understands \(4\); upgrade dsgd"):
             opening(str(old_db))
-    assert version(old_db) == "4" and "tags" not in tables(old_db)  # not "upgraded" to 3
+    assert version(old_db) == "5" and "tags" not in tables(old_db)  # not "upgraded" to 4
 
 
 def test_every_version_step_has_a_migration():
     assert sorted(store_module.MIGRATIONS) == list(range(2, SCHEMA_VERSION + 1))
+
+
+# -- schema 3 to 4: run ids never given again ---------------------------------------------------
+
+SCHEMA_3 = Path(__file__).resolve().parent / "fixtures" / "schema3.sqlitedb"
+READING_COMMANDS = (["compare", "-f", "json"], ["compare"], ["compare", "--by", "aggregator"],
+                    ["compare", "--target", "train_loss=1.5", "-f", "json"], ["show", "1"],
+                    ["show", "3"], ["show", "4"], ["runs", "-f", "json"], ["export"],
+                    ["export", "-f", "json", "-c", "optimizer.lr"])
+
+
+@pytest.fixture
+def db_3(tmp_path) -> Path:
+    path = tmp_path / "three.db"
+    shutil.copyfile(SCHEMA_3, path)
+    return path
+
+
+def every_row(path: Path) -> dict[str, list[tuple]]:
+    """Every row of every dsgd table, in order of its columns' values."""
+    with sqlite3.connect(path) as connection:
+        return {table: sorted(connection.execute(f"SELECT * FROM {table}").fetchall(), key=repr)
+                for table in sorted(tables(path) - {"sqlite_sequence"})}
+
+
+def reading_commands(path: Path) -> list[tuple[int, str, str]]:
+    return [(result.returncode, result.stdout, result.stderr) for result in
+            (dsgd_in_process(*args, "--db", str(path)) for args in READING_COMMANDS)]
+
+
+def test_the_schema_3_fixture_has_reusable_ids():
+    """As dsgd wrote it before schema 4: runs 1, 3 and 4 (2 deleted), ids without AUTOINCREMENT."""
+    assert version(SCHEMA_3) == "3"
+    assert [row[0] for row in every_row(SCHEMA_3)["runs"]] == [1, 3, 4]
+    assert "AUTOINCREMENT" not in table_sql(SCHEMA_3, "runs")
+
+
+def test_a_schema_3_database_is_upgraded_keeping_every_row_and_reading_the_same(db_3):
+    rows, shown = every_row(db_3), reading_commands(db_3)
+    assert all(code == 0 and error == "" for code, _, error in shown)
+    Store(str(db_3))
+    assert version(db_3) == "4" and "AUTOINCREMENT" in table_sql(db_3, "runs")
+    rows_after = every_row(db_3)
+    assert rows_after.pop("meta") == [("schema_version", "4")]
+    rows.pop("meta")
+    assert rows_after == rows and len(rows["metrics"]) == 32 and len(rows["tags"]) == 3
+    assert reading_commands(db_3) == shown
+    with sqlite3.connect(db_3) as connection:
+        assert connection.execute("PRAGMA foreign_key_check").fetchall() == []
+        assert connection.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+
+
+def test_the_upgraded_runs_table_keeps_its_foreign_keys(db_3):
+    """The tables that refer to runs still do: deleting a run takes its tags and checkpoints
+    along (ON DELETE CASCADE), and no metric can be written for a run that is not there."""
+    store = Store(str(db_3))
+    store.delete_runs([3])
+    with sqlite3.connect(db_3) as connection:
+        for table in ("tags", "checkpoints", "metrics", "params"):
+            left = connection.execute(f"SELECT DISTINCT run_id FROM {table} ORDER BY 1").fetchall()
+            assert 3 not in {run_id for (run_id,) in left}, table
+    with pytest.raises(store_module.RunDeleted):
+        store.add_metrics(3, [store_module.MetricRow("train_loss", 1.0)])
+
+
+def test_after_the_upgrade_a_deleted_runs_id_is_not_given_again(db_3):
+    store = Store(str(db_3))
+    assert [run.id for run in store.runs()] == [1, 3, 4]
+    store.delete_runs([4], force=True)  # the newest, still running
+    assert store.create_run("next", store.get_run(1).config, None, []) == 5
+    with store.engine.connect() as connection:  # the migration's connection, back in the pool
+        assert connection.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+
+
+def test_a_failed_upgrade_to_schema_4_leaves_the_database_as_it_was(db_3, monkeypatch):
+    def half_done(connection):  # the table built anew, then something goes wrong
+        real(connection)
+        raise OperationalError("ALTER ...", {}, sqlite3.OperationalError("disk I/O error"))
+
+    before = every_row(db_3)
+    real = store_module.MIGRATIONS[4]
+    monkeypatch.setitem(store_module.MIGRATIONS, 4, half_done)
+    with pytest.raises(StoreError, match="cannot open results database .*disk I/O error"):
+        Store(str(db_3))
+    assert every_row(db_3) == before and "AUTOINCREMENT" not in table_sql(db_3, "runs")
+    monkeypatch.undo()
+    assert [run.id for run in Store(str(db_3)).runs()] == [1, 3, 4]
+    assert version(db_3) == "4"

@@ -4,6 +4,7 @@ import csv
 import io
 import json
 import multiprocessing
+import sqlite3
 import subprocess
 import sys
 
@@ -11,8 +12,10 @@ import pytest
 
 from conftest import dsgd, dsgd_in_process
 from dsgd_cli.errors import StoreError
-from dsgd_cli.results.reader import TABLE_COLUMNS, Results
-from dsgd_cli.results.store import Meta, MetricRow, Store
+from dsgd_cli.results import reader as reader_module
+from dsgd_cli.results.reader import Results, ResultsReader
+from dsgd_cli.results.schema import TABLE_COLUMNS
+from dsgd_cli.results.store import Meta, MetricRow, ResultsWriter, Store
 from sqlalchemy.orm import Session
 
 
@@ -252,11 +255,76 @@ def test_processes_creating_one_database_at_once(tmp_path):
         assert Results(url).runs() == []
 
 
-def test_the_readers_tables_are_the_models_tables():
+def model_columns() -> dict[str, tuple[str, ...]]:
     from dsgd_cli.results.store import Base
 
-    assert {table.name: tuple(column.name for column in table.columns)
-            for table in Base.metadata.sorted_tables} == TABLE_COLUMNS
+    return {table.name: tuple(column.name for column in table.columns)
+            for table in Base.metadata.sorted_tables}
+
+
+def test_the_schemas_names_are_the_models_tables():
+    assert model_columns() == TABLE_COLUMNS
+
+
+def test_every_table_and_column_the_reader_reads_is_the_models(tmp_path, monkeypatch):
+    """The reader's plain SQL against the models' tables: each question the reader answers is
+    asked of a database the models made, and SQLite's authorizer reports every (table, column)
+    each query reads. A column named differently in the two fails here."""
+    reads: set[tuple[str, str]] = set()
+
+    def authorize(action, table, column, _database, _trigger):
+        if action == sqlite3.SQLITE_READ and table != "sqlite_master":
+            reads.add((table, column))
+        return sqlite3.SQLITE_OK
+
+    def connect_watched(*args, **kwargs):
+        connection = real_connect(*args, **kwargs)
+        connection.set_authorizer(authorize)
+        return connection
+
+    store = fill(tmp_path / "r.db")
+    store.tag_run(1, ["paper"])
+    store.create_run("kept", config(), None, [], checkpoint_dir=str(tmp_path / "ckpt"))
+    real_connect = sqlite3.connect
+    monkeypatch.setattr(reader_module.sqlite3, "connect", connect_watched)
+    reader = Results(str(tmp_path / "r.db"))
+    questions = {
+        "runs": lambda: reader.runs(experiments=["base", "sweep"], last=2, ids=[1, 3]),
+        "get_run": lambda: reader.get_run(4),
+        "finals": lambda: reader.finals([1, 2]),
+        "checkpoint_dir": lambda: reader.checkpoint_dir(4),
+        "resumes": lambda: reader.resumes(4),
+        "metric_history": lambda: reader.metric_history(1, "train_loss"),
+        "step_curves": lambda: reader.step_curves([1, 2], "train_loss"),
+        "metric_names": lambda: reader.metric_names([1]),
+        "count_metrics": lambda: reader.count_metrics(1),
+    }
+    for answer in questions.values():
+        answer()
+    assert reader.get_run(1).tag_names == ["paper"] and reader.checkpoint_dir(4)  # rows were read
+    methods = {name for name, value in vars(ResultsReader).items()
+               if callable(value) and not name.startswith("_")} - {"connect"}
+    assert set(questions) == methods  # every question asked (a new one is added above)
+    models = model_columns()
+    assert {table for table, _ in reads} == set(models)
+    assert sorted(read for read in reads if read[1] not in models[read[0]]) == []
+
+
+def test_the_writer_reads_through_a_reader_of_its_own_engine(tmp_path):
+    store = fill(tmp_path / "r.db")
+    assert Store is ResultsWriter and not isinstance(store, ResultsReader)
+    assert isinstance(store.reader, ResultsReader) and store.reader.engine is store.engine
+    assert [run.id for run in store.runs()] == [run.id for run in store.reader.runs()] == [1, 2, 3]
+
+
+def test_a_deleted_runs_id_is_never_given_again(tmp_path):
+    """Not even the newest run's: SQLite without AUTOINCREMENT gave the next run its id."""
+    store = fill(tmp_path / "r.db")
+    store.delete_runs([3])
+    assert store.create_run("next", config(), None, []) == 4
+    store.delete_runs([2, 4], force=True)
+    assert Store(str(tmp_path / "r.db")).create_run("again", config(), None, []) == 5
+    assert [run.id for run in Results(str(tmp_path / "r.db")).runs()] == [1, 5]
 
 
 def test_sqlite_read_directly_gives_what_sqlalchemy_gives(tmp_path):

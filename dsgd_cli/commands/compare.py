@@ -3,31 +3,18 @@ grouped, set against a baseline, timed to a target and sorted."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from dsgd_cli.commands.common import ColumnsOption, DbOption, ExperimentOption, FormatOption, split_columns
 from dsgd_cli.commands.output import check_format, fitted, readable, render
 
-if TYPE_CHECKING:
-    from dsgd_cli.results.reader import Results, RunRecord
-
-DEFAULT_METRICS = ["test_accuracy", "test_loss", "train_loss", "wall_seconds",
-                   "samples_per_second", "total_bytes_sent"]
 RUN_COLUMNS = ["id", "experiment", "aggregator", "optimizer", "task", "workers", "clock", "status"]
 
 WhereOption = Annotated[Optional[list[str]], typer.Option(
     "--where", "-w", help="Only runs where KEY OP VALUE holds: a column (status, aggregator, "
     "workers, tag, ...) or a configuration key (optimizer.lr); OP is = != < <= > >= (repeatable)")]
-
-
-def compare_rows(store: Results, runs: list[RunRecord],
-                 extra_metrics: list[str] | None = None) -> list[dict]:
-    """The plain table: one row per run with the default metrics and `extra_metrics`."""
-    from dsgd_cli.results.analysis import run_rows
-
-    return run_rows(runs, store.finals([run.id for run in runs]), _metrics(extra_metrics), None)
 
 
 def compare(
@@ -51,8 +38,8 @@ def compare(
 ) -> None:
     """Tabulate past runs: configuration and final metrics, one row per run or per group."""
     from dsgd_cli.results.analysis import (BASELINE_COLUMNS, TARGET_COLUMNS, add_baseline,
-                                   baseline_values, group_rows, parse_target, run_rows,
-                                   sort_rows)
+                                           baseline_values, group_rows, metric_columns,
+                                           parse_target, run_rows, sort_rows)
     from dsgd_cli.results.query import (check_experiment_names, check_keys, clocks_note, parse_where,
                                         select_runs)
     from dsgd_cli.results.reader import Results
@@ -69,7 +56,7 @@ def compare(
         runs = runs[-last:]
     check_keys(keys, recorded, "--by")
 
-    metrics = _metrics(metric)
+    metrics = metric_columns(metric)
     reached = None
     if goal:
         from dsgd_cli.results.history import reach_times  # SQLAlchemy, for this query only
@@ -105,10 +92,6 @@ def compare(
     note = clocks_note(runs)
     if note:
         typer.echo(note, err=True)
-
-
-def _metrics(extra: list[str] | None) -> list[str]:
-    return DEFAULT_METRICS + [m for m in extra or [] if m not in DEFAULT_METRICS]
 
 
 def _with_spread(row: dict[str, Any], names: list[str], compared: list[str]) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from dsgd_cli.commands.common import DbOption, ExperimentOption
-from dsgd_cli.commands.compare import compare_rows
 from dsgd_cli.errors import DsgdError, RunFailed
 from dsgd_cli.commands.output import fitted
 
@@ -81,6 +80,7 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
 
     from dsgd_cli.worker import checkpoint
     from dsgd_cli.launch.launcher import Callbacks, plan_launches, run_all
+    from dsgd_cli.results.analysis import compare_rows
     from dsgd_cli.results.database import resolve_url
     from dsgd_cli.launch.resume import reopen, resumable
     from dsgd_cli.spec.experiments import load_spec

@@ -77,6 +77,24 @@ def run_rows(runs: list[RunRecord], finals: dict[int, dict[str, float]], metrics
     return rows
 
 
+# The metrics a comparison shows of every run, before any asked for (`compare --metric`).
+DEFAULT_METRICS = ["test_accuracy", "test_loss", "train_loss", "wall_seconds",
+                   "samples_per_second", "total_bytes_sent"]
+
+
+def metric_columns(extra: list[str] | None) -> list[str]:
+    """The default metrics, then those of `extra` not among them."""
+    return DEFAULT_METRICS + [m for m in extra or [] if m not in DEFAULT_METRICS]
+
+
+def compare_rows(store: Results, runs: list[RunRecord],
+                 extra_metrics: list[str] | None = None) -> list[dict[str, Any]]:
+    """The plain table of `dsgd compare`, which `dsgd run` prints when its runs end: one row
+    per run with the default metrics and `extra_metrics`."""
+    return run_rows(runs, store.finals([run.id for run in runs]), metric_columns(extra_metrics),
+                    None)
+
+
 def group_rows(runs: list[RunRecord], rows: list[dict[str, Any]], keys: list[str],
                values: list[str]) -> list[dict[str, Any]]:
     """One row per distinct combination of `keys`, in order of first appearance: the keys, the

@@ -14,11 +14,11 @@ from sqlalchemy import and_, case, func, select
 from sqlalchemy.orm import aliased
 
 from dsgd_cli.results.analysis import Reached, Target
-from dsgd_cli.results.reader import Record, Results, higher_is_better
+from dsgd_cli.results.reader import Record, ResultsReader, higher_is_better
 from dsgd_cli.results.store import Metric
 
 
-def reach_times(store: Results, run_ids: list[int], target: Target) -> dict[int, Reached]:
+def reach_times(store: ResultsReader, run_ids: list[int], target: Target) -> dict[int, Reached]:
     """For each run that reached `target` in its recorded history, when it did: the first
     point of its curve (`curve_points`) that reaches it, found by the database (one row per
     run comes back, not the history), with the `bytes_sent` records up to that step for its
@@ -95,7 +95,7 @@ def curve_points(run_ids: list[int], metric: str, x: str = "step"):
     return query.having(func.min(Metric.epoch).is_not(None)) if x == "epoch" else query
 
 
-def load_history(store: Results, run_ids: list[int],
+def load_history(store: ResultsReader, run_ids: list[int],
                  names: list[str]) -> dict[tuple[int, str], list[Record]]:
     """The records of metrics `names` of the runs, by (run id, name), in recording order."""
     by_run: dict[tuple[int, str], list[Record]] = defaultdict(list)

@@ -1,12 +1,13 @@
-"""Reading the results database: `Results` answers the commands that only read (runs, show,
-compare, plot, export) in plain SQL, without loading SQLAlchemy for an SQLite file.
+"""Reading the results database: `ResultsReader` answers the commands that only read (runs,
+show, compare, plot, export) in plain SQL, without loading SQLAlchemy for an SQLite file.
 
 SQLAlchemy takes longer to import than such a command takes to run (0.5 s of a 1 s `dsgd runs`
 on a slow machine), so an SQLite database given as a path (or `sqlite:///PATH`) is read through
 Python's own sqlite3, opened read-only; any other URL (PostgreSQL) goes through SQLAlchemy. The
 queries are the same text on both: `:name` parameters and SQL that SQLite and PostgreSQL share.
-The writing side, with the schema's models and migrations, is `dsgd_cli.results.store`, whose `Store`
-is a `Results` too.
+The tables and columns are named in `dsgd_cli.results.schema`. The writing side, with the
+schema's models and migrations, is `dsgd_cli.results.store`: its `ResultsWriter` reads back what
+it wrote through a `ResultsReader` over its own engine.
 """
 
 from __future__ import annotations
@@ -23,33 +24,12 @@ from typing import Any, Iterable, Iterator, NamedTuple
 from dsgd_cli.errors import StoreError
 from dsgd_cli.results.database import (missing_driver_error, one_line, read_only_uri, resolve_url,
                                        shown_db, sqlite_path)
+from dsgd_cli.results.schema import (CHECKPOINTS, MAX_ID, META, METRICS, PARAMS, PLUGIN_VERSIONS,
+                                     RUNS, SCHEMA_VERSION, SUMMARIES, TABLE_COLUMNS, TAGS,
+                                     tables_of_version)
 
-SCHEMA_VERSION = 3
-MAX_ID = 2**63 - 1  # the largest id a database integer holds
 IN_LIST_LIMIT = 10_000  # beyond this many ids, reading a whole table beats a huge IN list
-
-# Every table of the newest schema with its columns, as the models in `dsgd_cli.results.store` define
-# them (a test holds the two together): a table of that name lacking one is not dsgd's.
-TABLE_COLUMNS = {
-    "meta": ("key", "value"),
-    "runs": ("id", "experiment", "spec_file", "status", "reason", "failed_rank", "task",
-             "aggregator", "compressor", "optimizer", "workers", "config", "dsgd_version", "host",
-             "started_at", "ended_at"),
-    "params": ("run_id", "key", "value"),
-    "plugin_versions": ("run_id", "kind", "name", "distribution", "version"),
-    "tags": ("run_id", "tag"),
-    "checkpoints": ("run_id", "directory", "resumes"),
-    "metrics": ("id", "run_id", "name", "value", "step", "epoch", "rank", "seconds"),
-    "summaries": ("run_id", "name", "final", "best"),
-}
-RUN_FIELDS = TABLE_COLUMNS["runs"]
-# The schema version that added each table the first version lacked.
-ADDED_IN = {"tags": 2, "checkpoints": 3}
-
-
-def tables_of_version(version: int) -> list[str]:
-    """The tables a dsgd database of schema `version` has."""
-    return [table for table in TABLE_COLUMNS if ADDED_IN.get(table, 1) <= version]
+RUN_FIELDS = RUNS.columns
 
 
 def higher_is_better(name: str) -> bool:
@@ -145,19 +125,26 @@ class RunRecord:
 
 # -- the reader ----------------------------------------------------------------------------------
 
-class Results:
+class ResultsReader:
     """The results database, read. The database must exist and hold dsgd's tables; it is
     opened read-only and never changed, not even upgraded: what an older schema lacks reads as
     empty (a schema-1 database has no tags)."""
 
-    def __init__(self, db: str | None = None):
+    def __init__(self, db: str | None = None, writer_engine=None):
+        """`writer_engine`: read through the engine of a `ResultsWriter` that has just created
+        or upgraded the schema (so nothing is left to check), rather than open `db` read-only."""
         self.url = resolve_url(db)
         self.shown_url = shown_db(db)  # for messages
+        if writer_engine is not None:
+            self.engine = writer_engine  # (in place of the read-only engine made on first use)
+            self._sql = EngineReader(writer_engine, self.shown_url)
+            self.has_tags = self.has_checkpoints = True
+            return
         path = sqlite_path(self.url)
         try:
             self._sql = (SQLiteReader(path, self.shown_url) if path is not None
                          else EngineReader(self.engine, self.shown_url))
-            self._check_schema(missing_ok=False)
+            tables = check_schema(self._sql, self.shown_url, missing_ok=False)
         except Unreadable as error:
             raise StoreError(f"cannot open results database {self.shown_url}: "
                              f"{error.reason}") from None
@@ -167,6 +154,8 @@ class Results:
                              f"{one_line(reason)}") from None
         except ModuleNotFoundError as error:
             raise missing_driver_error(self.shown_url, error) from None
+        self.has_tags = TAGS.name in tables
+        self.has_checkpoints = CHECKPOINTS.name in tables
 
     @cached_property
     def engine(self):
@@ -176,41 +165,10 @@ class Results:
 
         return read_only_engine(self.url)
 
-    def _check_schema(self, missing_ok: bool) -> None:
-        """Every dsgd table already there has dsgd's columns: another program's `runs` table
-        must not be read, or written to, as if it were ours."""
-        columns = self._sql.columns()
-        if not missing_ok and "runs" not in columns:
-            raise StoreError(f"{self.shown_url} holds no dsgd results (no table 'runs')")
-        for table, expected in TABLE_COLUMNS.items():
-            if table not in columns:
-                continue
-            lacking = [column for column in expected if column not in columns[table]]
-            if lacking:
-                more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
-                raise StoreError(f"{self.shown_url} is not a dsgd results database: its table "
-                                 f"'{table}' lacks the columns "
-                                 f"{', '.join(map(repr, lacking[:3]))}{more}")
-        version = self._stored_version() if "meta" in columns else None
-        self._check_version(version)
-        if not missing_ok:  # (a writer creates what its schema lacks)
-            self._check_complete(columns, version or 1)  # no meta: a schema-1 database
-        self.has_tags = "tags" in columns
-        self.has_checkpoints = "checkpoints" in columns
-
-    def _check_complete(self, columns: dict[str, set[str]], version: int) -> None:
-        """A database lacking a table its schema version has (dropped by hand, or by a tool)
-        is damaged: refused at once rather than failing at the first query that needs it."""
-        missing = [table for table in tables_of_version(version) if table not in columns]
-        if missing:
-            raise StoreError(f"results database {self.shown_url} is damaged: it lacks the "
-                             f"table{'s' if len(missing) > 1 else ''} "
-                             f"{', '.join(map(repr, missing))} of schema version {version}")
-
     @contextmanager
     def connect(self):
-        """A connection of the read-only engine (for queries built with SQLAlchemy); a
-        database error while it is used becomes a one-line StoreError naming the database."""
+        """A connection of the engine (for queries built with SQLAlchemy); a database error
+        while it is used becomes a one-line StoreError naming the database."""
         from sqlalchemy.exc import DBAPIError
 
         try:
@@ -218,15 +176,6 @@ class Results:
                 yield connection
         except DBAPIError as error:
             raise Unreadable(self.shown_url, error) from None
-
-    def _stored_version(self) -> int | None:
-        rows = self._sql.rows("SELECT value FROM meta WHERE key = 'schema_version'")
-        return schema_version(rows[0][0] if rows else None, self.shown_url)
-
-    def _check_version(self, version: int | None) -> None:
-        if version is not None and version > SCHEMA_VERSION:
-            raise StoreError(f"results database {self.shown_url} has schema version {version}, "
-                             f"newer than this dsgd understands ({SCHEMA_VERSION}); upgrade dsgd")
 
     # -- runs --------------------------------------------------------------------------------
 
@@ -248,7 +197,7 @@ class Results:
                 params[f"name{index}"], params[f"point{index}"] = name, f"{name}[%"
                 alternatives.append(f"experiment = :name{index} OR experiment LIKE :point{index}")
             conditions.append(" OR ".join(f"({a})" for a in alternatives))
-        sql = f"SELECT {', '.join(RUN_FIELDS)} FROM runs"
+        sql = RUNS.select()
         if conditions:
             sql += " WHERE " + " AND ".join(f"({c})" for c in conditions)
         sql += " ORDER BY id DESC"
@@ -268,17 +217,18 @@ class Results:
         """Give each run its tags and, with `details`, its parameters, plugins and summaries."""
         by_id = {run.id: run for run in runs}
         if self.has_tags:
-            for run_id, tag in self._for_runs("SELECT run_id, tag FROM tags", by_id, "tag"):
+            for run_id, tag in self._for_runs(TAGS.select("run_id", "tag"), by_id, "tag"):
                 by_id[run_id].tag_names.append(tag)
         if not details:
             return
-        for run_id, key, value in self._for_runs("SELECT run_id, key, value FROM params",
+        for run_id, key, value in self._for_runs(PARAMS.select("run_id", "key", "value"),
                                                  by_id, "key"):
             by_id[run_id].params.append(ParamRecord(key, value))
         for run_id, *plugin in self._for_runs(
-                "SELECT run_id, kind, name, distribution, version FROM plugin_versions", by_id, "kind"):
+                PLUGIN_VERSIONS.select("run_id", "kind", "name", "distribution", "version"),
+                by_id, "kind"):
             by_id[run_id].plugins.append(PluginRecord(*plugin))
-        for run_id, *summary in self._for_runs("SELECT run_id, name, final, best FROM summaries",
+        for run_id, *summary in self._for_runs(SUMMARIES.select("run_id", "name", "final", "best"),
                                                by_id, "name"):
             by_id[run_id].summaries.append(SummaryRecord(*summary))
 
@@ -297,7 +247,7 @@ class Results:
     def finals(self, run_ids: list[int]) -> dict[int, dict[str, float]]:
         """The final value of every metric of the runs, by run id and metric name."""
         finals: dict[int, dict[str, float]] = defaultdict(dict)
-        for run_id, name, final in self._for_runs("SELECT run_id, name, final FROM summaries",
+        for run_id, name, final in self._for_runs(SUMMARIES.select("run_id", "name", "final"),
                                                   run_ids, "name"):
             finals[run_id][name] = final
         return finals
@@ -309,7 +259,7 @@ class Results:
         them)."""
         if not self.has_checkpoints:
             return None
-        rows = self._sql.rows("SELECT directory FROM checkpoints WHERE run_id = :run_id",
+        rows = self._sql.rows(CHECKPOINTS.select("directory") + " WHERE run_id = :run_id",
                               {"run_id": run_id})
         return rows[0][0] if rows else None
 
@@ -317,14 +267,14 @@ class Results:
         """When the run resumed from which step: [{"at": ISO time, "step": step}, ...]."""
         if not self.has_checkpoints:
             return []
-        rows = self._sql.rows("SELECT resumes FROM checkpoints WHERE run_id = :run_id",
+        rows = self._sql.rows(CHECKPOINTS.select("resumes") + " WHERE run_id = :run_id",
                               {"run_id": run_id})
         return (_json(rows[0][0]) or []) if rows else []
 
     def metric_history(self, run_id: int, name: str) -> list[Record]:
         """A metric's records for the run, in the order they were recorded."""
-        rows = self._sql.rows("SELECT step, epoch, rank, seconds, value FROM metrics "
-                              "WHERE run_id = :run_id AND name = :name ORDER BY id",
+        rows = self._sql.rows(METRICS.select("step", "epoch", "rank", "seconds", "value")
+                              + " WHERE run_id = :run_id AND name = :name ORDER BY id",
                               {"run_id": run_id, "name": name})
         return [Record(*row) for row in rows]
 
@@ -342,7 +292,7 @@ class Results:
         where = (f" AND {_in_list('run_id', sorted(wanted), params)}"
                  if len(wanted) <= IN_LIST_LIMIT else "")
         rows = self._sql.rows(
-            "SELECT run_id, step, avg(value), max(seconds) FROM metrics "
+            f"SELECT run_id, step, avg(value), max(seconds) FROM {METRICS} "
             f"WHERE name = :name AND step IS NOT NULL{where} "
             "GROUP BY run_id, step ORDER BY run_id, step", params)
         curves: dict[int, list[tuple[int, float, float | None]]] = defaultdict(list)
@@ -354,7 +304,7 @@ class Results:
     def metric_names(self, run_ids: list[int]) -> list[str]:
         """The names of the metrics the runs recorded, sorted."""
         return sorted({name for _, name in self._for_runs(
-            "SELECT DISTINCT run_id, name FROM metrics", run_ids, "name")})
+            f"SELECT DISTINCT run_id, name FROM {METRICS}", run_ids, "name")})
 
     def count_metrics(self, run_id: int) -> int:
         """How many metric records a run holds, counted by the database. No command needs it;
@@ -362,6 +312,57 @@ class Results:
         a run that is still writing, without depending on the table layout."""
         return self._sql.rows("SELECT count(*) FROM metrics WHERE run_id = :run_id",
                               {"run_id": run_id})[0][0]
+
+
+Results = ResultsReader  # its name before the writer was parted from it (commands, benchmarks)
+
+
+# -- is it dsgd's database? ---------------------------------------------------------------------
+
+def check_schema(sql: SQLiteReader | EngineReader, shown_url: str, missing_ok: bool) -> set[str]:
+    """The tables of the database `sql` reads, once it is known to be a dsgd database this
+    version can use. Every dsgd table already there has dsgd's columns (another program's
+    `runs` table must not be read, or written to, as if it were ours) and the schema is not
+    newer than this dsgd's. Unless `missing_ok` (a writer, which creates what is missing), the
+    database holds every table of its schema version."""
+    columns = sql.columns()
+    if not missing_ok and RUNS.name not in columns:
+        raise StoreError(f"{shown_url} holds no dsgd results (no table 'runs')")
+    for table, expected in TABLE_COLUMNS.items():
+        if table not in columns:
+            continue
+        lacking = [column for column in expected if column not in columns[table]]
+        if lacking:
+            more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+            raise StoreError(f"{shown_url} is not a dsgd results database: its table "
+                             f"'{table}' lacks the columns "
+                             f"{', '.join(map(repr, lacking[:3]))}{more}")
+    version = stored_version(sql, shown_url) if META.name in columns else None
+    check_version(version, shown_url)
+    if not missing_ok:
+        _check_complete(columns, version or 1, shown_url)  # no meta: a schema-1 database
+    return set(columns)
+
+
+def _check_complete(columns: dict[str, set[str]], version: int, shown_url: str) -> None:
+    """A database lacking a table its schema version has (dropped by hand, or by a tool) is
+    damaged: refused at once rather than failing at the first query that needs it."""
+    missing = [table for table in tables_of_version(version) if table not in columns]
+    if missing:
+        raise StoreError(f"results database {shown_url} is damaged: it lacks the "
+                         f"table{'s' if len(missing) > 1 else ''} "
+                         f"{', '.join(map(repr, missing))} of schema version {version}")
+
+
+def stored_version(sql: SQLiteReader | EngineReader, shown_url: str) -> int | None:
+    rows = sql.rows(META.select("value") + " WHERE key = 'schema_version'")
+    return schema_version(rows[0][0] if rows else None, shown_url)
+
+
+def check_version(version: int | None, shown_url: str) -> None:
+    if version is not None and version > SCHEMA_VERSION:
+        raise StoreError(f"results database {shown_url} has schema version {version}, "
+                         f"newer than this dsgd understands ({SCHEMA_VERSION}); upgrade dsgd")
 
 
 def schema_version(value: str | None, shown_url: str) -> int | None:

@@ -6,8 +6,9 @@ metric history, and a summary table holding each metric's final and best value f
 The schema is created on first use and its version stored in `meta`. A writing open of a
 database of an older schema upgrades it in place, one step per version (`MIGRATIONS`), in one
 transaction under a lock, so concurrent dsgd processes neither race nor see half a migration.
-Reading is `dsgd_cli.results.reader.Results`, which `Store` extends; a reading command opens a
-`Results`, which changes nothing.
+The tables and columns are named in `dsgd_cli.results.schema`. A `ResultsWriter` writes and
+reads back what it wrote through its `reader`, a `dsgd_cli.results.reader.ResultsReader` over
+the writer's engine; a reading command opens a `ResultsReader` alone, which changes nothing.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ from dsgd_cli.errors import StoreError
 from dsgd_cli.results import strictjson
 from dsgd_cli.results.database import (make_engine, missing_driver_error, one_line, resolve_url,
                                        shown_db, sqlite_path)
-from dsgd_cli.results.reader import (MAX_ID, SCHEMA_VERSION, EngineReader, Results, Unreadable,
-                                     flatten_config, higher_is_better, schema_version)
+from dsgd_cli.results.reader import (EngineReader, ResultsReader, Unreadable, check_schema,
+                                     check_version, flatten_config, higher_is_better,
+                                     schema_version)
+from dsgd_cli.results.schema import (CHECKPOINTS, MAX_ID, META, METRICS, PARAMS, PLUGIN_VERSIONS,
+                                     RUNS, SCHEMA_VERSION, SUMMARIES, TAGS)
 
 MAX_TAG_LENGTH = 128
 # Key of the PostgreSQL advisory lock that serializes schema creation and migrations.
@@ -72,7 +76,7 @@ class Base(DeclarativeBase):
 
 
 class Meta(Base):
-    __tablename__ = "meta"
+    __tablename__ = META.name
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[str] = mapped_column(Text)
 
@@ -80,7 +84,7 @@ class Meta(Base):
 class Run(Base):
     """One run of an experiment (read back as a `dsgd_cli.results.reader.RunRecord`)."""
 
-    __tablename__ = "runs"
+    __tablename__ = RUNS.name
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     experiment: Mapped[str] = mapped_column(String(256), index=True)
     spec_file: Mapped[str | None] = mapped_column(Text)
@@ -98,6 +102,10 @@ class Run(Base):
     started_at: Mapped[datetime] = mapped_column(UTCDateTime)
     ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
+    # AUTOINCREMENT: a deleted run's id is never given to another run (SQLite's plain rowid
+    # takes the largest id + 1, which is the deleted run's when it was the newest).
+    __table_args__ = {"sqlite_autoincrement": True}
+
     params: Mapped[list["Param"]] = relationship(cascade="all, delete-orphan")
     plugins: Mapped[list["PluginVersion"]] = relationship(cascade="all, delete-orphan")
     summaries: Mapped[list["Summary"]] = relationship(cascade="all, delete-orphan")
@@ -107,15 +115,15 @@ class Run(Base):
 class Param(Base):
     """The configuration flattened to dotted keys, for filtering runs by a setting."""
 
-    __tablename__ = "params"
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    __tablename__ = PARAMS.name
+    run_id: Mapped[int] = mapped_column(ForeignKey(Run.id), primary_key=True)
     key: Mapped[str] = mapped_column(String(256), primary_key=True)
     value: Mapped[str] = mapped_column(Text)  # JSON
 
 
 class PluginVersion(Base):
-    __tablename__ = "plugin_versions"
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    __tablename__ = PLUGIN_VERSIONS.name
+    run_id: Mapped[int] = mapped_column(ForeignKey(Run.id), primary_key=True)
     kind: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(128))
     distribution: Mapped[str] = mapped_column(String(256))
@@ -125,8 +133,8 @@ class PluginVersion(Base):
 class Tag(Base):
     """A label a user gave a run (`dsgd runs tag`); schema version 2."""
 
-    __tablename__ = "tags"
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    __tablename__ = TAGS.name
+    run_id: Mapped[int] = mapped_column(ForeignKey(Run.id, ondelete="CASCADE"), primary_key=True)
     tag: Mapped[str] = mapped_column(String(MAX_TAG_LENGTH), primary_key=True)
 
 
@@ -134,8 +142,8 @@ class Checkpoints(Base):
     """Where a run keeps its checkpoints, and when it resumed from which step; schema 3.
     `resumes`: a list of {"at": ISO time, "step": the step it went on from}."""
 
-    __tablename__ = "checkpoints"
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    __tablename__ = CHECKPOINTS.name
+    run_id: Mapped[int] = mapped_column(ForeignKey(Run.id, ondelete="CASCADE"), primary_key=True)
     directory: Mapped[str] = mapped_column(Text)
     resumes: Mapped[list] = mapped_column(JSON, default=list)
 
@@ -143,9 +151,9 @@ class Checkpoints(Base):
 class Metric(Base):
     """One recorded value. `rank` is null for values that describe the whole run."""
 
-    __tablename__ = "metrics"
+    __tablename__ = METRICS.name
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    run_id: Mapped[int] = mapped_column(ForeignKey(Run.id))
     name: Mapped[str] = mapped_column(String(128))
     value: Mapped[float] = mapped_column(Float)
     step: Mapped[int | None] = mapped_column(Integer)
@@ -159,8 +167,8 @@ class Metric(Base):
 class Summary(Base):
     """Final and best value of each metric of a run, written when the run ends."""
 
-    __tablename__ = "summaries"
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    __tablename__ = SUMMARIES.name
+    run_id: Mapped[int] = mapped_column(ForeignKey(Run.id), primary_key=True)
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
     final: Mapped[float] = mapped_column(Float)
     best: Mapped[float] = mapped_column(Float)
@@ -191,15 +199,71 @@ def _migrate_2_to_3(connection: Connection) -> None:
         "FOREIGN KEY (run_id) REFERENCES runs (id) ON DELETE CASCADE)"))
 
 
+# The table `runs` of schema 4, as the models create it on SQLite (but for blanks).
+_RUNS_4 = """CREATE TABLE runs (
+    id INTEGER NOT NULL PRIMARY KEY AUTOINCREMENT,
+    experiment VARCHAR(256) NOT NULL,
+    spec_file TEXT,
+    status VARCHAR(16) NOT NULL,
+    reason TEXT,
+    failed_rank INTEGER,
+    task VARCHAR(128) NOT NULL,
+    aggregator VARCHAR(128) NOT NULL,
+    compressor VARCHAR(128) NOT NULL,
+    optimizer VARCHAR(128) NOT NULL,
+    workers INTEGER NOT NULL,
+    config JSON NOT NULL,
+    dsgd_version VARCHAR(32) NOT NULL,
+    host VARCHAR(256) NOT NULL,
+    started_at DATETIME NOT NULL,
+    ended_at DATETIME
+)"""
+_RUN_COLUMNS_4 = ("id, experiment, spec_file, status, reason, failed_rank, task, aggregator, "
+                  "compressor, optimizer, workers, config, dsgd_version, host, started_at, ended_at")
+
+
+def _migrate_3_to_4(connection: Connection) -> None:
+    """Schema 4 never gives a run's id again (exported rows, tracker runs `run-ID-...` and a
+    user's notes name runs by it). PostgreSQL never did: a serial id comes from a sequence, which only
+    goes up. SQLite gives a new row the largest id + 1, the id of the newest run if it was just
+    deleted, unless the table is AUTOINCREMENT, which takes building it anew
+    (https://www.sqlite.org/lang_altertable.html#otheralter): a copy with every row and its id,
+    the old table dropped, the copy renamed, its index made again. Foreign keys are off for
+    the migration's transaction (`_lock_for_migration`), so that dropping the old table takes
+    no row of the tables that refer to it along. The ids deleted before this step are not
+    recorded anywhere: the next run takes the largest id kept + 1, as it did before."""
+    if connection.dialect.name != "sqlite":
+        return
+    connection.exec_driver_sql(_RUNS_4.replace("CREATE TABLE runs", "CREATE TABLE runs_rebuilt", 1))
+    connection.exec_driver_sql(f"INSERT INTO runs_rebuilt ({_RUN_COLUMNS_4}) "
+                               f"SELECT {_RUN_COLUMNS_4} FROM runs")
+    connection.exec_driver_sql("DROP TABLE runs")
+    connection.exec_driver_sql("ALTER TABLE runs_rebuilt RENAME TO runs")
+    connection.exec_driver_sql("CREATE INDEX ix_runs_experiment ON runs (experiment)")
+
+
 # The step that brings a database to each version from the one before. Written out as each
 # version's SQL rather than taken from the models, which describe only the newest version.
-MIGRATIONS = {2: _migrate_1_to_2, 3: _migrate_2_to_3}
+MIGRATIONS = {2: _migrate_1_to_2, 3: _migrate_2_to_3, 4: _migrate_3_to_4}
 
 
-class Store(Results):
-    """The results database, written (and read as a `Results` is). The schema is created on
-    first use or upgraded to this version, and a database dsgd cannot write to is refused at
-    once, before anything is launched."""
+class _Read:
+    """A method of a writer's reader, asked of the writer (`store.runs()`): what `dsgd run`
+    and a resume read back of what they wrote."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, writer, owner=None):
+        if writer is None:
+            return self
+        return getattr(writer.reader, self.name)
+
+
+class ResultsWriter:
+    """The results database, written; `reader` reads it back. The schema is created on first
+    use or upgraded to this version, and a database dsgd cannot write to is refused at once,
+    before anything is launched."""
 
     def __init__(self, db: str | None = None, create: bool = True):
         """`create`: make a new database where there is none (`dsgd run` recording runs);
@@ -212,10 +276,9 @@ class Store(Results):
             raise StoreError(f"no results database at {path} (`dsgd run` creates one)")
         try:
             self.engine = make_engine(self.url, readonly=False)
-            self._sql = EngineReader(self.engine, self.shown_url)
-            self._check_schema(missing_ok=create)
+            check_schema(EngineReader(self.engine, self.shown_url), self.shown_url,
+                         missing_ok=create)
             self._migrate()
-            self.has_tags = self.has_checkpoints = True
         except Unreadable as error:
             raise StoreError(f"cannot open results database {self.shown_url}: {error.reason}") from None
         except (ArgumentError, DatabaseError, OperationalError) as error:
@@ -224,6 +287,19 @@ class Store(Results):
             raise StoreError(f"cannot {verb} results database {self.shown_url}: {one_line(reason)}") from None
         except ModuleNotFoundError as error:
             raise missing_driver_error(self.shown_url, error) from None
+        self.reader = ResultsReader(db, writer_engine=self.engine)
+
+    # What the writer reads back, answered by its reader (see `ResultsReader`).
+    runs = _Read()
+    get_run = _Read()
+    finals = _Read()
+    metric_history = _Read()
+    step_curves = _Read()
+    metric_names = _Read()
+    checkpoint_dir = _Read()
+    resumes = _Read()
+    connect = _Read()
+    count_metrics = _Read()
 
     def _migrate(self) -> None:
         """Create the schema of a new database, or upgrade an older one one version at a time,
@@ -232,20 +308,25 @@ class Store(Results):
         opening one database at once take turns, the first creates or upgrades it, the others
         find it done, and none sees half a schema."""
         with self.engine.connect() as connection:
-            _lock_for_migration(connection)
-            tables = set(inspect(connection).get_table_names())
-            version = _stored_version(connection, self.shown_url) if "meta" in tables else None
-            if version is None and "runs" in tables:
-                version = 1  # a schema-1 database whose creation was cut short
-            self._check_version(version)
-            if version is not None:
-                for step in range(version + 1, SCHEMA_VERSION + 1):
-                    MIGRATIONS[step](connection)
-            Base.metadata.create_all(connection)  # a new database, or what a crash left out
-            if version is None:
-                connection.execute(insert(Meta).values(key="schema_version", value=str(SCHEMA_VERSION)))
-            self._check_writable(connection)
-            connection.commit()
+            try:
+                _lock_for_migration(connection)
+                tables = set(inspect(connection).get_table_names())
+                version = _stored_version(connection, self.shown_url) if META.name in tables else None
+                if version is None and RUNS.name in tables:
+                    version = 1  # a schema-1 database whose creation was cut short
+                check_version(version, self.shown_url)
+                if version is not None:
+                    for step in range(version + 1, SCHEMA_VERSION + 1):
+                        MIGRATIONS[step](connection)
+                Base.metadata.create_all(connection)  # a new database, or what a crash left out
+                if version is None:
+                    connection.execute(insert(Meta).values(key="schema_version",
+                                                           value=str(SCHEMA_VERSION)))
+                self._check_writable(connection)
+                connection.commit()
+            finally:
+                connection.rollback()  # nothing is left after the commit; all of it after a failure
+                _unlock_after_migration(connection)
 
     def _check_writable(self, connection: Connection) -> None:
         """Write the version row: fails now, rather than after training, when the file, its
@@ -362,6 +443,9 @@ class Store(Results):
             return list(session.scalars(select(Tag.tag).where(Tag.run_id == run_id).order_by(Tag.tag)))
 
 
+Store = ResultsWriter  # its name before it was parted from the reader (launcher, tests, benchmarks)
+
+
 def _write_summaries(session: Session, run_id: int) -> None:
     session.execute(delete(Summary).where(Summary.run_id == run_id))
     metrics = session.execute(select(Metric.name, Metric.rank, Metric.value)
@@ -420,12 +504,23 @@ def _lock_for_migration(connection: Connection) -> None:
     """Begin the transaction holding the lock that makes schema changes take turns."""
     dialect = connection.dialect.name
     if dialect == "sqlite":
+        # Foreign keys off while a migration builds a table anew (`_migrate_3_to_4`): SQLite
+        # takes this only outside a transaction, and the rows it keeps are checked by the ids
+        # they keep. On again in `_unlock_after_migration`.
+        connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
         # The write lock, now rather than at the first write (waits up to the busy timeout).
         # The driver leaves the transaction alone: it begins none itself before DDL.
         connection.exec_driver_sql("BEGIN IMMEDIATE")
     elif dialect == "postgresql":
         # Released at commit or rollback; concurrent CREATE TABLEs would otherwise collide.
         connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+
+
+def _unlock_after_migration(connection: Connection) -> None:
+    """After the migration's transaction ended: the connection goes back to the pool with its
+    foreign keys on, as every other connection of the engine has them."""
+    if connection.dialect.name == "sqlite":
+        connection.exec_driver_sql("PRAGMA foreign_keys=ON")
 
 
 def _insert_ignoring_duplicates(dialect: str, model):
