@@ -17,7 +17,7 @@ import pytest
 
 from conftest import TINY_SPEC, dsgd, dsgd_in_process, write_spec
 from dsgd_cli.launch import launcher, torchrun
-from dsgd_cli.launch.launcher import left_early, run_result
+from dsgd_cli.launch.outcome import last_lines, left_early, run_result
 from dsgd_cli.results.store import Store
 
 EXPERIMENT = launcher.Experiment("a", {"workers": 2})
@@ -40,22 +40,23 @@ PEER_RESET = {"type": "error", "rank": 0, "at": 1.0,
               "reason": "RuntimeError: all_reduce over all 2 workers: Connection reset by peer"}
 
 
-def _running(problems=(), done=(), stopped=()):
-    return SimpleNamespace(experiment=EXPERIMENT, problems=list(problems), done_ranks=set(done),
+def _said(problems=(), done=(), stopped=()):
+    """What the workers said, as `left_early` reads it from a run's `RunEvents`."""
+    return SimpleNamespace(problems=list(problems), done_ranks=set(done),
                            stopped_ranks=set(stopped))
 
 
 def test_a_rank_that_left_with_code_0_is_the_cause_not_its_peer():
-    left = left_early(_running([PEER_RESET]), SUMMARY_WITHOUT_RANK_1, 1)
+    left = left_early(EXPERIMENT, _said([PEER_RESET]), SUMMARY_WITHOUT_RANK_1, 1)
     assert left == [1]
     result = run_result(1, EXPERIMENT, [PEER_RESET], set(), 1, "", [], None, left)
     assert (result.status, result.failed_rank, result.reason) == (
         "failed", 1, "rank 1: exited with code 0 before the end of the run")
     # Every rank left with code 0 before its `done`: torchrun succeeded, and wrote no summary.
-    assert left_early(_running(), "", 0) == [0, 1]
+    assert left_early(EXPERIMENT, _said(), "", 0) == [0, 1]
     # Unknown without torchrun's summary (torchrun itself killed), or with a `done`.
-    assert left_early(_running([PEER_RESET]), "", -9) == []
-    assert left_early(_running([PEER_RESET], done={1}), SUMMARY_WITHOUT_RANK_1, 1) == []
+    assert left_early(EXPERIMENT, _said([PEER_RESET]), "", -9) == []
+    assert left_early(EXPERIMENT, _said([PEER_RESET], done={1}), SUMMARY_WITHOUT_RANK_1, 1) == []
 
 
 def test_a_rank_behind_in_the_collectives_is_named():
@@ -71,10 +72,10 @@ def test_a_rank_behind_in_the_collectives_is_named():
 
 def test_torchrun_killed_by_a_signal_reads_as_such_with_the_last_lines_of_output():
     output = "starting\nworker says one\n\nworker says two\nworker says three\n"
-    result = run_result(1, EXPERIMENT, [], set(), -signal.SIGKILL, launcher.last_lines(output))
+    result = run_result(1, EXPERIMENT, [], set(), -signal.SIGKILL, last_lines(output))
     assert result.reason == ("torchrun killed by SIGKILL: worker says one | worker says two | "
                              "worker says three")
-    result = run_result(1, EXPERIMENT, [], set(), 1, launcher.last_lines(""))
+    result = run_result(1, EXPERIMENT, [], set(), 1, last_lines(""))
     assert result.reason == "torchrun exited with code 1: (no output)"
 
 

@@ -477,3 +477,72 @@ def test_randomk_draws_the_same_indices_on_every_rank():
         assert torch.equal(payload.tensors[0], vectors[rank][payload.context] * 100)  # d/k
     next_step = make("randomk", rank=0, ratio=0.01).compress(vectors[0], "w", 4)
     assert not torch.equal(next_step.context, payloads[0].context)
+
+
+# -- the collective is chosen on the communication side (dsgd_cli/comm/compressed.py) -----------
+
+class _OneWorker:
+    """A communicator of one worker that counts its collectives."""
+
+    world_size = 1
+
+    def __init__(self):
+        self.calls = []
+
+    def all_reduce(self, tensor, op="sum"):
+        self.calls.append("all_reduce")
+
+    def all_gather(self, tensor):
+        self.calls.append("all_gather")
+        return [tensor.clone()]
+
+
+def test_compressed_average_chooses_the_collective_from_what_the_compressor_declares():
+    from dsgd_cli.api import compressed_average
+
+    x = torch.arange(6.0).reshape(2, 3)
+    for name, collective in (("fp16", "all_reduce"), ("sign", "all_gather"),
+                             ("dqsgd", "all_gather")):
+        comm, memory = _OneWorker(), ErrorFeedback()
+        compressor = make(name)
+        [average] = compressed_average(compressor, comm, [x], ["w"], 0, memory)
+        assert set(comm.calls) == {collective}, name
+        # one worker: the average is its own payload, the residual what that left out
+        torch.testing.assert_close(average, _roundtrip(compressor, x))
+        torch.testing.assert_close(memory.residuals["w"], x - average)
+
+
+def test_third_party_overrides_of_average_many_and_exchange_are_still_used():
+    """Compressors written against the collective-choosing `Compressor` of earlier versions
+    (and PowerSGD, which needs two rounds) keep their own `average_many` or `exchange`."""
+    from dsgd_cli.api import Compressor, Payload, compressed_average
+
+    class Plain(Compressor):
+        def compress(self, tensor, key, step):
+            return Payload([tensor.clone()])
+
+        def decompress(self, payload, like):
+            return payload.tensors[0].view_as(like)
+
+    class OwnAverage(Plain):
+        def average_many(self, tensors, keys, step, comm, memory=None):
+            return [t * 0 + 7 for t in tensors]
+
+    class OwnExchange(Plain):
+        def exchange(self, tensors, keys, step, comm, with_local=False):
+            return [(t * 0 + 5, t * 0 + 1 if with_local else None) for t in tensors]
+
+    class Halving(Plain):
+        def average_many(self, tensors, keys, step, comm, memory=None):  # calls the base's
+            return [t / 2 for t in super().average_many(tensors, keys, step, comm, memory)]
+
+    x = torch.ones(3)
+    assert compressed_average(OwnAverage(), _OneWorker(), [x], ["w"], 0)[0].tolist() == [7] * 3
+    memory = ErrorFeedback()
+    assert compressed_average(OwnExchange(), _OneWorker(), [x], ["w"], 0, memory)[0].tolist() == [5] * 3
+    assert memory.residuals["w"].tolist() == [0] * 3  # x − own payload (1)
+    assert compressed_average(Halving(), _OneWorker(), [x], ["w"], 0)[0].tolist() == [0.5] * 3
+    assert compressed_average(Plain(), _OneWorker(), [x], ["w"], 0)[0].tolist() == [1] * 3
+    powersgd, comm = make("powersgd", rank=1), _OneWorker()
+    compressed_average(powersgd, comm, [torch.randn(4, 6)], ["w"], 0)
+    assert comm.calls == ["all_reduce", "all_reduce"]  # P, then Q: its own two rounds

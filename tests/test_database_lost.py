@@ -145,7 +145,8 @@ def test_recovery_stores_each_record_once_and_ends_the_run(tmp_path, monkeypatch
     with pytest.raises(OperationalError):
         running.ingest(store, Callbacks())  # steps 4-5 read, not stored
     _write_steps(events_dir, range(6, 7))  # what the workers wrote before they were stopped
-    kept = unrecorded.keep(running, "disk I/O error", where=tmp_path)
+    kept = unrecorded.keep(run_id, running.experiment, running.events, "disk I/O error",
+                          where=tmp_path)
     monkeypatch.undo()
 
     result = dsgd_in_process("runs", "recover", str(kept), "--db", str(db))
@@ -162,3 +163,87 @@ def test_recovery_stores_each_record_once_and_ends_the_run(tmp_path, monkeypatch
     again = dsgd_in_process("runs", "recover", str(kept), "--db", str(db))
     assert (again.returncode, again.stderr) == (
         2, f"dsgd: error: {kept}: not a directory of unrecorded records (no unrecorded.json)\n")
+
+
+# -- the launcher and recovery decode the same events alike --------------------------------------
+
+def _event_stream() -> dict[int, list[dict]]:
+    """Per rank, what the workers of a run wrote before they were asked to stop: metrics, one
+    that is not a number (as JSON's NaN, which an older worker could write), and `stopped`."""
+    def metric(rank, step, value):
+        return {"type": "metric", "rank": rank, "name": "train_loss", "value": value,
+                "step": step, "epoch": 0, "seconds": 0.5 * step, "per_rank": True}
+
+    return {rank: [{"type": "start", "rank": rank, "total_steps": 10},
+                   *(metric(rank, step, 1.0 / step) for step in (1, 2, 3)),
+                   metric(rank, 4, float("nan")),
+                   {"type": "stopped", "rank": rank}]
+            for rank in (0, 1)}
+
+
+def _write_raw(events_dir: Path, stream: dict[int, list[dict]]) -> None:
+    import json
+
+    from dsgd_cli.comm.events import events_path
+
+    for rank, events in stream.items():
+        with open(events_path(events_dir, rank), "a") as file:
+            file.writelines(json.dumps(event) + "\n" for event in events)  # NaN as JSON's NaN
+
+
+def _recorded(db: Path, run_id: int) -> list[tuple]:
+    return sorted((r.rank, r.step, r.value, r.seconds)
+                  for r in Results(str(db)).metric_history(run_id, "train_loss"))
+
+
+def test_the_launcher_and_recovery_record_the_same_from_the_same_events(tmp_path):
+    from dsgd_cli.launch import unrecorded
+    from dsgd_cli.launch.launcher import Callbacks, _Running
+    from dsgd_cli.results.store import Store
+    from dsgd_cli.spec.experiments import Experiment
+    from test_store import config
+
+    experiment = Experiment("x", config())
+    recorded = {}
+    for path in ("launcher", "recovery"):
+        db, events_dir = tmp_path / f"{path}.db", tmp_path / path
+        events_dir.mkdir()
+        _write_raw(events_dir, _event_stream())
+        store = Store(str(db))
+        run_id = store.create_run("x", config(), None, [])
+        running = _Running(0, experiment, run_id, events_dir)
+        if path == "launcher":
+            running.ingest(store, Callbacks())
+            assert running.all_left and not running.complete  # both ranks stopped as asked
+        else:  # nothing read yet when the database was lost: recovery reads it all
+            kept = unrecorded.keep(run_id, experiment, running.events, "gone", where=tmp_path)
+            result = dsgd_in_process("runs", "recover", str(kept), "--db", str(db))
+            assert result.stdout == f"run {run_id}: 6 records recovered; interrupted\n", result.stderr
+        recorded[path] = _recorded(db, run_id)
+    assert recorded["recovery"] == recorded["launcher"]
+    assert [(rank, step) for rank, step, _, _ in recorded["launcher"]] == [
+        (rank, step) for rank in (0, 1) for step in (1, 2, 3)]
+
+
+def test_run_events_decodes_each_kind_of_event(tmp_path):
+    from dsgd_cli.launch.run_events import RunEvents
+    from dsgd_cli.results.store import MetricRow
+
+    stream = _event_stream()
+    stream[1].insert(0, {"type": "run", "rank": 1, "run_id": 7})
+    stream[1].append({"type": "progress", "rank": 1, "done": 3, "total": 10, "unit": "updates"})
+    stream[0].append({"type": "error", "rank": 0, "reason": "boom", "at": 1.0})
+    _write_raw(tmp_path, stream)
+    events = RunEvents(tmp_path)  # the ranks found as their files appear
+    assert events.read() is False  # rank 0 leads; rank 1's progress is not shown
+    assert [(row.rank, row.step) for row in events.unstored] == [
+        (rank, step) for rank in (0, 1) for step in (1, 2, 3)]
+    assert events.unstored[0] == MetricRow("train_loss", 1.0, 1, 0, 0, 0.5)
+    assert (events.run_id, events.stopped_ranks, events.done_ranks) == (7, {0, 1}, set())
+    assert [event["reason"] for event in events.problems] == ["boom"]
+    assert (events.progress.total_steps, events.progress.step, events.progress.train_loss) == (
+        10, 3, 1.0 / 3)  # rank 0's last finite loss, not NaN
+    sizes = {rank: events_path.stat().st_size for rank, events_path in
+             ((r, tmp_path / f"rank{r}.jsonl") for r in (0, 1))}
+    assert events.offsets == sizes
+    assert RunEvents(tmp_path, ranks=[1], offsets=sizes).read() is False  # nothing new

@@ -26,7 +26,7 @@ from dsgd_cli.cli import app
 from dsgd_cli.commands.run import status_markup
 from dsgd_cli.errors import RunFailed, SpecError
 from dsgd_cli.comm.events import EventReader, EventWriter, events_path
-from dsgd_cli.launch.launcher import RunResult, run_result
+from dsgd_cli.launch.outcome import RunResult, WorkerExit, run_result, torchrun_failures
 from dsgd_cli.options import option, parse_options
 from dsgd_cli.spec.experiments import load_spec
 from dsgd_cli.results.store import MetricRow, Store
@@ -479,7 +479,7 @@ Root Cause (first observed failure):
 
 
 def test_the_killed_rank_is_blamed_not_the_survivor():
-    failures = launcher.torchrun_failures(TORCHRUN_SUMMARY)
+    failures = torchrun_failures(TORCHRUN_SUMMARY)
     assert [(f.rank, f.exitcode) for f in failures] == [(1, -9), (0, 1)]
     (experiment,) = [launcher.Experiment("a", {"workers": 2})]
     survivor = {"type": "error", "rank": 0, "reason": "RuntimeError: Connection closed by peer",
@@ -488,11 +488,11 @@ def test_the_killed_rank_is_blamed_not_the_survivor():
     assert (result.status, result.failed_rank, result.reason) == (
         "failed", 1, "rank 1: killed by SIGKILL")
     # A worker that dies at start-up without a word: its exit code, not torchrun's banner.
-    result = run_result(1, experiment, [], set(), 1, "=====", [launcher.WorkerExit(1, 1)])
+    result = run_result(1, experiment, [], set(), 1, "=====", [WorkerExit(1, 1)])
     assert (result.failed_rank, result.reason) == (1, "rank 1: exited with code 1")
     # A worker's own exception still names itself.
     own = {"type": "error", "rank": 1, "reason": "ValueError: bad", "at": 1.0}
-    result = run_result(1, experiment, [own], set(), 1, "", [launcher.WorkerExit(1, 1)])
+    result = run_result(1, experiment, [own], set(), 1, "", [WorkerExit(1, 1)])
     assert result.reason == "rank 1: ValueError: bad"
 
 

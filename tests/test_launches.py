@@ -152,3 +152,47 @@ def test_the_first_experiment_of_a_launch_is_timed_as_the_others(tmp_path):
     # The same step at comparable times (a wide margin: the machine may be busy).
     for first, second in zip(evaluations["first"], evaluations["second"]):
         assert 1 / 4 < first / second < 4, evaluations
+
+
+def test_advance_records_each_completed_experiment_and_begins_the_next(tmp_path):
+    """In process, with no torchrun: what the launcher does between the experiments of a
+    shared launch as their workers' events arrive."""
+    from types import SimpleNamespace
+
+    from dsgd_cli.comm.events import EventWriter, events_path, experiment_dir
+    from dsgd_cli.launch.launcher import Callbacks, DevicePlan, _Launcher
+    from dsgd_cli.spec.experiments import Experiment
+    from test_store import config
+
+    heard = []
+    callbacks = Callbacks(started=lambda experiment, device: heard.append(("started", experiment.name)),
+                          progress=lambda experiment, progress: heard.append(
+                              ("progress", experiment.name, progress.train_loss)),
+                          ended=lambda result: heard.append(("ended", result.experiment, result.status)))
+    store = Store(str(tmp_path / "r.db"))
+    full = {**config(), "lr_schedule": {"name": "constant"}}  # every plugin section
+    experiments = [Experiment(name, full) for name in ("a", "b")]
+    launcher = _Launcher(experiments, DevicePlan("cpu"), store, None, callbacks)
+    launcher.torchrun = SimpleNamespace(dir=tmp_path)
+
+    def write(index, rank, *events):
+        directory = experiment_dir(tmp_path, index)
+        directory.mkdir(exist_ok=True)
+        writer = EventWriter(events_path(directory, rank), rank)
+        for kind, fields in events:
+            writer.write(kind, **fields) if kind != "metric" else writer.metric(**fields)
+        writer.close()
+
+    launcher.begin(0)
+    write(0, 0, ("metric", {"name": "train_loss", "value": 0.5, "step": 1}), ("done", {}))
+    launcher.advance()
+    assert launcher.running.index == 0 and launcher.results == []  # rank 1 is not done
+    write(0, 1, ("done", {}))
+    write(1, 0, ("metric", {"name": "train_loss", "value": 0.25, "step": 1}))
+    launcher.advance()  # a done, b begun, and b's first metric read at once
+    assert launcher.running.index == 1
+    assert [(r.experiment, r.status) for r in launcher.results] == [("a", "completed")]
+    assert heard == [("started", "a"), ("progress", "a", 0.5), ("ended", "a", "completed"),
+                     ("started", "b"), ("progress", "b", 0.25)]
+    assert [(run.experiment, run.status) for run in store.runs()] == [
+        ("a", "completed"), ("b", "running")]

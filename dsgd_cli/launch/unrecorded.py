@@ -13,15 +13,13 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dsgd_cli.results import strictjson
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.comm.events import EventReader
+from dsgd_cli.launch.outcome import run_result
+from dsgd_cli.launch.run_events import RunEvents
 from dsgd_cli.results.store import MetricRow, Store
-
-if TYPE_CHECKING:
-    from dsgd_cli.launch.launcher import _Running
+from dsgd_cli.spec.experiments import Experiment
 
 STATE_FILE = "unrecorded.json"
 
@@ -32,21 +30,23 @@ class RecordingLost(DsgdError):
     exit_code = 1
 
 
-def keep(running: _Running, reason: str, where: Path | None = None) -> Path:
-    """Copy the running experiment's event files and the launcher's unstored rows into a new
-    directory under `where` (default: the working directory); returns it."""
+def keep(run_id: int, experiment: Experiment, events: RunEvents, reason: str,
+         where: Path | None = None) -> Path:
+    """Copy the run's event files and what the launcher read of them but did not store
+    (`events`) into a new directory under `where` (default: the working directory); returns it."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    directory = Path(where or Path.cwd()) / f"dsgd-unrecorded-run{running.run_id}-{stamp}"
+    directory = Path(where or Path.cwd()) / f"dsgd-unrecorded-run{run_id}-{stamp}"
     directory.mkdir(parents=True)
-    for path in running.events_dir.glob("rank*.jsonl"):
+    for path in events.events_dir.glob("rank*.jsonl"):
         shutil.copy2(path, directory / path.name)
     state = {
-        "run_id": running.run_id, "experiment": running.experiment.name,
-        "workers": running.experiment.workers, "reason": reason,
+        "run_id": run_id, "experiment": experiment.name, "workers": experiment.workers,
+        "reason": reason,
         # Where the launcher had read each rank's file to: what follows was never read.
-        "offsets": {str(rank): reader.offset for rank, reader in running.readers.items()},
-        "unstored": [asdict(row) for row in running.unstored],
-        "problems": running.problems, "done_ranks": sorted(running.done_ranks),
+        "offsets": {str(rank): offset for rank, offset in events.offsets.items()},
+        "unstored": [asdict(row) for row in events.unstored],
+        "problems": events.problems, "done_ranks": sorted(events.done_ranks),
+        "stopped_ranks": sorted(events.stopped_ranks),
     }
     (directory / STATE_FILE).write_text(strictjson.dumps(state))
     return directory
@@ -55,9 +55,6 @@ def keep(running: _Running, reason: str, where: Path | None = None) -> Path:
 def recover(directory: Path, db: str | None) -> str:
     """Store what `keep` kept in `directory` into the database, end the run, remove the
     directory; returns what was done, for the user."""
-    from dsgd_cli.launch.launcher import run_result
-    from dsgd_cli.spec.experiments import Experiment
-
     state = _read_state(directory)
     store = Store(db, create=False)
     run_id = state["run_id"]
@@ -66,22 +63,14 @@ def recover(directory: Path, db: str | None) -> str:
         raise DsgdError(f"{directory}: no run with id {run_id} in {store.shown_url}")
     if run.status != "running":
         raise DsgdError(f"{directory}: run {run_id} is {run.status} already; nothing recovered")
-    rows = [MetricRow(**row) for row in state["unstored"]]
-    problems, done = state["problems"], set(state["done_ranks"])
-    for path in sorted(directory.glob("rank*.jsonl")):
-        rank = path.stem[len("rank"):]
-        reader = EventReader(path, offset=state["offsets"].get(rank, 0))
-        for event in reader.read():
-            if event["type"] == "metric":
-                rows.append(MetricRow(event["name"], event["value"], event["step"], event["epoch"],
-                                      event["rank"] if event["per_rank"] else None, event["seconds"]))
-            elif event["type"] in ("error", "diverged"):
-                problems.append(event)
-            elif event["type"] == "done":
-                done.add(event["rank"])
+    events = _events_as_kept(directory, state)
+    events.read()
+    rows = events.unstored
     store.add_metrics(run_id, rows)
-    if problems or len(done) == state["workers"]:  # it ended by itself: as the launcher would say
-        result = run_result(run_id, Experiment(run.experiment, run.config), problems, done, 0, "")
+    if events.problems or len(events.done_ranks) == state["workers"]:
+        # it ended by itself: as the launcher would say
+        result = run_result(run_id, Experiment(run.experiment, run.config), events.problems,
+                            events.done_ranks, 0, "")
         status, reason, rank = result.status, result.reason, result.failed_rank
     else:  # stopped part-way by dsgd, as it could not record it: it may resume
         status, rank = "interrupted", None
@@ -89,6 +78,18 @@ def recover(directory: Path, db: str | None) -> str:
     store.finish_run(run_id, status, reason, rank)
     shutil.rmtree(directory)
     return f"run {run_id}: {len(rows)} records recovered; {status}"
+
+
+def _events_as_kept(directory: Path, state: dict) -> RunEvents:
+    """The kept event files, to be read on from where the launcher stopped, with what it had
+    read of them before."""
+    offsets = {int(rank): offset for rank, offset in state["offsets"].items()}
+    events = RunEvents(directory, offsets=offsets)
+    events.unstored = [MetricRow(**row) for row in state["unstored"]]
+    events.problems = list(state["problems"])
+    events.done_ranks = set(state["done_ranks"])
+    events.stopped_ranks = set(state.get("stopped_ranks", ()))  # not kept by earlier versions
+    return events
 
 
 def _read_state(directory: Path) -> dict:

@@ -1,0 +1,109 @@
+"""No import cycle among dsgd's modules where one was cut: each module's imports are read from
+its source (every `import` that runs, at module level or in a function; those under
+`if TYPE_CHECKING:` only name types), and the strongly connected components of that graph are
+the cycles."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dsgd_cli
+
+PACKAGE = Path(dsgd_cli.__file__).parent
+# Packages that no cycle may pass through. The whole of dsgd_cli once its last cycle (the spec
+# validator and the plugin API) is cut.
+NO_CYCLES_THROUGH = ("dsgd_cli.launch", "dsgd_cli.comm")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The package's modules that the module at `path` imports, anywhere in it."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, `level - 1` packages up
+                parents = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parents + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # submodules
+    return {module for module in found if module in modules and module != name}
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of `tree` but those under `if TYPE_CHECKING:`."""
+    for child in ast.iter_child_nodes(tree):
+        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            yield from (node for orelse in child.orelse for node in ast.walk(orelse))
+            continue
+        yield child
+        yield from _runtime_nodes(child)
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    return {name: imported(path, name, set(paths)) for name, path in paths.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in graph[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = set()
+            while not component or member != module:
+                member = stack.pop()
+                component.add(member)
+            if len(component) > 1:
+                found.append(component)
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    return found
+
+
+def in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [{"a", "b", "c"}]
+
+
+def test_imports_in_functions_count_and_those_for_type_checking_do_not(tmp_path):
+    source = tmp_path / "late.py"
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a.typed\n"
+                      "else:\n    import a.other\ndef f():\n    from a import lazy\n")
+    modules = {"a.typed", "a.other", "a.lazy", "a.late"}
+    assert imported(source, "a.late", modules) == {"a.other", "a.lazy"}
+
+
+def test_no_import_cycle_passes_through_the_launcher_or_the_communication():
+    graph = import_graph()
+    assert "dsgd_cli.launch.torchrun" in graph["dsgd_cli.launch.launcher"]  # imports are read
+    through = [sorted(component) for component in cycles(graph)
+               if any(in_package(module, package) for module in component
+                      for package in NO_CYCLES_THROUGH)]
+    assert through == []
