@@ -1,0 +1,132 @@
+"""Young and Daly's checkpoint interval against a sweep of `failures.checkpoint_every`.
+
+Young (1974) and Daly (2006): a job that checkpoints every tau seconds at a cost of delta
+each, under failures with mean time between them M, has its best goodput near
+tau = sqrt(2 * delta * M) (Daly's higher-order estimate: sqrt(2 * delta * M) - delta).
+
+The sweep drives the restart arithmetic that an allreduce run under `failures:` uses
+(`dsgd_cli.emulation.failures.RestartTimeline`: seeded failures per node, roll back to the
+last checkpoint, restart, redo) with steps of known modeled duration, as the compute model
+makes them: the allreduce run's modeled timeline without its training, so that many seeds and
+intervals fit on 2 shared cores. `--launch` adds a consistency check of a real run: one small
+`dsgd run` of allreduce under seeded failures, whose steps recorded down must be its
+failures and whose steps executed must be the 60 counted plus its lost steps.
+
+    python benchmarks/failures.py [--seeds 20] [--steps 20000] [--launch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dsgd_cli.emulation.failures import RestartTimeline, parse_failures  # noqa: E402
+
+
+def goodput(every: int, seed: int, *, steps: int, step_seconds: float, write: float,
+            restart: float, mtbf: float, nodes: int) -> float:
+    """Useful modeled time over the run's modeled time, `steps` steps counted."""
+    options = parse_failures({"mtbf": mtbf, "restart": restart, "checkpoint_every": every,
+                              "checkpoint_seconds": write, "seed": seed}, "failures")
+    timeline, now, step = RestartTimeline(options, nodes), 0.0, 0
+    while step < steps:
+        now += step_seconds
+        step += 1
+        decision = timeline.after_step(step, now)
+        now += decision.skip_seconds
+        if decision.rollback_to is not None:
+            step = decision.rollback_to
+    return steps * step_seconds / now
+
+
+def sweep(args) -> None:
+    job_mtbf = args.mtbf / args.nodes  # the nodes' failures add up
+    young = math.sqrt(2 * args.write * job_mtbf)
+    daly = young - args.write
+    print(f"step {args.step_seconds} s, checkpoint write {args.write} s, restart {args.restart} s, "
+          f"{args.nodes} nodes of MTBF {args.mtbf} s (job {job_mtbf:g} s), {args.steps} steps, "
+          f"{args.seeds} seeds; load average {os.getloadavg()[0]:.2f}")
+    print(f"Young: tau = {young:.1f} s = {young / args.step_seconds:.0f} steps; "
+          f"Daly: {daly:.1f} s = {daly / args.step_seconds:.0f} steps")
+    center = young / args.step_seconds
+    intervals = sorted({max(1, round(center * 2 ** (k / 4))) for k in range(-12, 13)})
+    means = {}
+    print(f"{'checkpoint_every':>16}  {'x Young':>8}  {'goodput':>8}  {'± s.e.':>7}")
+    for every in intervals:
+        values = [goodput(every, seed, steps=args.steps, step_seconds=args.step_seconds,
+                          write=args.write, restart=args.restart, mtbf=args.mtbf,
+                          nodes=args.nodes) for seed in range(args.seeds)]
+        means[every] = statistics.fmean(values)
+        error = statistics.stdev(values) / math.sqrt(len(values))
+        print(f"{every:>16}  {every / center:>8.2f}  {means[every]:>8.4f}  {error:>7.4f}")
+    best = max(means, key=means.get)
+    nearest = min(intervals, key=lambda every: abs(every - center))
+    print(f"best: every {best} steps ({best / center:.2f} x Young's interval), goodput "
+          f"{means[best]:.4f}; at Young's ({nearest} steps): {means[nearest]:.4f} "
+          f"({means[best] - means[nearest]:.4f} less)")
+
+
+def launch_check() -> None:
+    """One `dsgd run` of allreduce with seeded failures: its recorded failures and lost steps
+    against its per-step records."""
+    from dsgd_cli.results.store import Store
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, db = Path(tmp) / "spec.yaml", Path(tmp) / "r.db"
+        spec.write_text("""
+defaults:
+  task: {name: logreg}
+  workers: 2
+  epochs: 1
+  steps_per_epoch: 60
+  batch_size: 16
+  log_interval: 1
+  compute: {step_seconds: 0.02, time_scale: 2}
+experiments:
+  - name: allreduce
+    aggregator: {name: allreduce}
+    failures: {mtbf: 1.5s, restart: 0.5s, checkpoint_every: 8, checkpoint_seconds: 0.05s, seed: 3}
+""")
+        result = subprocess.run([sys.executable, "-m", "dsgd_cli", "run", str(spec), "--db", str(db)],
+                                capture_output=True, text=True)
+        if result.returncode:
+            sys.exit(result.stdout + result.stderr)
+        store = Store(str(db))
+        (run,) = store.runs()
+        summaries = {s.name: s.final for s in run.summaries}
+        up = [r for r in store.metric_history(run.id, "up") if r.rank == 0]
+        assert sum(r.value == 0 for r in up) == summaries["failures"]
+        assert len(up) == 60 + summaries["lost_steps"]
+        print(f"launched allreduce: {summaries['failures']:.0f} failures, "
+              f"{summaries['lost_steps']:.0f} lost steps, goodput {summaries['goodput']:.3f}, "
+              f"{sum(r.value == 0 for r in up)} steps recorded down, "
+              f"{len(up)} steps executed for 60 counted")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20_000)
+    parser.add_argument("--step-seconds", type=float, default=1.0)
+    parser.add_argument("--write", type=float, default=10.0, help="checkpoint_seconds")
+    parser.add_argument("--restart", type=float, default=60.0)
+    parser.add_argument("--mtbf", type=float, default=8000.0, help="per node")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--launch", action="store_true")
+    args = parser.parse_args()
+    sweep(args)
+    if args.launch:
+        launch_check()
+
+
+if __name__ == "__main__":
+    main()

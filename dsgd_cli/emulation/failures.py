@@ -1,0 +1,302 @@
+"""Failures on the modeled clock: the spec's `failures:` section, the seeded failure schedule,
+and the `restart` emulation of a synchronous job (docs/failures.md).
+
+The processes stay up: a failure is an event on the modeled timeline. Under `restart` (the
+aggregators' default, `Aggregator.failure_mode`), every worker rolls back to the last emulated
+checkpoint, the modeled clock skips the restart time, and the steps since that checkpoint are
+redone. Nothing here reads the real clock: the runtime passes modeled times in, so that the
+arithmetic (`RestartTimeline`) is testable and benchmarkable without training.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import random
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator
+
+from dsgd_cli.errors import SpecError
+from dsgd_cli.options import option, options_to_dict, parse_options, show
+from dsgd_cli.units import parse_duration
+
+FAILURE_MODES = ("restart", "continue")
+
+
+@dataclass(frozen=True)
+class FixedFailure:
+    """One failure at a fixed modeled time: `{node: 1, time: 300s}`."""
+
+    spec_section: ClassVar[bool] = True
+
+    node: int = option(min=0, help="the node that fails (the worker without cluster.nodes)")
+    time: Any = option(help="modeled time since the start of training, such as 300s")
+
+    def __post_init__(self):
+        object.__setattr__(self, "time", parse_duration(self.time, "time"))
+
+
+@dataclass(frozen=True)
+class FailureOptions:
+    """The spec's `failures:` section. Durations are stored in seconds."""
+
+    spec_section: ClassVar[bool] = True
+
+    restart: Any = option(help="modeled time a failed node is away before it can rejoin")
+    mtbf: Any = option(None, help="mean modeled time between failures of one node (of one "
+                                  "worker without cluster.nodes), exponential; null: only `at`")
+    checkpoint_every: int | None = option(
+        None, min=1, max=2**31 - 1,
+        help="steps between the emulated checkpoints a restart rolls back to "
+             "(null: back to the start)")
+    checkpoint_seconds: Any = option(0.0, help="modeled cost of writing one checkpoint")
+    seed: int = option(0, min=0, max=2**32 - 1, help="same seed, same failure times")
+    at: list[Any] = option([], help="failures at fixed times: [{node: 1, time: 300s}]")
+
+    def __post_init__(self):
+        convert = object.__setattr__
+        if self.mtbf is not None:
+            convert(self, "mtbf", parse_duration(self.mtbf, "mtbf", positive=True))
+        convert(self, "restart", parse_duration(self.restart, "restart"))
+        convert(self, "checkpoint_seconds",
+                parse_duration(self.checkpoint_seconds, "checkpoint_seconds"))
+        fixed = []
+        for index, entry in enumerate(self.at):
+            if not isinstance(entry, dict):
+                raise SpecError(f"expected a mapping with keys node, time, got {show(entry)}",
+                                path=f"at[{index}]")
+            parsed = parse_options(FixedFailure, entry, f"at[{index}]")  # a path in the section
+            fixed.append({"node": parsed.node, "time": parsed.time})
+        convert(self, "at", fixed)
+        if self.mtbf is None and not self.at:
+            raise SpecError("no failure would ever happen: give mtbf, at, or both", path="mtbf")
+        if self.checkpoint_every is None and self.checkpoint_seconds > 0:
+            raise SpecError("checkpoint_seconds needs checkpoint_every (no checkpoint is "
+                            "written without it)", path="checkpoint_seconds")
+
+
+def parse_failures(raw: Any, path: str) -> dict[str, Any] | None:
+    """The spec's `failures` section as stored in the run's configuration (plain data,
+    seconds), or None without one."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise SpecError("expected a mapping with keys mtbf, restart, checkpoint_every, "
+                        "checkpoint_seconds, seed, at", path=path)
+    return options_to_dict(parse_options(FailureOptions, raw, path))
+
+
+def node_count(config: dict[str, Any]) -> int:
+    """The failure domains: the cluster's nodes, or one per worker without them."""
+    cluster = config.get("cluster")
+    return cluster["nodes"] if cluster else config["workers"]
+
+
+def node_of(rank: int, workers: int, nodes: int) -> int:
+    """The node rank `rank` runs on: workers are split over nodes in consecutive blocks."""
+    return rank // (workers // nodes)
+
+
+def check_failures(config: dict[str, Any], aggregator_cls: type, path: str) -> None:
+    """Refuse a failure model the run cannot emulate: a fixed failure of a node that does not
+    exist, an aggregator that cannot run under failures, a samples budget."""
+    failures = config.get("failures")
+    if failures is None:
+        return
+    nodes = node_count(config)
+    for index, fixed in enumerate(failures["at"]):
+        if fixed["node"] >= nodes:
+            domain = "cluster.nodes" if config.get("cluster") else "workers"
+            raise SpecError(f"expected a node between 0 and {nodes - 1} (the run has {nodes} "
+                            f"{domain}), got {fixed['node']}", path=f"{path}.at[{index}].node")
+    budget = config.get("budget")
+    if budget is not None and budget.get("samples") is not None:
+        raise SpecError("a samples budget would count the samples of rolled-back steps; use "
+                        "epochs or a seconds budget with failures", path=path)
+    reason = unsupported_reason(aggregator_cls)
+    if reason is not None:
+        raise SpecError(f"aggregator {aggregator_cls.plugin_name!r} cannot run under failures: "
+                        f"{reason}", path=path)
+
+
+def unsupported_reason(aggregator_cls: type) -> str | None:
+    """Why `aggregator_cls` cannot run under the failure emulation, or None if it can."""
+    mode = getattr(aggregator_cls, "failure_mode", "restart")
+    if mode is None:
+        return getattr(aggregator_cls, "failure_refusal", None) or "it declares failure_mode = None"
+    if mode == "continue":
+        return ("it declares failure_mode 'continue', which this version does not emulate yet "
+                "(only 'restart')")
+    if mode != "restart":
+        return f"unknown failure_mode {mode!r} (expected one of {', '.join(FAILURE_MODES)})"
+    if aggregator_cls.asynchronous or aggregator_cls.steps_may_differ or aggregator_cls.decides_stop:
+        return ("a restart rolls every worker back to the same step, and its workers do not "
+                "run in step (asynchronous, or steps that may differ)")
+    return None
+
+
+# -- the schedule -------------------------------------------------------------------------
+
+def _node_stream(mtbf: float, seed: int, node: int) -> Iterator[tuple[float, int]]:
+    """One node's failures, (time, node): exponential gaps of mean `mtbf`, from the node's own
+    generator, so that a node's times do not depend on how many nodes there are."""
+    generator = random.Random(seed * 1_000_003 + node)
+    time = 0.0
+    while True:
+        time += generator.expovariate(1.0 / mtbf)
+        yield time, node
+
+
+def failure_times(options: dict[str, Any], nodes: int) -> Iterator[tuple[float, int]]:
+    """Every failure of the run, as (modeled time, node), in time order (then node order):
+    the seeded exponential ones of each node and the fixed ones of `at`. Endless with
+    `mtbf`; the same on every worker."""
+    streams = [iter(sorted((f["time"], f["node"]) for f in options["at"]))]
+    if options["mtbf"] is not None:
+        for node in range(nodes):
+            streams.append(_node_stream(options["mtbf"], options["seed"], node))
+    return heapq.merge(*streams)
+
+
+def first_failures(options: dict[str, Any], nodes: int, count: int) -> list[tuple[float, int]]:
+    times = failure_times(options, nodes)
+    return [next(times) for _ in range(count)]
+
+
+# -- the restart arithmetic ---------------------------------------------------------------
+
+@dataclass
+class Decision:
+    """What the runtime does at a step boundary."""
+
+    checkpoint: bool = False  # snapshot now
+    rollback_to: int | None = None  # a failure struck: go back to this step's snapshot
+    skip_seconds: float = 0.0  # modeled time the clock skips (restart or checkpoint write)
+    struck: tuple[float, int] | None = None  # (time, node) of the failure
+
+
+class RestartTimeline:
+    """The `restart` policy on one worker's modeled timeline, driven by `after_step`.
+
+    A failure takes effect at the first step boundary at or after the time it strikes
+    (failures are quantized to steps: the step during which it strikes is lost whole). Then
+    every worker rolls back to the last checkpoint and the clock skips `restart`; the failures
+    that strike while the job is down are part of that same restart. A checkpoint is written
+    every `checkpoint_every` steps and costs `checkpoint_seconds`. `lost_seconds` is this
+    worker's modeled time not spent on work that counted: the rolled-back work (from the end of
+    the checkpoint rolled back to until the failure's step boundary), the restarts and the
+    checkpoint writes.
+    """
+
+    def __init__(self, options: dict[str, Any], nodes: int, start: float = 0.0,
+                 start_step: int = 0):
+        self.options = options
+        self._times = failure_times(options, nodes)
+        self._next = next(self._times, None)
+        self._skip_until(start)  # a resumed run: the failures before it are behind it
+        # The start of training is the first checkpoint, written for free.
+        self.saved_step, self.saved_at = start_step, start
+        self.failures = 0
+        self.checkpoints = 0
+        self.lost_steps = 0
+        self.lost_seconds = 0.0
+
+    def next_failure(self) -> tuple[float, int] | None:
+        return self._next
+
+    def after_step(self, step: int, now: float) -> Decision:
+        """`step` steps are done at modeled time `now` (the same on every worker)."""
+        if self._next is not None and self._next[0] <= now:
+            struck = self._next
+            restart = self.options["restart"]
+            self.failures += 1
+            self.lost_steps += step - self.saved_step
+            self.lost_seconds += (now - self.saved_at) + restart
+            self._skip_until(now + restart)
+            self.saved_at = now + restart  # work from here on counts again
+            return Decision(rollback_to=self.saved_step, skip_seconds=restart, struck=struck)
+        every = self.options["checkpoint_every"]
+        if every and step % every == 0 and step > self.saved_step:
+            cost = self.options["checkpoint_seconds"]
+            self.checkpoints += 1
+            self.lost_seconds += cost
+            self.saved_step, self.saved_at = step, now + cost
+            return Decision(checkpoint=True, skip_seconds=cost)
+        return Decision()
+
+    def _skip_until(self, time: float) -> None:
+        """Drop the failures that strike at or before `time` (the job is down)."""
+        while self._next is not None and self._next[0] <= time:
+            self._next = next(self._times, None)
+
+
+# -- the runtime --------------------------------------------------------------------------
+
+class FailureEmulation:
+    """`restart` failures in one worker's training loop (training.py calls `after_step` at
+    each step boundary). Every worker takes the same decisions: the boundary's time is agreed
+    by an all-reduce (max) of the workers' modeled clocks, untracked, so that a failure that
+    strikes close to a boundary is seen on the same side of it by all of them."""
+
+    def __init__(self, worker: Any, start: float, step: int = 0, samples: int = 0):
+        """`start`: the modeled time training starts at, after `step` steps (a resumed run)."""
+        config = worker.config
+        self.worker = worker
+        self.timeline = RestartTimeline(config["failures"], node_count(config), start, step)
+        self._snapshot = self._take(step, samples)
+
+    def after_step(self, step: int, samples: int) -> tuple[int, int] | None:
+        """Apply what a failure or a checkpoint does after `step` steps; return the (step,
+        samples) to go back to after a failure, else None. Logs `up` (0 for a struck step)."""
+        decision = self.timeline.after_step(step, self._agreed_time())
+        worker = self.worker
+        worker.interval.log("up", 0.0 if decision.rollback_to is not None else 1.0)
+        worker.ctx.clock.skip(decision.skip_seconds)
+        if decision.checkpoint:
+            self._snapshot = self._take(step, samples)
+        if decision.rollback_to is None:
+            return None
+        return self._restore()
+
+    def totals(self) -> dict[str, float]:
+        timeline = self.timeline
+        return {"failures": timeline.failures, "lost_seconds": timeline.lost_seconds,
+                "lost_steps": timeline.lost_steps, "checkpoints": timeline.checkpoints}
+
+    def _agreed_time(self) -> float:
+        import torch
+
+        worker = self.worker
+        now = torch.tensor([worker.ctx.clock.elapsed()], dtype=torch.float64, device=worker.device)
+        with worker.comm.untracked():
+            worker.comm.all_reduce(now, "max")
+        return float(now.item())
+
+    def _take(self, step: int, samples: int) -> dict[str, Any]:
+        from dsgd_cli.worker import checkpoint
+
+        worker = self.worker
+        # state_dict() waits for the aggregator's communication in flight (DaSGD's delayed
+        # average), as a checkpoint does: the snapshot is the state at this boundary.
+        return copy.deepcopy({
+            "step": step, "samples": samples, "seconds": worker.ctx.clock.elapsed(),
+            "model": worker.model.state_dict(),
+            "optimizer": worker.optimizer.state_dict(),
+            "aggregator": worker.aggregator.state_dict(),
+            "compressor": worker.ctx.compressor.state_dict(),
+            "rng": checkpoint.rng_state(worker.device)})
+
+    def _restore(self) -> tuple[int, int]:
+        from dsgd_cli.worker import checkpoint
+
+        worker, saved = self.worker, copy.deepcopy(self._snapshot)
+        worker.aggregator.state_dict()  # completes what is in flight before it is replaced
+        worker.model.load_state_dict(saved["model"])
+        worker.optimizer.load_state_dict(saved["optimizer"])
+        worker.ctx.compressor.load_state_dict(saved["compressor"])
+        worker.aggregator.load_state_dict(saved["aggregator"])
+        checkpoint.set_rng_state(saved["rng"], worker.device)
+        reached_at = worker.evaluation.reached_at
+        if reached_at is not None and reached_at > saved["seconds"]:
+            worker.evaluation.reached_at = None  # the target was met by work that was lost
+        return saved["step"], saved["samples"]
