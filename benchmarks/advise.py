@@ -93,7 +93,7 @@ def main() -> None:
         measured = measure(db, args.target)
         overruns = overrun_steps(db) if args.compute else {}
     report(advice, measured, check, args)
-    if overruns:  # how far the emulated cluster's timing can be trusted (README)
+    if overruns:  # how far the emulated cluster's timing can be trusted (docs/cluster.md)
         worst = max(overruns, key=overruns.get)
         print(f"overrun_steps (steps whose real work overran the model by > 5%): at most "
               f"{overruns[worst]:.1%} ({worst}); " + ", ".join(

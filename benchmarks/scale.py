@@ -1,7 +1,7 @@
 """The emulated cluster against arithmetic, then the papers' comparisons at 16 to 32 workers.
 
 Two tables, each from real `dsgd run` launches (torchrun, gloo on CPU, every worker a process;
-README, "An emulated cluster"):
+docs/cluster.md, "An emulated cluster"):
 
 1. validation: with `compute.step_seconds: T` and batch B, n workers of allreduce must record
    n·B/T samples per second; with one worker at slowdown 2, half of it; backup with one

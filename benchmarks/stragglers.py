@@ -3,7 +3,7 @@
 Runs `examples/stragglers.yaml` through `dsgd run` (torchrun, gloo on CPU, 4 workers on
 mnist1d_cnn, 96,000 samples per run): allreduce, backup, wagma, lsgd, dasgd and adpsgd, (a)
 with one worker 3x slower and (b) with random stragglers (probability 0.2, slowdown 4). Each
-run's average model is evaluated 16 times over the budget (see the README's "Budgets").
+run's average model is evaluated 16 times over the budget (see docs/spec.md, "Budgets").
 
 Printed per scenario and algorithm, and as a ratio to that scenario's allreduce:
 

@@ -1,4 +1,4 @@
-"""What dsgd refuses to trust in its checkpoint and output directories (README, "Security"):
+"""What dsgd refuses to trust in its checkpoint and output directories (docs/security.md):
 a checkpoint file that would run code when loaded, one without its sum, a run directory that
 another user made or others may write to, entries named like a step that are links or files,
 a step newer than the run wrote; a model file or experiment directory planted under `save_dir`;

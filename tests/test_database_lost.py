@@ -16,6 +16,7 @@ import pytest
 from conftest import dsgd_in_process, write_spec
 from dsgd_cli.errors import StoreError
 from dsgd_cli.results.reader import Results
+from results_helpers import count_metrics
 
 SPEC = """
 experiments:
@@ -49,7 +50,7 @@ def _metrics_stored(db: Path) -> int:
     file can exist before its tables do)."""
     try:
         results = Results(str(db))
-        return results.count_metrics(1) if results.runs() else 0
+        return count_metrics(results, 1) if results.runs() else 0
     except StoreError:
         return 0
 
@@ -66,7 +67,7 @@ def test_a_database_that_stops_taking_writes_mid_run(tmp_path, immutable_files):
         while _metrics_stored(db) <= 4:
             assert process.poll() is None and time.monotonic() < deadline, process.communicate()
             time.sleep(0.5)
-        stored_before = Results(str(db)).count_metrics(1)
+        stored_before = count_metrics(Results(str(db)), 1)
         immutable_files(db, Path(f"{db}-wal"))
         _, stderr = process.communicate(timeout=120)
     finally:
@@ -99,7 +100,7 @@ def test_a_database_that_stops_taking_writes_mid_run(tmp_path, immutable_files):
     (run,) = Results(str(db)).runs()
     assert (run.status, run.reason) == (
         "interrupted", f"stopped: the results database could not be written ({match.group(1)})")
-    assert Results(str(db)).count_metrics(1) > stored_before
+    assert count_metrics(Results(str(db)), 1) > stored_before
     steps = [r.step for r in Results(str(db)).metric_history(1, "train_loss") if r.rank == 0]
     assert steps == list(range(1, len(steps) + 1))  # every step recorded once
     assert not kept.exists()

@@ -309,7 +309,7 @@ def test_layout_names_every_package():
 def test_option_rows_show_sections_and_open_bounds():
     from dataclasses import dataclass
 
-    from dsgd_cli.commands.plugins import option_rows
+    from dsgd_cli.commands.reference import option_rows
     from dsgd_cli.options import option
 
     @dataclass
@@ -323,6 +323,26 @@ def test_option_rows_show_sections_and_open_bounds():
     assert rows["base"]["type"] == "an aggregator section"
     assert [rows[name]["bounds"] for name in ("rate", "share", "count")] == [
         "> 0 and <= 2", "0 to 1", ">= 1"]
+
+
+def test_option_rows_show_a_sentinel_default_as_absent_and_leave_derived_fields_out():
+    """The reference is the same text on every run: a sentinel default would print its address."""
+    from dataclasses import dataclass, field
+
+    from dsgd_cli.commands.reference import option_rows
+    from dsgd_cli.options import option
+
+    left_out = object()
+
+    @dataclass(frozen=True)
+    class Link:
+        bandwidth: object = option(left_out, help="absent: unlimited")
+        latency: float = option(0.0)
+        latency_s: float = field(init=False, default=0.0)  # derived from `latency`
+
+    rows = option_rows(Link)
+    assert [row["option"] for row in rows] == ["bandwidth", "latency"]
+    assert [row["default"] for row in rows] == ["absent", 0.0]
 
 
 # ---------------------------------------------------------------------------

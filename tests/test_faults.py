@@ -30,6 +30,7 @@ from dsgd_cli.launch.outcome import RunResult, WorkerExit, run_result, torchrun_
 from dsgd_cli.options import option, parse_options
 from dsgd_cli.spec.experiments import load_spec
 from dsgd_cli.results.store import MetricRow, Store
+from results_helpers import count_metrics
 
 TINY = """
 defaults:
@@ -178,7 +179,7 @@ def test_store_drops_non_finite_values(tmp_path):
     store.add_metrics(run_id, [MetricRow("test_loss", float("nan"))])  # nothing left to insert
     store.finish_run(run_id, "diverged", "train_loss is nan at step 2 on rank 0", 0)
     assert [(m.step, m.value) for m in store.metric_history(run_id, "train_loss")] == [(1, 2.0)]
-    assert store.count_metrics(run_id) == 1
+    assert count_metrics(store, run_id) == 1
     run = store.get_run(run_id)
     assert {s.name: (s.final, s.best) for s in run.summaries} == {"train_loss": (2.0, 2.0)}
 
@@ -379,7 +380,7 @@ def _start_and_wait_for_training(spec: Path, db: Path, cwd: Path):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        if db.exists() and Store(str(db)).runs() and Store(str(db)).count_metrics(1) > 4:
+        if db.exists() and Store(str(db)).runs() and count_metrics(Store(str(db)), 1) > 4:
             workers = _workers(cli)
             if len(workers) == 2:
                 return cli, workers
@@ -516,7 +517,7 @@ def test_a_worker_killed_by_a_signal_is_named_with_the_signal(tmp_path, aggregat
     killed, after = Store(str(db)).runs()
     assert (killed.status, killed.failed_rank, killed.reason) == (
         "failed", 1, "rank 1: killed by SIGKILL")
-    assert Store(str(db)).count_metrics(killed.id) > 4  # what it recorded is kept
+    assert count_metrics(Store(str(db)), killed.id) > 4  # what it recorded is kept
     assert after.status == "completed"
     assert _alive(workers[0][1]) == []
 
@@ -635,7 +636,7 @@ def test_a_second_interrupt_kills_the_run_at_once(tmp_path):
                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         _wait_for(lambda: db.exists() and Store(str(db)).runs()
-                  and Store(str(db)).count_metrics(1) > 0, "metrics")
+                  and count_metrics(Store(str(db)), 1) > 0, "metrics")
         cli.send_signal(signal.SIGINT)
         # Both got SIGTERM, and dsgd waits for them to go.
         _wait_for(lambda: terminated.exists() and len(terminated.read_text().split()) == 2,

@@ -13,7 +13,8 @@ import dsgd_cli
 PACKAGE = Path(dsgd_cli.__file__).parent
 # Packages that no cycle may pass through. The whole of dsgd_cli once its last cycle (the spec
 # validator and the plugin API) is cut.
-NO_CYCLES_THROUGH = ("dsgd_cli.launch", "dsgd_cli.comm")
+NO_CYCLES_THROUGH = ("dsgd_cli.launch", "dsgd_cli.comm", "dsgd_cli.commands", "dsgd_cli.results")
+COMMANDS = "dsgd_cli.commands"
 
 
 def module_name(path: Path) -> str:
@@ -100,10 +101,28 @@ def test_imports_in_functions_count_and_those_for_type_checking_do_not(tmp_path)
     assert imported(source, "a.late", modules) == {"a.other", "a.lazy"}
 
 
-def test_no_import_cycle_passes_through_the_launcher_or_the_communication():
+def test_no_import_cycle_passes_through_the_covered_packages():
     graph = import_graph()
     assert "dsgd_cli.launch.torchrun" in graph["dsgd_cli.launch.launcher"]  # imports are read
     through = [sorted(component) for component in cycles(graph)
                if any(in_package(module, package) for module in component
                       for package in NO_CYCLES_THROUGH)]
     assert through == []
+
+
+def command_modules() -> set[str]:
+    """The modules that define a `dsgd` command: those cli.py imports from dsgd_cli.commands."""
+    cli = PACKAGE / "cli.py"
+    return {module for module in imported(cli, "dsgd_cli.cli", set(import_graph()))
+            if module.startswith(COMMANDS + ".")}
+
+
+def test_no_command_imports_another_command():
+    """Commands share options and output through helper modules (common, output, reference,
+    ...), never by importing one another."""
+    graph = import_graph()
+    commands = command_modules()
+    assert {"dsgd_cli.commands.run", "dsgd_cli.commands.compare"} <= commands  # cli.py is read
+    crossing = sorted((module, other) for module in graph if in_package(module, COMMANDS)
+                      for other in graph[module] if other in commands)
+    assert crossing == []

@@ -18,6 +18,7 @@ from dsgd_cli.results.reader import Results
 from dsgd_cli.results import store as store_module
 from dsgd_cli.errors import StoreError
 from dsgd_cli.results.store import SCHEMA_VERSION, Store
+from results_helpers import count_metrics
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "schema1.sqlitedb"
 
@@ -68,7 +69,7 @@ def test_a_writing_open_upgrades_in_place_keeping_everything(old_db):
     assert (first.ended_at - first.started_at).total_seconds() == 90.5
     assert first.started_at.isoformat() == "2024-05-01T10:00:00+00:00"
     assert first.tag_names == []
-    assert store.count_metrics(1) == store.count_metrics(2) == 6
+    assert count_metrics(store, 1) == count_metrics(store, 2) == 6
     assert [(m.step, m.rank, m.value) for m in store.metric_history(1, "train_loss")] == [
         (10, 0, 1.0), (10, 1, 1.0), (20, 0, 0.0), (20, 1, 0.0)]
     assert store.finals([1, 2]) == {1: {"train_loss": 0.0, "test_accuracy": 0.75},

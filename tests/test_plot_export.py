@@ -14,6 +14,7 @@ from conftest import dsgd_in_process as dsgd
 from dsgd_cli.results.reader import Results
 from dsgd_cli.results.plotting import differences, figure, group_lines, legend_labels, run_lines
 from test_compare import db  # noqa: F401  (the fixture)
+from results_helpers import count_metrics
 
 
 def test_one_line_per_run_labelled_by_its_experiment(db):
@@ -128,7 +129,7 @@ def test_export_csv_is_the_long_history_with_the_columns_asked_for(db):
 
 def test_export_json_and_parquet_hold_every_record(db, tmp_path):
     store = Results(str(db))
-    total = sum(store.count_metrics(run.id) for run in store.runs())
+    total = sum(count_metrics(store, run.id) for run in store.runs())
     result = dsgd("export", "--db", str(db), "--format", "json")
     records = json.loads(result.stdout)
     assert len(records) == total
@@ -141,7 +142,7 @@ def test_export_json_and_parquet_hold_every_record(db, tmp_path):
     result = dsgd("export", "--db", str(db), "base", "-c", "seed", "-f", "parquet", "-o", str(out))
     assert result.returncode == 0, result.stderr
     table = pyarrow_parquet.read_table(out).to_pylist()
-    assert len(table) == store.count_metrics(1) + store.count_metrics(2)
+    assert len(table) == count_metrics(store, 1) + count_metrics(store, 2)
     assert {row["seed"] for row in table} == {0, 1}
 
 

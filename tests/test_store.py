@@ -297,7 +297,6 @@ def test_every_table_and_column_the_reader_reads_is_the_models(tmp_path, monkeyp
         "metric_history": lambda: reader.metric_history(1, "train_loss"),
         "step_curves": lambda: reader.step_curves([1, 2], "train_loss"),
         "metric_names": lambda: reader.metric_names([1]),
-        "count_metrics": lambda: reader.count_metrics(1),
     }
     for answer in questions.values():
         answer()

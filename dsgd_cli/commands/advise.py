@@ -9,8 +9,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption
-from dsgd_cli.commands.compare import WhereOption
+from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption, WhereOption
 from dsgd_cli.commands.output import check_format, fitted, render
 from dsgd_cli.errors import DsgdError
 

@@ -12,6 +12,10 @@ ExperimentOption = Annotated[Optional[list[str]], typer.Option(
     "--experiment", "-e", help="Only this experiment (repeatable; a grid's base name selects all its points)")]
 ColumnsOption = Annotated[Optional[str], typer.Option(
     "--columns", help="The table's columns, in this order (a,b,c); csv and json keep them all")]
+LastOption = Annotated[Optional[int], typer.Option("--last", min=1, help="Only the newest N runs")]
+WhereOption = Annotated[Optional[list[str]], typer.Option(
+    "--where", "-w", help="Only runs where KEY OP VALUE holds: a column (status, aggregator, "
+    "workers, tag, ...) or a configuration key (optimizer.lr); OP is = != < <= > >= (repeatable)")]
 
 
 def split_columns(text: str | None) -> list[str] | None:

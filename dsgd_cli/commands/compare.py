@@ -7,14 +7,11 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from dsgd_cli.commands.common import ColumnsOption, DbOption, ExperimentOption, FormatOption, split_columns
+from dsgd_cli.commands.common import (ColumnsOption, DbOption, ExperimentOption, FormatOption,
+                                     LastOption, WhereOption, split_columns)
 from dsgd_cli.commands.output import check_format, fitted, readable, render
 
 RUN_COLUMNS = ["id", "experiment", "aggregator", "optimizer", "task", "workers", "clock", "status"]
-
-WhereOption = Annotated[Optional[list[str]], typer.Option(
-    "--where", "-w", help="Only runs where KEY OP VALUE holds: a column (status, aggregator, "
-    "workers, tag, ...) or a configuration key (optimizer.lr); OP is = != < <= > >= (repeatable)")]
 
 
 def compare(
@@ -30,7 +27,7 @@ def compare(
         "--target", help="METRIC=VALUE: adds time, steps and bytes to first reach it")] = None,
     sort: Annotated[Optional[str], typer.Option(
         "--sort", help="Sort by this column (a leading - sorts descending)")] = None,
-    last: Annotated[Optional[int], typer.Option("--last", min=1, help="Only the newest N runs")] = None,
+    last: LastOption = None,
     metric: Annotated[Optional[list[str]], typer.Option(
         "--metric", "-m", help="Another metric column (repeatable)")] = None,
     fmt: FormatOption = "simple",

@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Iterator, Optional
 import typer
 
 from dsgd_cli.results import strictjson
-from dsgd_cli.commands.common import DbOption
-from dsgd_cli.commands.compare import WhereOption
+from dsgd_cli.commands.common import DbOption, WhereOption
 from dsgd_cli.errors import DsgdError
 
 if TYPE_CHECKING:

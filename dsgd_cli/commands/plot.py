@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from dsgd_cli.commands.common import DbOption
-from dsgd_cli.commands.compare import WhereOption
+from dsgd_cli.commands.common import DbOption, LastOption, WhereOption
 from dsgd_cli.errors import DsgdError
 
 if TYPE_CHECKING:
@@ -32,7 +31,7 @@ def plot(
         "--band", help="What a group's band shows: ci (the 95% interval of the mean) or std")] = "ci",
     metric: Annotated[str, typer.Option("--metric", "-m", help="The metric to plot")] = "test_accuracy",
     x: Annotated[str, typer.Option("--x", help="The x axis: step, epoch, seconds or bytes")] = "step",
-    last: Annotated[Optional[int], typer.Option("--last", min=1, help="Only the newest N runs")] = None,
+    last: LastOption = None,
     spec: Annotated[Optional[Path], typer.Option(
         "--spec", help="Only the newest run of each experiment of this spec")] = None,
     output: Annotated[Optional[Path], typer.Option(

@@ -3,15 +3,14 @@ name, one plugin's description and options, from its own declaration."""
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import json
-import typing
 from typing import Annotated, Any, Optional
 
 import typer
 
 from dsgd_cli.commands.output import render
+from dsgd_cli.commands.reference import (ABSENT, REQUIRED, describe, plugin_markdown,
+                                        reference_markdown)
 from dsgd_cli.errors import DsgdError
 
 
@@ -29,18 +28,17 @@ def plugins(
     """List registered aggregators, compressors, optimizers and tasks from their
     distributions' metadata, without importing them; --check loads each one. With NAME, show
     that plugin: what it does and each option with its type, default, bounds and help."""
-    from dsgd_cli.commands import reference
     from dsgd_cli.spec import registry
 
     if markdown and (check or as_json):
         raise DsgdError("--markdown goes with neither --check nor --json")
     if markdown and name is None:
-        typer.echo(reference.reference_markdown(), nl=False)
+        typer.echo(reference_markdown(), nl=False)
         return
     if name is not None:
         entry = _find(registry, name)
         if markdown:
-            typer.echo(reference.plugin_markdown(entry))
+            typer.echo(plugin_markdown(entry))
             return
         described = describe(entry)
         if as_json:
@@ -77,50 +75,6 @@ def _find(registry, text: str):
     return found[0]
 
 
-def describe(entry) -> dict[str, Any]:
-    """A plugin's kind, name, distribution, description (its docstring) and options."""
-    cls = entry.load()
-    return {"kind": entry.kind, "name": entry.name, "distribution": entry.distribution,
-            "version": entry.version, "target": entry.target,
-            "description": inspect.cleandoc(cls.__doc__ or "").strip(),
-            "options": option_rows(cls.Options)}
-
-
-def option_rows(options_class: type) -> list[dict[str, Any]]:
-    """Each option of an `Options` dataclass as declared with `option(...)`: name, type,
-    default (`required` when it has none), bounds and help."""
-    from dsgd_cli.options import describe_type
-
-    hints = typing.get_type_hints(options_class)
-    rows = []
-    for field in dataclasses.fields(options_class):
-        if field.default is not dataclasses.MISSING:
-            default = field.default
-        elif field.default_factory is not dataclasses.MISSING:
-            default = field.default_factory()
-        else:
-            default = "required"
-        bounds = _bounds(field.metadata)
-        section_of = field.metadata.get("plugin")  # a nested plugin section (slowmo's `base`)
-        article = "an" if section_of and section_of[0] in "aeiou" else "a"
-        shown_type = (f"{article} {section_of} section" if section_of
-                      else describe_type(hints.get(field.name, field.type)))
-        rows.append({"option": field.name, "type": shown_type,
-                     "default": default, "bounds": bounds,
-                     "help": field.metadata.get("help", "")})
-    return rows
-
-
-def _bounds(metadata) -> str:
-    """An option's bounds as declared: `>= 1`, `<= 0.999`, `0 to 1`, `> 0` (`more_than`)."""
-    low, high, above = metadata.get("min"), metadata.get("max"), metadata.get("more_than")
-    if above is not None:
-        return f"> {above}" + ("" if high is None else f" and <= {high}")
-    if low is None and high is None:
-        return ""
-    return f">= {low}" if high is None else f"<= {high}" if low is None else f"{low} to {high}"
-
-
 def _as_text(described: dict[str, Any]) -> str:
     lines = [f"{described['kind']} {described['name']} ({described['target']}, from "
              f"{described['distribution']} {described['version']})"]
@@ -129,6 +83,7 @@ def _as_text(described: dict[str, Any]) -> str:
     lines += ["", "options:" if described["options"] else "options: none"]
     if described["options"]:
         shown = [{**row, "default": json.dumps(row["default"], default=str)
-                  if row["default"] != "required" else "required"} for row in described["options"]]
+                  if row["default"] not in (REQUIRED, ABSENT) else row["default"]}
+                 for row in described["options"]]
         lines.append(render(shown, "simple", ["option", "type", "default", "bounds", "help"]))
     return "\n".join(lines)

@@ -1,6 +1,6 @@
-"""The plugin reference, docs/reference.md, written from declarations alone: every experiment
-key and each built-in plugin's options (type, default, bounds, help) as their `option(...)`
-declarations give them. `dsgd plugins --markdown` prints it, `make docs` writes it, and a test fails when
+"""Plugins described from their declarations alone, for `dsgd plugins NAME` and for the plugin
+reference, docs/reference.md: every experiment key and each built-in plugin's options (type,
+default, bounds, help) as their `option(...)` declarations give them. `dsgd plugins --markdown` prints it, `make docs` writes it, and a test fails when
 the committed file differs from what this prints, so a new key or option cannot go
 undocumented."""
 
@@ -38,8 +38,6 @@ def reference_markdown() -> str:
 
 def plugin_markdown(entry) -> str:
     """One plugin's section: its name, where it comes from, its docstring and its options."""
-    from dsgd_cli.commands.plugins import describe
-
     described = describe(entry)
     lines = [f"### `{described['name']}`", "",
              f"`{described['target']}` (`{described['kind']}` from {described['distribution']})"]
@@ -53,8 +51,67 @@ def plugin_markdown(entry) -> str:
     return "\n".join(lines)
 
 
+def describe(entry) -> dict[str, Any]:
+    """A plugin's kind, name, distribution, description (its docstring) and options."""
+    cls = entry.load()
+    return {"kind": entry.kind, "name": entry.name, "distribution": entry.distribution,
+            "version": entry.version, "target": entry.target,
+            "description": inspect.cleandoc(cls.__doc__ or "").strip(),
+            "options": option_rows(cls.Options)}
+
+
+# What `option_rows` shows for a default it cannot show as a value: none at all, and a
+# sentinel (an option that may be left out, and then has no value, as a link's `bandwidth`).
+REQUIRED, ABSENT = "required", "absent"
+_PLAIN_DEFAULTS = (type(None), bool, int, float, str, list, tuple, dict)
+
+
+def option_rows(options_class: type) -> list[dict[str, Any]]:
+    """Each option of an `Options` dataclass as declared with `option(...)`: name, type,
+    default (`required` when it has none, `absent` for a sentinel), bounds and help. Fields
+    that are not initialised from the spec (`init=False`: derived from the options) are not
+    options and are left out."""
+    from dsgd_cli.options import describe_type
+
+    hints = typing.get_type_hints(options_class)
+    rows = []
+    for field in dataclasses.fields(options_class):
+        if not field.init:
+            continue
+        bounds = _bounds(field.metadata)
+        section_of = field.metadata.get("plugin")  # a nested plugin section (slowmo's `base`)
+        article = "an" if section_of and section_of[0] in "aeiou" else "a"
+        shown_type = (f"{article} {section_of} section" if section_of
+                      else describe_type(hints.get(field.name, field.type)))
+        rows.append({"option": field.name, "type": shown_type,
+                     "default": _declared_default(field), "bounds": bounds,
+                     "help": field.metadata.get("help", "")})
+    return rows
+
+
+def _declared_default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        default = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+        default = field.default_factory()
+    else:
+        return REQUIRED
+    # A sentinel would print as `<object object at 0x…>`, a new address each time.
+    return default if isinstance(default, _PLAIN_DEFAULTS) else ABSENT
+
+
+def _bounds(metadata) -> str:
+    """An option's bounds as declared: `>= 1`, `<= 0.999`, `0 to 1`, `> 0` (`more_than`)."""
+    low, high, above = metadata.get("min"), metadata.get("max"), metadata.get("more_than")
+    if above is not None:
+        return f"> {above}" + ("" if high is None else f" and <= {high}")
+    if low is None and high is None:
+        return ""
+    return f">= {low}" if high is None else f"<= {high}" if low is None else f"{low} to {high}"
+
+
 # The two keys the spec file itself handles (specfile.py), not an experiment's options.
-NAME_ROW = {"option": "name", "type": "a string", "default": "required", "bounds": "",
+NAME_ROW = {"option": "name", "type": "a string", "default": REQUIRED, "bounds": "",
             "help": "unique; names the run and its save_dir directory; a grid point is "
                     "name[key=value,…]"}
 GRID_ROW = {"option": "grid", "type": "a mapping", "default": None, "bounds": "",
@@ -68,13 +125,11 @@ def experiment_key_rows() -> list[dict[str, Any]]:
     from dsgd_cli.spec.experiment_options import ExperimentOptions
 
     rows = [NAME_ROW, *_section_rows(ExperimentOptions, ""), GRID_ROW]
-    return [{**row, "default": "required"} if row["option"] in REQUIRED_KEYS else row
+    return [{**row, "default": REQUIRED} if row["option"] in REQUIRED_KEYS else row
             for row in rows]
 
 
 def _section_rows(options_class: type, prefix: str) -> list[dict[str, Any]]:
-    from dsgd_cli.commands.plugins import option_rows
-
     hints = typing.get_type_hints(options_class)
     rows = []
     for row in option_rows(options_class):
@@ -110,7 +165,7 @@ def _experiment_keys() -> str:
 
 
 def _options_table(rows: list[dict[str, Any]], first_column: str) -> str:
-    """Rows of `plugins.option_rows` as a Markdown table."""
+    """Rows of `option_rows` as a Markdown table."""
     lines = [f"| {first_column} | type | default | bounds | help |", "|---|---|---|---|---|"]
     for row in rows:
         cells = [f"`{row['option']}`", row["type"], _default(row["default"]), row["bounds"],
@@ -143,8 +198,8 @@ def _anchor(name: str) -> str:
 
 
 def _default(value: Any) -> str:
-    if value == "required":
-        return "required"
+    if value in (REQUIRED, ABSENT):
+        return value
     return f"`{json.dumps(value, default=str)}`"
 
 

@@ -13,7 +13,8 @@ from dsgd_cli.errors import DsgdError, RunFailed
 from dsgd_cli.commands.output import fitted
 
 if TYPE_CHECKING:
-    from dsgd_cli.launch.launcher import Progress as RunProgress, RunResult
+    from dsgd_cli.launch.outcome import RunResult
+    from dsgd_cli.launch.run_events import Progress as RunProgress
 
 ANNOUNCE_OVER = 100  # a spec with more experiments says how many before anything runs
 

@@ -135,12 +135,29 @@ def show(run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`")
     typer.echo("\nplugins:")
     typer.echo(render([{"kind": p.kind, "name": p.name, "distribution": p.distribution,
                         "version": p.version} for p in run.plugins]))
+    picture = _cluster_picture(store, run)
+    if picture:
+        typer.echo("")
+        typer.echo("\n".join(picture))
     typer.echo("\nmetrics:")
     # Each value in its metric's units (bytes in MB, seconds to three digits); a best value
     # only where the metric has a direction.
     typer.echo(render([{"metric": s.name, "final": readable(s.final, s.name),
                         "best": readable(s.best, s.name) if has_direction(s.name) else ""}
                        for s in sorted(run.summaries, key=lambda s: s.name)]))
+
+
+def _cluster_picture(store, run) -> list[str]:
+    """The run's cluster drawn with what it sent per link level (none without a cluster)."""
+    if not run.config.get("cluster"):
+        return []  # and nothing imported: the picture's imports load torch
+    from dsgd_cli.commands.cluster_picture import cluster_picture
+
+    def peak_rate(level: str) -> float | None:
+        records = store.metric_history(run.id, f"peak_rate_{level}")
+        return max((record.value for record in records), default=None)
+    finals = {summary.name: summary.final for summary in run.summaries}
+    return cluster_picture(run.config, finals, peak_rate)
 
 
 def _status_line(status: str, reason: str | None) -> str:

@@ -306,13 +306,6 @@ class ResultsReader:
         return sorted({name for _, name in self._for_runs(
             f"SELECT DISTINCT run_id, name FROM {METRICS}", run_ids, "name")})
 
-    def count_metrics(self, run_id: int) -> int:
-        """How many metric records a run holds, counted by the database. No command needs it;
-        the tests do, to check what a run recorded on SQLite and PostgreSQL alike and to poll
-        a run that is still writing, without depending on the table layout."""
-        return self._sql.rows("SELECT count(*) FROM metrics WHERE run_id = :run_id",
-                              {"run_id": run_id})[0][0]
-
 
 Results = ResultsReader  # its name before the writer was parted from it (commands, benchmarks)
 

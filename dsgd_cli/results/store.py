@@ -299,7 +299,6 @@ class ResultsWriter:
     checkpoint_dir = _Read()
     resumes = _Read()
     connect = _Read()
-    count_metrics = _Read()
 
     def _migrate(self) -> None:
         """Create the schema of a new database, or upgrade an older one one version at a time,

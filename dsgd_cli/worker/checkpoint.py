@@ -12,7 +12,7 @@ step it resumes from are checked against their sums: a file damaged since (trunc
 overwritten) or without a sum makes it fall back to the step before, when that one is
 complete and sound.
 
-What is loaded can be trusted no further than the directory it is in (README, "Security"):
+What is loaded can be trusted no further than the directory it is in (docs/security.md):
 the first worker to save makes the run's directory itself, mode 0700, and one that another
 user made, or that others may write to, is refused, on saving and on loading; so is a run
 directory in a root where another user could swap it for theirs (a root of another user's,
@@ -403,7 +403,7 @@ def storable(value, where: str):
         return _storable_dict(value, where)
     raise TypeError(f"a checkpoint cannot hold {where}, a {type(value).__module__}."
                     f"{type(value).__qualname__}: only tensors, numbers, strings, and lists, "
-                    "tuples and dicts of these (README, \"Writing a plugin\")")
+                    "tuples and dicts of these (docs/writing-plugins.md, \"State and resume\")")
 
 
 def _storable_dict(value: dict, where: str) -> dict:

@@ -1,7 +1,7 @@
 """The model as one flat vector: what gossip algorithms send, average and push.
 
 It holds the parameters, followed by the floating-point buffers (batch-norm statistics) when
-`sync_buffers` is on; otherwise buffers stay local to each worker (README, the options every
+`sync_buffers` is on; otherwise buffers stay local to each worker (docs/plugins.md, the options every
 aggregator accepts).
 """
 
