@@ -15,7 +15,11 @@ import torch
 
 from conftest import compare_json, dsgd, dsgd_in_process, write_spec
 from distributed import run_workers
-from dsgd_cli.comm.cluster import Cluster, Link
+from dsgd_cli.comm.cluster import LEVELS, Cluster, Link
+from dsgd_cli.commands.cluster_picture import cluster_picture
+from dsgd_cli.commands.output import readable_bytes
+from dsgd_cli.emulation.clock import Clock
+from dsgd_cli.emulation.network import real_cluster
 from dsgd_cli.results.store import Store
 from dsgd_cli.errors import SpecError
 from dsgd_cli.spec.cluster_spec import cluster_model
@@ -249,7 +253,7 @@ def test_bytes_per_level_sum_to_the_bytes_sent():
 
 
 def test_the_scaled_cluster_is_the_modeled_one_in_real_time():
-    cluster = four_by_two().scaled(4)
+    cluster = real_cluster(four_by_two(), Clock(4))
     assert cluster.ring_all_reduce_seconds(range(8), 1e6) == pytest.approx(
         4 * four_by_two().ring_all_reduce_seconds(range(8), 1e6))
 
@@ -294,6 +298,21 @@ def test_the_example_validates_and_the_dry_run_shows_its_cluster(tmp_path):
     assert result.stdout.count(
         "cluster: 4 nodes × 2 workers; intra_node 12.5 GB/s = 100 Gbit/s, latency 5 µs; "
         "inter_node 12.5 MB/s = 100 Mbit/s, latency 1 ms; NIC shared") == 4
+
+
+def test_the_published_settings_examples_are_the_papers_networks():
+    examples = EXAMPLE.parent
+    sgp = {e.name: e.config for e in load_spec(examples / "sgp_networks.yaml")}
+    assert {c["aggregator"]["name"] for c in sgp.values()} == {"allreduce", "sgp"}
+    inter_node = {name.split("[")[0]: c["cluster"]["links"]["inter_node"]["bytes_per_second"]
+                  for name, c in sgp.items()}
+    assert inter_node == {"sgp-networks-ethernet": 10e9 / 8, "sgp-networks-infiniband": 100e9 / 8}
+    compression = [e.config for e in load_spec(examples / "compression_crossover.yaml")]
+    assert {(c["network"]["bytes_per_second"] * 8 / 1e9, c["compressor"]["name"])
+            for c in compression} == {(100, "none"), (100, "fp16"), (10, "none"), (10, "fp16")}
+    # ResNet-50's parameter count, a V100's step, 8 workers (Agarwal et al., 2022).
+    assert all(c["task"]["params"] == "25.6M" and c["compute"]["step_seconds"] == 0.1
+               and c["workers"] == 8 for c in compression)
 
 
 @pytest.mark.parametrize("aggregator,message", [
@@ -471,6 +490,51 @@ def test_compare_shows_the_ledger_as_metrics(ledger_runs):
     by_name = {row["experiment"]: row for row in rows}
     assert by_name["flat"]["bytes_sent_inter_node"] > by_name["hierarchical"]["bytes_sent_inter_node"] > 0
     assert by_name["hierarchical"]["peak_rate_inter_node"] > 0
+
+
+def test_show_draws_the_runs_cluster_with_its_bytes_per_level(ledger_runs):
+    runs, store, db = ledger_runs
+    run = runs["hierarchical"]
+    result = dsgd_in_process("show", str(run.id), "--db", str(db))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    start = lines.index("cluster: 2 nodes × 2 workers, NIC shared")
+    assert lines[start + 1] == "  node 0 [r0 r1]  node 1 [r2 r3]"
+    finals = {s.name: s.final for s in run.summaries}
+    peak = max(m.value for m in store.metric_history(run.id, "peak_rate_inter_node"))
+    rows = {line.split()[0]: line for line in lines[start + 2:start + 6]}
+    # Hierarchical over 2 nodes of 2, 4 steps of a 40-byte model: per step, 40 bytes leave
+    # each node and each worker reduce-scatters and all-gathers 20 + 20 bytes inside it.
+    assert finals["total_bytes_sent_inter_node"] == 4 * 2 * 40 == 320
+    assert finals["total_bytes_sent_intra_node"] == 4 * 4 * 40 == 640
+    assert rows["intra_node"].split()[1:11] == ["10", "GB/s", "=", "80", "Gbit/s,", "latency",
+                                               "0", "s", "640", "B"]
+    assert rows["inter_node"].split()[1:11] == ["125", "MB/s", "=", "1", "Gbit/s,", "latency",
+                                               "1", "ms", "320", "B"]
+    assert rows["inter_node"].endswith(readable_bytes(peak) + "/s")
+    assert "inter_region" not in rows  # no regions
+
+
+def test_the_picture_draws_regions_and_node_speeds():
+    config = {"workers": 8, "cluster": {
+        "nodes": 4, "regions": [2, 2], "nic": "dedicated", "speed": [1.0, 0.5, 1.0, 1.0],
+        "links": {"intra_node": {"bytes_per_second": 1e9, "latency_s": 0.0},
+                  "inter_node": {"bytes_per_second": 1e8, "latency_s": 1e-3},
+                  "inter_region": {"bytes_per_second": 1e6, "latency_s": 0.03}}}}
+    finals = {"total_bytes_sent_intra_node": 2e6, "total_bytes_sent_inter_node": 3e5,
+              "total_bytes_sent_inter_region": 1234}
+    lines = cluster_picture(config, finals, {"intra_node": 5e8, "inter_node": 2e7,
+                                             "inter_region": None}.get)
+    assert lines[:3] == ["cluster: 4 nodes × 2 workers in 2 regions, NIC dedicated",
+                         "  region 0: node 0 [r0 r1]  node 1 ×0.5 [r2 r3]",
+                         "  region 1: node 2 [r4 r5]  node 3 [r6 r7]"]
+    table = [line.split() for line in lines[3:]]
+    assert [row[0] for row in table if row[0] in LEVELS] == list(LEVELS)
+    sent_and_rate = {row[0]: row[-4:] for row in table if row[0] in LEVELS}
+    assert sent_and_rate["intra_node"] == ["2", "MB", "500", "MB/s"]
+    assert sent_and_rate["inter_node"] == ["300", "kB", "20", "MB/s"]
+    assert sent_and_rate["inter_region"][-2:] == ["1.23", "kB"]  # no rate recorded
+    assert cluster_picture({"workers": 2, "cluster": None}, {}, lambda level: None) == []
 
 
 # -- a slow node, on the modeled clock ------------------------------------------------------------
