@@ -248,3 +248,117 @@ def test_a_failed_upgrade_to_schema_4_leaves_the_database_as_it_was(db_3, monkey
     monkeypatch.undo()
     assert [run.id for run in Store(str(db_3)).runs()] == [1, 3, 4]
     assert version(db_3) == "4"
+
+
+# -- schema 3 to 4 keeps what a user added: views, columns, indexes, triggers --------------------
+
+def add_to(path: Path, sql: str) -> None:
+    with sqlite3.connect(path) as connection:
+        connection.executescript(sql)
+
+
+def rows_of(path: Path, query: str) -> list[tuple]:
+    with sqlite3.connect(path) as connection:
+        return connection.execute(query).fetchall()
+
+
+def users_objects(path: Path) -> list[tuple]:
+    """The views, triggers and indexes not dsgd's, as SQLite keeps them."""
+    return rows_of(path, "SELECT type, name, tbl_name, sql FROM sqlite_master WHERE type != 'table' "
+                         "AND sql IS NOT NULL AND name NOT IN ('ix_runs_experiment', "
+                         "'ix_metrics_run_name') ORDER BY name")
+
+
+def check_sound_and_ids_never_reused(path: Path) -> None:
+    """The upgraded database passes SQLite's checks, and the newest run's id, deleted, is not
+    given again."""
+    assert version(path) == "4" and "AUTOINCREMENT" in table_sql(path, "runs")
+    assert rows_of(path, "PRAGMA foreign_key_check") == []
+    assert rows_of(path, "PRAGMA integrity_check") == [("ok",)]
+    store = Store(str(path))
+    store.delete_runs([4], force=True)
+    assert store.create_run("next", store.get_run(1).config, None, []) == 5
+
+
+def test_a_view_over_runs_does_not_stop_the_upgrade(db_3):
+    add_to(db_3, "CREATE VIEW finished AS SELECT id FROM runs WHERE status = 'completed';"
+                 "CREATE VIEW finished_count AS SELECT count(*) FROM finished;")
+    objects = users_objects(db_3)
+    Store(str(db_3))
+    assert users_objects(db_3) == objects
+    assert rows_of(db_3, "SELECT * FROM finished ORDER BY id") == [(1,), (3,)]
+    check_sound_and_ids_never_reused(db_3)
+    assert rows_of(db_3, "SELECT * FROM finished_count") == [(2,)]
+
+
+def test_columns_a_user_added_to_runs_are_kept_with_their_values(db_3):
+    add_to(db_3, """ALTER TABLE runs ADD COLUMN notes TEXT;
+                    ALTER TABLE runs ADD COLUMN "priority level" DECIMAL(4, 1) NOT NULL DEFAULT 3;
+                    ALTER TABLE runs ADD COLUMN answer DEFAULT -42;
+                    UPDATE runs SET notes = 'run ' || id WHERE id != 3;
+                    UPDATE runs SET "priority level" = 7.5 WHERE id = 4;""")
+    runs_before = rows_of(db_3, "SELECT * FROM runs ORDER BY id")
+    columns_before = rows_of(db_3, "PRAGMA table_info(runs)")
+    shown = reading_commands(db_3)
+    assert all(code == 0 and error == "" for code, _, error in shown)
+    Store(str(db_3))
+    assert reading_commands(db_3) == shown
+    assert rows_of(db_3, "PRAGMA table_info(runs)") == columns_before  # type, NOT NULL, default
+    assert rows_of(db_3, "SELECT * FROM runs ORDER BY id") == runs_before
+    assert rows_of(db_3, 'SELECT id, notes, "priority level" FROM runs ORDER BY id') == [
+        (1, "run 1", 3), (3, None, 3), (4, "run 4", 7.5)]
+    check_sound_and_ids_never_reused(db_3)
+    assert rows_of(db_3, 'SELECT notes, "priority level", answer FROM runs WHERE id = 5') == [
+        (None, 3, -42)]  # the new run took the defaults
+
+
+def test_indexes_and_triggers_a_user_made_on_runs_are_kept_and_work(db_3):
+    add_to(db_3, """CREATE INDEX my_status ON runs (status, id DESC);
+                    CREATE UNIQUE INDEX my_host_started ON runs (host, started_at);
+                    CREATE TABLE deleted_runs (id INTEGER, experiment TEXT);
+                    CREATE TABLE reviews (run_id INTEGER REFERENCES runs (id) ON DELETE CASCADE);
+                    INSERT INTO reviews VALUES (1), (4);
+                    CREATE TRIGGER remember_deleted AFTER DELETE ON runs
+                    BEGIN INSERT INTO deleted_runs VALUES (old.id, old.experiment); END;""")
+    objects = users_objects(db_3)
+    assert [name for _, name, _, _ in objects] == ["my_host_started", "my_status", "remember_deleted"]
+    Store(str(db_3))
+    assert users_objects(db_3) == objects
+    check_sound_and_ids_never_reused(db_3)
+    assert rows_of(db_3, "SELECT * FROM deleted_runs") == [(4, "live")]
+    assert rows_of(db_3, "SELECT * FROM reviews") == [(1,)]  # a user's foreign key too
+    assert rows_of(db_3, "SELECT name FROM pragma_index_list('runs') ORDER BY name") == [
+        ("ix_runs_experiment",), ("my_host_started",), ("my_status",)]
+
+
+def test_triggers_naming_runs_from_other_tables_and_views_are_kept_and_work(db_3):
+    """A trigger on another table that names runs stops the new table's renaming as a view
+    does; an INSTEAD OF trigger goes with its view when the view is dropped."""
+    add_to(db_3, """CREATE TRIGGER tagging_notes AFTER INSERT ON tags
+                    BEGIN UPDATE runs SET reason = 'tagged ' || new.tag WHERE id = new.run_id; END;
+                    CREATE VIEW run_reasons AS SELECT id, reason FROM runs;
+                    CREATE TRIGGER set_reason INSTEAD OF UPDATE ON run_reasons
+                    BEGIN UPDATE runs SET reason = new.reason WHERE id = old.id; END;""")
+    objects = users_objects(db_3)
+    store = Store(str(db_3))
+    assert users_objects(db_3) == objects
+    store.tag_run(3, ["kept"])
+    add_to(db_3, "UPDATE run_reasons SET reason = 'by the view' WHERE id = 1")
+    assert rows_of(db_3, "SELECT id, reason FROM runs ORDER BY id") == [
+        (1, "by the view"), (3, "tagged kept"), (4, None)]
+    check_sound_and_ids_never_reused(db_3)
+
+
+def test_a_generated_column_on_runs_stops_the_upgrade_rather_than_being_lost(db_3):
+    add_to(db_3, "ALTER TABLE runs ADD COLUMN double_id INTEGER GENERATED ALWAYS AS (id * 2) VIRTUAL")
+    before = every_row(db_3)
+    with pytest.raises(StoreError, match=(
+            r"^cannot upgrade results database .*three\.db: its table 'runs' has the generated "
+            r"column 'double_id', which the upgrade to schema 4 cannot copy; drop it \(ALTER TABLE "
+            r'runs DROP COLUMN "double_id"\), open the database again, then add it again$')):
+        Store(str(db_3))
+    assert version(db_3) == "3" and every_row(db_3) == before
+    assert rows_of(db_3, "SELECT double_id FROM runs ORDER BY id") == [(2,), (6,), (8,)]
+    add_to(db_3, "ALTER TABLE runs DROP COLUMN double_id")  # as the message says
+    Store(str(db_3))
+    check_sound_and_ids_never_reused(db_3)

@@ -218,28 +218,91 @@ _RUNS_4 = """CREATE TABLE runs (
     started_at DATETIME NOT NULL,
     ended_at DATETIME
 )"""
-_RUN_COLUMNS_4 = ("id, experiment, spec_file, status, reason, failed_rank, task, aggregator, "
-                  "compressor, optimizer, workers, config, dsgd_version, host, started_at, ended_at")
+_RUN_COLUMNS_4 = ("id", "experiment", "spec_file", "status", "reason", "failed_rank", "task",
+                  "aggregator", "compressor", "optimizer", "workers", "config", "dsgd_version",
+                  "host", "started_at", "ended_at")
+_RUNS_INDEX_4 = "ix_runs_experiment"
+
+
+class _CannotUpgrade(Exception):
+    """A database that a migration cannot bring to the new schema without losing something."""
 
 
 def _migrate_3_to_4(connection: Connection) -> None:
     """Schema 4 never gives a run's id again (exported rows, tracker runs `run-ID-...` and a
     user's notes name runs by it). PostgreSQL never did: a serial id comes from a sequence, which only
     goes up. SQLite gives a new row the largest id + 1, the id of the newest run if it was just
-    deleted, unless the table is AUTOINCREMENT, which takes building it anew
-    (https://www.sqlite.org/lang_altertable.html#otheralter): a copy with every row and its id,
-    the old table dropped, the copy renamed, its index made again. Foreign keys are off for
-    the migration's transaction (`_lock_for_migration`), so that dropping the old table takes
-    no row of the tables that refer to it along. The ids deleted before this step are not
-    recorded anywhere: the next run takes the largest id kept + 1, as it did before."""
+    deleted, unless the table is AUTOINCREMENT, which takes building it anew, as SQLite's
+    manual says (https://www.sqlite.org/lang_altertable.html#otheralter): the views and
+    triggers saved and dropped, a copy with every row and its id, and every column a user
+    added, the old table dropped, the copy renamed, the indexes, views and triggers made
+    again. Foreign keys are off for the migration's transaction (`_lock_for_migration`), so
+    that dropping the old table takes no row of the tables that refer to it along. The ids
+    deleted before this step are not recorded anywhere: the next run takes the largest id
+    kept + 1, as it did before."""
     if connection.dialect.name != "sqlite":
         return
-    connection.exec_driver_sql(_RUNS_4.replace("CREATE TABLE runs", "CREATE TABLE runs_rebuilt", 1))
-    connection.exec_driver_sql(f"INSERT INTO runs_rebuilt ({_RUN_COLUMNS_4}) "
-                               f"SELECT {_RUN_COLUMNS_4} FROM runs")
+    added_columns = _columns_added_to_runs(connection)
+    saved = _save_objects_over_runs(connection)
+    connection.exec_driver_sql(_create_runs_4("runs_rebuilt", added_columns.values()))
+    copied = ", ".join(map(_quoted, (*_RUN_COLUMNS_4, *added_columns)))
+    connection.exec_driver_sql(f"INSERT INTO runs_rebuilt ({copied}) SELECT {copied} FROM runs")
     connection.exec_driver_sql("DROP TABLE runs")
     connection.exec_driver_sql("ALTER TABLE runs_rebuilt RENAME TO runs")
-    connection.exec_driver_sql("CREATE INDEX ix_runs_experiment ON runs (experiment)")
+    connection.exec_driver_sql(f"CREATE INDEX {_RUNS_INDEX_4} ON runs (experiment)")
+    for sql in saved:
+        connection.exec_driver_sql(sql)
+
+
+def _create_runs_4(table: str, added_columns: Iterable[str]) -> str:
+    """CREATE TABLE `table` as schema 4's `runs`, with the definitions of `added_columns` last."""
+    columns = _RUNS_4.removesuffix("\n)") + "".join(f",\n    {column}" for column in added_columns)
+    return columns.replace("CREATE TABLE runs", f"CREATE TABLE {table}", 1) + "\n)"
+
+
+def _columns_added_to_runs(connection: Connection) -> dict[str, str]:
+    """The columns of `runs` that schema 3 lacks (added by a user), by name, each with its
+    definition: declared type, NOT NULL and default. A generated column cannot be copied
+    (its expression is nowhere but in the table's SQL) and stops the upgrade instead."""
+    added = {}
+    for _, name, declared_type, not_null, default, _, hidden in connection.exec_driver_sql(
+            "PRAGMA table_xinfo(runs)"):
+        if name in _RUN_COLUMNS_4:
+            continue
+        if hidden:
+            raise _CannotUpgrade(
+                f"its table 'runs' has the generated column {name!r}, which the upgrade to "
+                f"schema 4 cannot copy; drop it (ALTER TABLE runs DROP COLUMN {_quoted(name)}), "
+                "open the database again, then add it again")
+        definition = f"{_quoted(name)} {declared_type}".rstrip()
+        if not_null:
+            definition += " NOT NULL"
+        if default is not None:  # its SQL, less the parentheses an expression needs
+            definition += f" DEFAULT ({default})"
+        added[name] = definition
+    return added
+
+
+def _save_objects_over_runs(connection: Connection) -> list[str]:
+    """Drop what could stop `runs` being built anew and return the SQL that makes it again,
+    in the order it was made (which each object's dependencies allow): the indexes a user
+    made on `runs`; every view and every trigger, as any of them may name `runs` (renaming
+    the new table checks them all, and fails on one that names a table not there) and a
+    view's INSTEAD OF triggers go with it. Dropping the old `runs` takes its indexes and
+    triggers along."""
+    saved = connection.exec_driver_sql(
+        "SELECT type, name, sql FROM sqlite_master WHERE sql IS NOT NULL AND "
+        "(type IN ('view', 'trigger') OR (type = 'index' AND tbl_name = 'runs' AND name != ?)) "
+        "ORDER BY rowid", (_RUNS_INDEX_4,)).all()
+    for kind, name, _ in saved:
+        if kind != "index":
+            connection.exec_driver_sql(f"DROP {kind.upper()} IF EXISTS {_quoted(name)}")
+    return [sql for _, _, sql in saved]
+
+
+def _quoted(name: str) -> str:
+    """An SQL identifier, whatever characters it holds."""
+    return '"' + name.replace('"', '""') + '"'
 
 
 # The step that brings a database to each version from the one before. Written out as each
@@ -281,6 +344,8 @@ class ResultsWriter:
             self._migrate()
         except Unreadable as error:
             raise StoreError(f"cannot open results database {self.shown_url}: {error.reason}") from None
+        except _CannotUpgrade as error:
+            raise StoreError(f"cannot upgrade results database {self.shown_url}: {error}") from None
         except (ArgumentError, DatabaseError, OperationalError) as error:
             reason = getattr(error, "orig", None) or error
             verb = "write to" if _read_only_error(error) else "open"
