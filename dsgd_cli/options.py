@@ -7,8 +7,10 @@ A plugin declares its options as a dataclass whose fields use `option(...)`::
         period: int = option(1, min=1, help="local steps between averages")
 
 `parse_options(Options, raw, path)` checks a spec mapping against it: unknown keys, types
-(int, float, bool, str, Literal[...], X | None, list[X], and a nested plugin section with
-`option(plugin=kind)`) and bounds, and raises a
+(int, float, bool, str, Literal[...], X | None, list[X], a nested plugin section with
+`option(plugin=kind)`, and a nested section declared as a dataclass of its own, or that
+dataclass | None; an option typed `Any` is passed on as written, for its class to convert)
+and bounds, and raises a
 `SpecError` naming the key path of the first problem. NaN and infinities are never accepted,
 and an integer must fit in 64 bits (what torch and NumPy take) even where no `max` is declared.
 """
@@ -53,13 +55,20 @@ def as_float(value: Any) -> float | None:
 
 
 def option(default: Any = dataclasses.MISSING, *, min: float | None = None,
-           max: float | None = None, help: str = "", plugin: str | None = None) -> Any:
+           max: float | None = None, help: str = "", plugin: str | None = None,
+           more_than: float | None = None, expect: str | None = None,
+           missing: str | None = None) -> Any:
     """A dataclass field with bounds and a help text for docs and `dsgd plugins`.
 
     `plugin`: the option is a nested plugin section of that registry kind, such as
     `outer_optimizer: {name: sgd, lr: 0.7}` with `plugin="optimizer"`; it is validated as the
-    experiment's own section of that kind is, and arrives with every option filled in."""
-    metadata = {"min": min, "max": max, "help": help, "plugin": plugin}
+    experiment's own section of that kind is, and arrives with every option filled in.
+    `more_than`: an open lower bound (the value must be greater). `expect`: what an error
+    says was expected ("expected <expect>, got ..."), for a value out of bounds and for one
+    of the wrong type (an integer's wrong type still says "expected an integer"). `missing`:
+    what the error for a required option left out says after "required: "."""
+    metadata = {"min": min, "max": max, "help": help, "plugin": plugin,
+                "more_than": more_than, "expect": expect, "missing": missing}
     if isinstance(default, (list, dict, set)):
         value = default
         return dataclasses.field(default_factory=lambda: type(value)(value), metadata=metadata)
@@ -155,13 +164,18 @@ def _declaration(options_cls: type) -> tuple[dict[str, Any], dict[str, dataclass
 
 
 def parse_options(options_cls: type, raw: Mapping[str, Any], path: str) -> Any:
-    """Build `options_cls` from a spec mapping, checking every key against its declaration."""
+    """Build `options_cls` from a spec mapping, checking every key against its declaration.
+    A class with `spec_section = True` is a section of the experiment rather than a plugin's
+    options: its errors say "unknown key" and "required" as the experiment's keys' do. Its
+    `__post_init__` may raise SpecError with a key path inside it (`ranks[0]`)."""
     hints, fields = _declaration(options_cls)
+    section = getattr(options_cls, "spec_section", False)
     for key in raw:
         if key not in fields:
             known = ", ".join(sorted(fields)) or "none"
-            raise SpecError(f"unknown option {show(key)} (known options: {known})",
-                            path=f"{path}.{key}")
+            message = (f"unknown key (expected one of {known})" if section
+                       else f"unknown option {show(key)} (known options: {known})")
+            raise SpecError(message, path=f"{path}.{key}")
     values = {}
     for name, field in fields.items():
         key_path = f"{path}.{name}"
@@ -170,13 +184,43 @@ def parse_options(options_cls: type, raw: Mapping[str, Any], path: str) -> Any:
             continue
         if name not in raw:
             if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-                raise SpecError(f"required option missing ({describe_type(hints[name])})", path=key_path)
+                raise SpecError(_missing(field, hints[name], section), path=key_path)
             continue
         values[name] = _checked(raw[name], hints[name], field, key_path)
     try:
         return options_cls(**values)
+    except SpecError as error:  # a cross-field check, naming the key inside the section
+        raise SpecError(error.detail, path=f"{path}.{error.path}" if error.path else path) from None
     except (ValueError, TypeError) as error:
         raise SpecError(str(error), path=path) from None
+
+
+def _missing(field: dataclasses.Field, annotation: Any, section: bool) -> str:
+    """The error for a required option left out."""
+    if field.metadata.get("missing"):
+        return f"required: {field.metadata['missing']}"
+    return "required" if section else f"required option missing ({describe_type(annotation)})"
+
+
+def _section_class(annotation: Any) -> type | None:
+    """The dataclass of a nested section (`Budget` or `Budget | None`), else None."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (
+        typing.Union, types.UnionType) else (annotation,)
+    classes = [a for a in args if a is not type(None)]
+    if len(classes) == 1 and dataclasses.is_dataclass(classes[0]):
+        return classes[0]
+    return None
+
+
+def _nested_section(cls: type, written: Any, annotation: Any, field: dataclasses.Field,
+                    key_path: str) -> Any:
+    if written is None and type(None) in typing.get_args(annotation):
+        return None
+    if not isinstance(written, Mapping):
+        names = ", ".join(f.name for f in option_fields(cls))
+        expect = field.metadata.get("expect") or f"a mapping with keys {names}"
+        raise SpecError(f"expected {expect}", path=key_path)
+    return parse_options(cls, written, key_path)
 
 
 def _checked(written: Any, annotation: Any, field: dataclasses.Field, key_path: str) -> Any:
@@ -184,17 +228,48 @@ def _checked(written: Any, annotation: Any, field: dataclasses.Field, key_path: 
     plugin_kind = field.metadata.get("plugin")
     if plugin_kind is not None:  # a nested section, checked as a top-level one is
         return _plugin_section(plugin_kind, written, key_path)
+    section_cls = _section_class(annotation)
+    if section_cls is not None:
+        return _nested_section(section_cls, written, annotation, field, key_path)
     check_finite(written, key_path)
-    value = _convert(written, annotation, key_path)
+    if annotation is Any:  # taken as written: its class's __post_init__ converts and checks it
+        return written
+    expect = field.metadata.get("expect")
+    try:
+        value = _convert(written, annotation, key_path)
+    except SpecError:
+        if expect is None:
+            raise
+        expected = "an integer" if _is_integer(annotation) else expect  # `null` goes unsaid
+        raise SpecError(f"expected {expected}, got {show(written)}", path=key_path) from None
     low, high = field.metadata.get("min"), field.metadata.get("max")
+    more_than = field.metadata.get("more_than")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if low is not None and value < low:
-            raise SpecError(f"expected a value >= {low}, got {show(value)}", path=key_path)
-        if high is not None and value > high:
-            raise SpecError(f"expected a value <= {high}, got {show(value)}", path=key_path)
-    _check_64_bits(value, key_path)
-    _check_float32(value, key_path)
+        out_of_bounds = None
+        if more_than is not None and value <= more_than:
+            out_of_bounds = f"a value > {more_than}"
+        elif low is not None and value < low:
+            out_of_bounds = f"a value >= {low}"
+        elif high is not None and value > high:
+            out_of_bounds = f"a value <= {high}"
+        if out_of_bounds is not None:
+            shown = show(written) if expect else show(value)  # as the user wrote it, or as taken
+            raise SpecError(f"expected {expect or out_of_bounds}, got {shown}", path=key_path)
+    try:
+        _check_64_bits(value, key_path)
+        _check_float32(value, key_path)
+    except SpecError:
+        if expect is None:
+            raise
+        raise SpecError(f"expected {expect}, got {show(written)}", path=key_path) from None
     return value
+
+
+def _is_integer(annotation: Any) -> bool:
+    """`int` or `int | None`."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [a for a in typing.get_args(annotation) if a is not type(None)] == [int]
+    return annotation is int
 
 
 def check_defaults(options_cls: type) -> None:

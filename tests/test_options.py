@@ -89,3 +89,82 @@ def test_long_values_are_cut_short_in_messages():
     with pytest.raises(SpecError) as caught:
         parse_options(Example, {"topology": "x" * 500}, "a")
     assert caught.value.detail.endswith("…") and len(caught.value.detail) < 120
+
+
+# -- nested sections: a field whose type is a dataclass of its own (the experiment's keys) -----
+
+@dataclass(frozen=True)
+class Window:
+    spec_section = True  # a section of the experiment: its errors say "unknown key", "required"
+
+    start: int = option(min=0, max=9, expect="an integer between 0 and 9")
+    length: float = option(1.0, more_than=0, expect="a number > 0")
+
+    def __post_init__(self):
+        if self.start + self.length > 10:
+            raise SpecError("the window ends after 10", path="length")
+
+
+@dataclass(frozen=True)
+class WithWindow:
+    spec_section = True
+
+    window: Window | None = option(None, help="an optional nested section")
+    size: int = option(2, min=1, max=8, expect="an integer between 1 and 8")
+
+
+def test_a_nested_section_is_parsed_into_its_dataclass():
+    assert parse_options(WithWindow, {}, "e") == WithWindow(None, 2)
+    assert parse_options(WithWindow, {"window": None}, "e").window is None
+    parsed = parse_options(WithWindow, {"window": {"start": 3, "length": 2}}, "e")
+    assert parsed.window == Window(3, 2.0) and isinstance(parsed.window.length, float)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"window": [1]}, "e.window: expected a mapping with keys start, length"),
+    ({"window": {"length": 2}}, "e.window.start: required"),
+    ({"window": {"start": 1, "end": 2}}, "e.window.end: unknown key (expected one of length, start)"),
+    ({"window": {"start": 10}}, "e.window.start: expected an integer between 0 and 9, got 10"),
+    ({"window": {"start": "x"}}, "e.window.start: expected an integer, got 'x'"),
+    ({"window": {"start": 1, "length": 0}}, "e.window.length: expected a number > 0, got 0"),
+    ({"window": {"start": 1, "length": "x"}}, "e.window.length: expected a number > 0, got 'x'"),
+    ({"window": {"start": 9, "length": 2}}, "e.window.length: the window ends after 10"),
+    ({"size": 9}, "e.size: expected an integer between 1 and 8, got 9"),
+    ({"size": 3.0e10}, "e.size: expected an integer between 1 and 8, got 30000000000.0"),
+])
+def test_a_nested_section_reports_its_key_paths(raw, message):
+    with pytest.raises(SpecError) as error:
+        parse_options(WithWindow, raw, "e")
+    assert str(error.value) == message
+
+
+def test_the_experiments_keys_are_declared_once():
+    """Every key an experiment may set is a declared option, with a help text; the
+    choices of `data_split` and `lr_scaling` are those the runtime knows."""
+    import typing
+
+    from dsgd_cli.options import option_fields
+    from dsgd_cli.spec.experiment_options import EXPERIMENT_DEFAULTS, ExperimentOptions
+    from dsgd_cli.spec.learning_rate import SCALINGS
+    from dsgd_cli.spec.sharding import DATA_SPLITS
+
+    fields = {field.name: field for field in option_fields(ExperimentOptions)}
+    assert set(EXPERIMENT_DEFAULTS) == {"name", "grid", *fields}
+    assert all(field.metadata["help"] for field in fields.values())
+    hints = typing.get_type_hints(ExperimentOptions)
+    assert typing.get_args(hints["lr_scaling"]) == tuple(SCALINGS)
+    assert typing.get_args(hints["data_split"]) == DATA_SPLITS
+    assert EXPERIMENT_DEFAULTS["workers"] == 2 and EXPERIMENT_DEFAULTS["timeout"] == 600.0
+
+
+def test_an_option_typed_any_reaches_its_class_as_written():
+    """A section converts an `Any` option itself (a bandwidth, a duration): 10**30 bits per
+    second is not refused first as an integer beyond 64 bits."""
+    from typing import Any
+
+    @dataclass(frozen=True)
+    class Link:
+        spec_section = True
+        bandwidth: Any = option(None)
+
+    assert parse_options(Link, {"bandwidth": 10**30}, "l").bandwidth == 10**30

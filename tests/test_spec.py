@@ -365,33 +365,31 @@ def test_huge_grid_is_announced_and_dry_run_completes(tmp_path):
     assert not (tmp_path / "r.db").exists()
 
 
-def test_check_world_gives_the_seed_to_graphs_and_to_check_world_that_asks():
+def test_check_world_passes_the_seed_where_check_world_takes_it():
     from dsgd_cli.api import Aggregator
+    from dsgd_cli.spec import registry
     from dsgd_cli.spec.experiments import check_world
-    from dsgd_cli.topology import make_topology
 
     seen = []
 
     class TakesSeed(Aggregator):
         @classmethod
         def check_world(cls, options, world_size, seed=0):
-            seen.append(seed)
+            seen.append(("takes seed", seed))
 
-    class Gossip(Aggregator):
-        @classmethod
-        def make_topology(cls, options, world_size, seed=0):
-            seen.append(seed)
-            return make_topology(options, world_size, seed=seed)
-
+    class Older(Aggregator):  # a third party's, written before check_world had a seed
         @classmethod
         def check_world(cls, options, world_size):
-            cls.make_topology(options, world_size)  # the seed defaults to 0 here
+            seen.append(("older", world_size))
 
-    assert check_world(TakesSeed, None, 4, 7) is True
-    assert check_world(Gossip, "random_regular", 4, 9) is True  # the graph depends on it
-    assert check_world(Gossip, "ring", 4, 11) is False          # this one does not
+    assert check_world(TakesSeed, None, 4, 7) is True  # it may depend on the seed
+    assert check_world(Older, None, 4, 9) is False     # called as before, without it
     assert check_world(Aggregator, None, 4, 5) is False
-    assert seen == [7, 9, 11]
+    assert seen == [("takes seed", 7), ("older", 4)]
+    # A built-in gossip plugin checks the graph drawn with the seed: only a random one depends on it.
+    dpsgd = registry.load("aggregator", "dpsgd")
+    assert check_world(dpsgd, dpsgd.Options(topology="random_regular"), 8, 3) is True
+    assert check_world(dpsgd, dpsgd.Options(topology="ring"), 8, 3) is False
 
 
 def test_grid_points_and_yaml_aliases_get_their_own_sections(tmp_path):

@@ -1,6 +1,6 @@
 """The emulated cluster of nodes and regions: which link a message takes and how long it lasts.
 
-The spec's `cluster:` section (README, "A cluster of nodes and regions") places `workers`
+The spec's `cluster:` section (docs/cluster.md, "A cluster of nodes and regions") places `workers`
 ranks on `nodes` nodes, rank r on node r // (workers / nodes), and optionally the nodes in
 regions, in node order. Three levels of link join them:
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 LEVELS = ("intra_node", "inter_node", "inter_region")
@@ -84,14 +84,6 @@ class Cluster:
     def link(self, level: str) -> Link:
         # A level the spec did not need (one worker per node has no intra-node link) is free.
         return self.links.get(level, Link())
-
-    def scaled(self, time_scale: float) -> Cluster:
-        """The same cluster in real time: every duration `time_scale` times longer."""
-        if time_scale == 1:
-            return self
-        links = {level: Link(link.latency_s * time_scale, link.bytes_per_second / time_scale)
-                 for level, link in self.links.items()}
-        return replace(self, links=links)
 
     # -- one message ---------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """`Comm`: every collective and point-to-point call a plugin may make, with accounting.
 
-Plugins never call torch.distributed themselves (README, "Writing a plugin"). Each call here
+Plugins never call torch.distributed themselves (docs/writing-plugins.md). Each call here
 
 * counts the bytes this worker sends and receives, using the traffic of the algorithm the
   backends run (ring all-reduce: 2(n-1)/n of the buffer each way; ring all-gather: (n-1)
@@ -28,22 +28,13 @@ import torch
 import torch.distributed as dist
 
 from dsgd_cli.comm.cluster import LEVELS, Cluster
+# The emulated link, in real time (`emulation.network.real_network`); imported from here too.
+from dsgd_cli.emulation.network import NetworkModel
 
 
 DEFAULT_TIMEOUT_S = 600.0  # the spec's `timeout` when it has none
 # What an operation costs on a cluster: its real seconds, and its bytes sent per link level.
 Cost = tuple[float, dict[str, int]]
-
-
-@dataclass(frozen=True)
-class NetworkModel:
-    """An emulated link: per-message latency (s) and bandwidth (bytes per second)."""
-
-    latency_s: float = 0.0
-    bytes_per_second: float = float("inf")
-
-    def duration(self, bytes_sent: int, messages: int) -> float:
-        return messages * self.latency_s + bytes_sent / self.bytes_per_second
 
 
 @dataclass

@@ -23,10 +23,10 @@ import json
 import math
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
+from dsgd_cli.emulation.clock import Clock
 
 LAUNCHER_PID = "DSGD_LAUNCHER_PID"
 
@@ -61,19 +61,22 @@ def events_path(directory: str | Path, rank: int) -> Path:
 
 
 class EventWriter:
-    def __init__(self, path: str | Path, rank: int, time_scale: float = 1.0):
+    """A worker's events. A metric's `seconds` is the modeled time of `clock` (the worker's,
+    `ctx.clock`, which the training loop starts at the run's common start); without one, real
+    seconds since the writer was made."""
+
+    def __init__(self, path: str | Path, rank: int, clock: Clock | None = None):
         self.rank = rank
         self._file = open(path, "a", buffering=1)  # line buffered
         self._lock = threading.Lock()  # a background evaluation thread writes too
-        self._started = time.perf_counter()
-        self.time_scale = time_scale  # real seconds per modeled second: metrics' seconds are modeled
+        self.clock = clock if clock is not None else Clock()
 
     def seconds(self) -> float:
-        return (time.perf_counter() - self._started) / self.time_scale
+        return self.clock.elapsed()
 
     def continue_from(self, seconds: float) -> None:
         """A resumed run: its clock goes on from where the checkpoint's stopped."""
-        self._started = time.perf_counter() - seconds * self.time_scale
+        self.clock.start(seconds)
 
     def write(self, kind: str, **fields: Any) -> None:
         fields.update(type=kind, rank=self.rank)

@@ -43,7 +43,7 @@ def variation_factor(variation: dict | None, seed: int, rank: int, step: int) ->
 
 
 def mean_factor(variation: dict | None) -> float:
-    """The mean of `variation_factor` over steps (README documents these)."""
+    """The mean of `variation_factor` over steps (docs/cluster.md documents these)."""
     if variation is None:
         return 1.0
     if variation["distribution"] == "lognormal":

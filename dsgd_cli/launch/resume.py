@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dsgd_cli.worker import checkpoint
 from dsgd_cli.spec import registry
+from dsgd_cli.spec.config_versions import upgrade_config
 from dsgd_cli.errors import DsgdError
 from dsgd_cli.spec.experiments import PLUGIN_SECTIONS, Experiment
 from dsgd_cli.results.store import Store
@@ -52,10 +53,13 @@ def resumable(store: Store, run_id: int, checkpoint_dir: str | Path | None = Non
     for problem in damaged:
         print(f"dsgd: run {run_id}: {problem}; resuming from the checkpoint of step {step}",
               file=sys.stderr)
+    try:
+        config = upgrade_config(run.config)  # as the workers of this version read it
+    except DsgdError as error:
+        raise DsgdError(f"run {run_id} cannot resume: {error}") from None
     for kind in PLUGIN_SECTIONS:
-        if kind in run.config:  # runs recorded before lr_schedule existed have none
-            registry.load(kind, run.config[kind]["name"])  # still installed: else a clear error
-    return Experiment(run.experiment, run.config, checkpoint_dir=directory, resume_step=step,
+        registry.load(kind, config[kind]["name"])  # still installed: else a clear error
+    return Experiment(run.experiment, config, checkpoint_dir=directory, resume_step=step,
                       run_id=run_id)
 
 

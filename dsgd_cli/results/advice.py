@@ -48,7 +48,7 @@ from dsgd_cli.results.reader import Results, RunRecord, higher_is_better
 # `seed` makes replicates).
 NOT_ALGORITHM = {"name", "workers", "seed", "epochs", "steps_per_epoch", "log_interval", "timeout",
                  "target_accuracy", "save_dir", "checkpoint_every", "nnodes", "checkpoint_dir",
-                 "resume_step", "run_id", "aggregator.name", "compressor.name"}
+                 "resume_step", "run_id", "aggregator.name", "compressor.name", "config_version"}
 NOT_ALGORITHM_PREFIXES = ("budget.",)
 DEFAULT_MAX_WORKERS = 64
 BOOTSTRAP_SAMPLES = 200

@@ -17,7 +17,7 @@ from dsgd_cli.results.reader import Results, RunRecord
 
 X_AXES = {"step": "step", "epoch": "epoch", "seconds": "training time",
           "bytes": "sent by all workers"}
-IGNORED_IN_LEGEND = ("name",)
+IGNORED_IN_LEGEND = ("name", "config_version")
 BANDS = {"ci": "95% CI", "std": "1 std"}  # what a group's shaded band shows
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")  # one per line, in the legend's order
 

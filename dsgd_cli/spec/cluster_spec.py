@@ -19,9 +19,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from dsgd_cli.comm.communicator import NetworkModel
 from dsgd_cli.comm.cluster import INTER_NODE, INTER_REGION, INTRA_NODE, LEVELS, Cluster, Link
 from dsgd_cli.errors import SpecError
 from dsgd_cli.options import as_float, show
+from dsgd_cli.spec.experiment_options import parse_network
 from dsgd_cli.spec.specfile import check_keys
 
 NIC_KINDS = ("shared", "dedicated")
@@ -84,8 +86,6 @@ def _levels_present(workers_per_node: int, regions: list[int] | None, nodes: int
 
 def _links(raw: Any, path: str, workers_per_node: int, regions: list[int] | None,
            nodes: int) -> dict[str, dict[str, float | None]]:
-    from dsgd_cli.spec.experiments import parse_network  # imports this module
-
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -157,6 +157,15 @@ def cluster_model(config: dict[str, Any]) -> Cluster | None:
     return Cluster(workers=config["workers"], nodes=section["nodes"], links=links,
                    regions=tuple(section["regions"] or ()),
                    nic_shared=section["nic"] == "shared", speeds=tuple(section["speed"] or ()))
+
+
+def network_model(config: dict[str, Any]) -> NetworkModel | None:
+    """The resolved experiment's `network` link, in modeled time (None without one)."""
+    network = config["network"]
+    if network is None:
+        return None
+    bytes_per_second = network["bytes_per_second"]  # None: unlimited
+    return NetworkModel(network["latency_s"], math.inf if bytes_per_second is None else bytes_per_second)
 
 
 def node_speed(config: dict[str, Any], rank: int) -> float:

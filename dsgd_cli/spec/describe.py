@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from dsgd_cli.spec import registry
-from dsgd_cli.spec.experiments import build_plugin
+from dsgd_cli.spec.registry import build as build_plugin
 from dsgd_cli.spec.learning_rate import total_steps
 from dsgd_cli.spec.sharding import Shard, samples_in_steps, steps_per_epoch
 

@@ -9,36 +9,29 @@ Numbers may use scientific notation (`1e-3`), and NaN or infinity (`.nan`, `.inf
 from __future__ import annotations
 
 import inspect
-import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsgd_cli.spec import registry, specfile
-from dsgd_cli.comm.communicator import NetworkModel
-from dsgd_cli.spec.cluster_spec import check_cluster_fits, parse_cluster, slowest_speed
-from dsgd_cli.spec.compute_model import parse_compute
+from dsgd_cli.emulation.failures import check_failures
+from dsgd_cli.spec.cluster_spec import check_cluster_fits, network_model, parse_cluster, slowest_speed  # noqa: F401 (network_model: imported from here)
+from dsgd_cli.emulation.clock import Clock
 from dsgd_cli.spec.directories import problem_without_creating, shared_problem
 from dsgd_cli.errors import PluginError, SpecError
-from dsgd_cli.spec.learning_rate import SCALINGS, total_steps
+from dsgd_cli.spec.learning_rate import total_steps
 from dsgd_cli.spec.nodes import NodePlan, check_split
-from dsgd_cli.options import as_float, options_to_dict, parse_options, show
-from dsgd_cli.spec.specfile import check_keys, one_line, selected
+from dsgd_cli.spec.experiment_options import ExperimentOptions, parse_network  # noqa: F401 (imported from here)
+from dsgd_cli.spec.config_versions import CONFIG_VERSION
+from dsgd_cli.spec.resolved import ResolvedExperiment
+from dsgd_cli.spec.run_plan import RunPlan, plan_entry
+from dsgd_cli.options import options_to_dict, parse_options, show
+from dsgd_cli.spec.specfile import one_line, selected
 from dsgd_cli.topology import TOPOLOGY_KINDS
-from dsgd_cli.spec.sharding import DATA_SPLITS, Shard, steps_per_epoch
+from dsgd_cli.spec.sharding import Shard, steps_per_epoch
 
 # The sections of a resolved config that name a plugin, each a registry kind.
 PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor", "lr_schedule")
-MAX_WORKERS = 1024
-MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: beyond, a wait is a hang
-# Bounds that keep the worker's arithmetic in 64 bits: it seeds torch with
-# `seed * 1_000_003 + epoch` and `seed * 7919 + rank`, counts epochs × steps per epoch and
-# adds up samples in an int64 counter. Seeds span NumPy's range, what researchers expect.
-MAX_SEED = 2**32 - 1
-MAX_COUNT = 2**31 - 1   # epochs, batch_size, steps_per_epoch, log_interval
-MAX_SAMPLES = 2**62     # budget.samples
-
 
 @dataclass
 class Experiment:
@@ -54,11 +47,20 @@ class Experiment:
     nodes: NodePlan | None = None  # this machine's part when the run spans several
     spec_text: str = ""  # names the rendezvous of a run over several machines
 
+    @property
+    def resolved(self) -> ResolvedExperiment:
+        """The configuration as the typed experiment."""
+        return ResolvedExperiment.from_config(self.config)
+
+    @property
+    def run_plan(self) -> RunPlan:
+        return RunPlan(self.run_id, self.resume_step, self.checkpoint_dir)
+
     def worker_config(self) -> dict[str, Any]:
-        """What its workers are given: the configuration, where to checkpoint and resume,
-        and the run id when they tell other machines' workers which run they are in."""
-        return {**self.config, "checkpoint_dir": self.checkpoint_dir,
-                "resume_step": self.resume_step, "run_id": self.run_id}
+        """What its workers are given (an entry of the launch plan): the configuration, and
+        beside it the run plan: where to checkpoint and resume, and the run id when they tell
+        other machines' workers which run they are in."""
+        return plan_entry(self.config, self.run_plan)
 
     @property
     def workers(self) -> int:
@@ -114,39 +116,24 @@ def validate_experiment(raw: dict, path: str, name: str,
     """Check every key and resolve every plugin; return the complete configuration.
     `cache` remembers what was checked for sections seen before (grid points)."""
     cache = cache if cache is not None else _Cache()
-    config: dict[str, Any] = {"name": name}
-    config["workers"] = _int(raw, "workers", path, low=1, high=MAX_WORKERS)
-    config["epochs"] = _int(raw, "epochs", path, low=1, high=MAX_COUNT)
-    config["batch_size"] = _int(raw, "batch_size", path, low=1, high=MAX_COUNT)
-    config["seed"] = _int(raw, "seed", path, low=0, high=MAX_SEED)
-    config["log_interval"] = _int(raw, "log_interval", path, low=1, high=MAX_COUNT)
-    config["timeout"] = _number(raw, "timeout", path, low=0, high=MAX_TIMEOUT_S, low_open=True)
-    config["steps_per_epoch"] = (None if raw["steps_per_epoch"] is None
-                                 else _int(raw, "steps_per_epoch", path, low=1, high=MAX_COUNT))
-    config["data_split"] = raw["data_split"]
-    if not isinstance(raw["data_split"], str) or raw["data_split"] not in DATA_SPLITS:
-        raise SpecError(f"expected one of {', '.join(DATA_SPLITS)}, got {show(raw['data_split'])}",
-                        path=f"{path}.data_split")
-    target = raw["target_accuracy"]
-    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
-                               or not 0 < target <= 1):
-        raise SpecError(f"expected a number in (0, 1], got {show(target)}",
-                        path=f"{path}.target_accuracy")
-    config["target_accuracy"] = target
-    config["save_dir"] = _directory(raw["save_dir"], f"{path}.save_dir")
-    config["network"] = parse_network(raw["network"], f"{path}.network")
-    config["stragglers"] = parse_stragglers(raw["stragglers"], f"{path}.stragglers", config["workers"])
-    config["compute"] = parse_compute(raw["compute"], f"{path}.compute")
-    config["cluster"] = parse_cluster(raw["cluster"], f"{path}.cluster", config["workers"])
+    keys = parse_options(ExperimentOptions, {key: value for key, value in raw.items()
+                                             if key not in ("name", "grid")}, path)
+    config: dict[str, Any] = {
+        "config_version": CONFIG_VERSION, "name": name,
+        **{key: getattr(keys, key) for key in ("workers", "epochs", "batch_size", "seed",
+                                               "log_interval", "timeout", "steps_per_epoch",
+                                               "data_split", "target_accuracy")},
+        "save_dir": _directory(keys.save_dir, f"{path}.save_dir"),
+        "network": keys.network and keys.network.resolved(),
+        "stragglers": options_to_dict(keys.stragglers) or None,
+        "compute": options_to_dict(keys.compute) or None,
+        "cluster": parse_cluster(keys.cluster, f"{path}.cluster", keys.workers)}
     check_cluster_fits(config, path)
-    check_step_fits_timeout(config, path)
-    config["budget"] = parse_budget(raw["budget"], f"{path}.budget")
-    config["checkpoint_every"] = None
-    if raw["checkpoint_every"] is not None:
-        config["checkpoint_every"] = _int(raw, "checkpoint_every", path, low=1, high=MAX_COUNT)
-        if config["budget"] is not None:
-            raise SpecError("checkpoints are not supported with a budget (a run with a budget "
-                            "cannot resume yet)", path=f"{path}.checkpoint_every")
+    check_step_fits_timeout(keys, slowest_speed(config), path)
+    config.update(budget=options_to_dict(keys.budget) or None,
+                  checkpoint_every=keys.checkpoint_every)
+    if keys.failures is not None:  # only then: the configurations of other runs are unchanged
+        config["failures"] = options_to_dict(keys.failures)
 
     config["task"], task_key = cache.section("task", raw["task"], f"{path}.task")
     config["optimizer"], _ = cache.section("optimizer", raw["optimizer"], f"{path}.optimizer")
@@ -159,21 +146,18 @@ def validate_experiment(raw: dict, path: str, name: str,
                                                          f"{path}.aggregator")
     config["compressor"], compressor_key = cache.section("compressor", compressor_raw,
                                                          f"{path}.aggregator.compressor")
-    if config["data_split"] == "by_label":
+    if keys.data_split == "by_label":
         task_cls = registry.load("task", config["task"]["name"])
         if not task_cls.one_label_per_example:
             raise SpecError(f"by_label needs a task with one class label per example; task "
                             f"{config['task']['name']!r} has other targets",
                             path=f"{path}.data_split")
     examples = cache.train_examples(config["task"], task_key, f"{path}.task")
-    if examples is not None and config["workers"] > examples:
-        raise SpecError(f"{config['workers']} workers but task {config['task']['name']!r} has "
+    if examples is not None and keys.workers > examples:
+        raise SpecError(f"{keys.workers} workers but task {config['task']['name']!r} has "
                         f"{examples} training example{'s' if examples != 1 else ''}; each worker "
                         f"needs at least one", path=f"{path}.workers")
-    config["lr_scaling"] = raw["lr_scaling"]
-    if not isinstance(raw["lr_scaling"], str) or raw["lr_scaling"] not in SCALINGS:
-        raise SpecError(f"expected one of {', '.join(SCALINGS)}, got {show(raw['lr_scaling'])}",
-                        path=f"{path}.lr_scaling")
+    config["lr_scaling"] = keys.lr_scaling
     config["lr_schedule"], schedule_key = cache.section("lr_schedule", raw["lr_schedule"],
                                                         f"{path}.lr_schedule")
     _check_schedule(config, examples, f"{path}.lr_schedule", cache, schedule_key)
@@ -185,8 +169,9 @@ def validate_experiment(raw: dict, path: str, name: str,
         cache.check_compressor(aggregator_cls, config["aggregator"], aggregator_key,
                                config["compressor"], compressor_key,
                                f"{path}.aggregator.compressor")
-    cache.check_world(config["aggregator"], aggregator_key, config["workers"], config["seed"],
+    cache.check_world(config["aggregator"], aggregator_key, keys.workers, keys.seed,
                       f"{path}.aggregator")
+    check_failures(config, aggregator_cls, f"{path}.failures")
     config["aggregator"] = cache.resolve(aggregator_cls, config, aggregator_key,
                                          compressor_key, task_key, f"{path}.aggregator")
     return config
@@ -239,18 +224,6 @@ def _directory(value: Any, path: str) -> str | None:
     return str(directory)
 
 
-def _int(raw: dict, key: str, path: str, low: int | None = None, high: int | None = None) -> int:
-    written = value = raw[key]
-    if isinstance(value, float) and value.is_integer():  # 2e4, as people write counts
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"expected an integer, got {show(written)}", path=f"{path}.{key}")
-    if low is not None and value < low or high is not None and value > high:
-        bounds = f">= {low}" if high is None else f"between {low} and {high}"
-        raise SpecError(f"expected an integer {bounds}, got {show(written)}", path=f"{path}.{key}")
-    return value
-
-
 def _plugin_section(kind: str, raw: Any, path: str) -> dict[str, Any]:
     """Validate `{name: ..., option: value, ...}`; return it with every option filled in."""
     if raw is None:
@@ -273,43 +246,35 @@ def _plugin_section(kind: str, raw: Any, path: str) -> dict[str, Any]:
 plugin_section = _plugin_section  # what an option declared with `option(plugin=kind)` goes through
 
 
-# Built-in graphs that do not depend on the seed: checking one for a world size holds for
-# every seed. Anything else (random_regular, a plugin's own graph) is checked per seed.
-_SEED_FREE_GRAPHS = tuple(kind.cls for kind in TOPOLOGY_KINDS.values() if not kind.seeded)
-
-
 def check_world(aggregator_cls: type, options: Any, workers: int, seed: int) -> bool:
-    """Run the aggregator's `check_world(options, workers)` on the graph the run's workers will
-    build: gossip plugins build theirs with `make_topology(options, n, ctx.seed)`, and
-    `check_world` calls `make_topology(options, n)`, whose seed defaults to 0, so here
-    `make_topology` is bound to the run's seed. A `check_world` that takes a `seed` itself
-    gets it. Raises ValueError as `check_world` does; returns whether the outcome may depend
-    on the seed."""
-    if "seed" in inspect.signature(aggregator_cls.check_world).parameters:
-        aggregator_cls.check_world(options, workers, seed=seed)
-        return True
-    make_topology = getattr(aggregator_cls, "make_topology", None)
-    if make_topology is None:
+    """Run the aggregator's `check_world` for the run's workers and seed: the gossip plugins
+    check the graph their workers will draw with it. A `check_world(options, world_size)` of
+    a plugin written before the seed was passed is called without it. Raises ValueError as
+    `check_world` does; returns whether the outcome may depend on the seed."""
+    if "seed" not in inspect.signature(aggregator_cls.check_world).parameters:
         aggregator_cls.check_world(options, workers)
         return False
-    built: list = []
-
-    def seeded(cls, options, world_size, seed_=None, **kwargs):
-        kwargs.pop("seed", None)
-        topology = make_topology(options, world_size, seed, **kwargs)
-        built.append(topology)
-        return topology
-
-    # A subclass whose only difference is the seed its graphs are drawn with.
-    checker = type(aggregator_cls.__name__, (aggregator_cls,),
-                   {"make_topology": classmethod(seeded), "__module__": aggregator_cls.__module__})
+    seeded = _draws_with_seed(aggregator_cls, options)
     try:
-        checker.check_world(options, workers)
+        aggregator_cls.check_world(options, workers, seed=seed)
     except ValueError as error:
-        if all(type(topology) in _SEED_FREE_GRAPHS for topology in built):
+        if not seeded:
             raise
         raise ValueError(f"{error} (the graph drawn with the run's seed, {seed})") from None
-    return not all(type(topology) in _SEED_FREE_GRAPHS for topology in built)
+    return seeded
+
+
+def _draws_with_seed(aggregator_cls: type, options: Any) -> bool:
+    """Whether the aggregator's check may differ from seed to seed: not for the base's no-op
+    nor for a built-in graph that is not drawn at random; otherwise it may."""
+    from dsgd_cli.api import Aggregator  # imported already: `aggregator_cls` derives from it
+
+    if getattr(aggregator_cls.check_world, "__func__", None) is Aggregator.check_world.__func__:
+        return False
+    topology = getattr(options, "topology", None)
+    if isinstance(topology, str) and topology in TOPOLOGY_KINDS:
+        return TOPOLOGY_KINDS[topology].seeded
+    return True
 
 
 def _freeze(value: Any) -> Any:
@@ -459,150 +424,25 @@ def _train_examples(task: dict[str, Any], path: str) -> int | None:
     return count
 
 
-def build_options(kind: str, section: dict[str, Any]) -> Any:
-    """The options instance for an already validated section."""
-    cls = registry.load(kind, section["name"])
-    return cls.Options(**{k: v for k, v in section.items() if k != "name"})
+build_options = registry.build_options
+build_plugin = registry.build  # the name tests and older code import from here
 
 
-def build_plugin(kind: str, section: dict[str, Any]):
-    """An instance of the plugin an already validated section names."""
-    return registry.load(kind, section["name"])(build_options(kind, section))
-
-
-_BANDWIDTH = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b|byte)(/s)?\s*$", re.I)
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(s|ms|us|µs|ns)\s*$")
-_SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
-
-
-def parse_network(raw: Any, path: str) -> dict[str, float | None] | None:
-    """`{bandwidth: 1Gbit, latency: 100us}` → bytes per second (None: no limit, which JSON can
-    hold, unlike infinity) and seconds."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise SpecError("expected a mapping with keys bandwidth, latency", path=path)
-    check_keys(raw, path, {"bandwidth", "latency"})
-    result: dict[str, float | None] = {"bytes_per_second": None, "latency_s": 0.0}
-    if "bandwidth" in raw:
-        value = raw["bandwidth"]
-        match = _BANDWIDTH.match(str(value)) if isinstance(value, str) else None
-        bits = as_float(value)
-        if bits is not None and bits > 0:
-            result["bytes_per_second"] = bits / 8  # a bare number is bits per second
-        elif match and 0 < float(match.group(1)) < math.inf:
-            amount = float(match.group(1)) * _SCALE[match.group(2).lower()]
-            is_bytes = match.group(3) in ("B", "byte", "Byte")
-            result["bytes_per_second"] = amount if is_bytes else amount / 8
-        else:
-            raise SpecError(f"expected a bandwidth such as 1Gbit, 100Mbit or 10GB/s, got {show(value)}",
-                            path=f"{path}.bandwidth")
-    if "latency" in raw:
-        value = raw["latency"]
-        match = _DURATION.match(value) if isinstance(value, str) else None
-        seconds = as_float(value)
-        if seconds is None and match:
-            seconds = float(match.group(1)) * _SECONDS[match.group(2)]
-        if seconds is None or not 0 <= seconds < math.inf:
-            raise SpecError(f"expected a duration such as 100us, 2ms or 0.01 (seconds), got {show(value)}",
-                            path=f"{path}.latency")
-        result["latency_s"] = seconds
-    return result
-
-
-def network_model(config: dict[str, Any]) -> NetworkModel | None:
-    network = config.get("network")
-    if network is None:
-        return None
-    # No bandwidth: unlimited (an older run's stored configuration may say infinity).
-    bytes_per_second = network["bytes_per_second"]
-    return NetworkModel(network["latency_s"], math.inf if bytes_per_second is None else bytes_per_second)
-
-
-def _number(raw: dict, key: str, path: str, *, low: float, high: float | None = None,
-            low_open: bool = False) -> float:
-    """A finite number in [low, high] (or (low, high] with `low_open`)."""
-    value = raw[key]
-    number = as_float(value)
-    if (number is None or not math.isfinite(number) or (number <= low if low_open else number < low)
-            or (high is not None and number > high)):
-        bound = f"> {low}" if low_open else f">= {low}"
-        if high is not None:
-            bound += f" and <= {high}"
-        raise SpecError(f"expected a number {bound}, got {show(value)}", path=f"{path}.{key}")
-    return number
-
-
-def parse_stragglers(raw: Any, path: str, workers: int) -> dict[str, Any] | None:
-    """`{ranks: [0], slowdown: 3.0}`: those ranks compute `slowdown` times slower.
-    `random: {probability: p, slowdown: s}`: each worker, each step, computes `s` times slower
-    with probability `p` (drawn from the run's seed; combines with `ranks`)."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise SpecError("expected a mapping with keys ranks, slowdown, random", path=path)
-    check_keys(raw, path, {"ranks", "slowdown", "random"})
-    ranks = raw.get("ranks", [])
-    if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool)
-                                              for r in ranks):
-        raise SpecError(f"expected a list of worker ranks, got {show(ranks)}", path=f"{path}.ranks")
-    for i, rank in enumerate(ranks):
-        if not 0 <= rank < workers:
-            raise SpecError(f"expected a rank between 0 and {workers - 1}, got {rank}",
-                            path=f"{path}.ranks[{i}]")
-    slowdown = _number({"slowdown": raw.get("slowdown", 1.0)}, "slowdown", path, low=1)
-    result: dict[str, Any] = {"ranks": sorted(set(ranks)), "slowdown": slowdown, "random": None}
-    randomly = raw.get("random")
-    if randomly is not None:
-        where = f"{path}.random"
-        if not isinstance(randomly, dict):
-            raise SpecError("expected a mapping with keys probability, slowdown", path=where)
-        check_keys(randomly, where, {"probability", "slowdown"})
-        for key in ("probability", "slowdown"):
-            if key not in randomly:
-                raise SpecError("required", path=f"{where}.{key}")
-        result["random"] = {
-            "probability": _number(randomly, "probability", where, low=0, high=1),
-            "slowdown": _number(randomly, "slowdown", where, low=1)}
-    return result
-
-
-def check_step_fits_timeout(config: dict[str, Any], path: str) -> None:
+def check_step_fits_timeout(keys: ExperimentOptions, slowest_speed: float, path: str) -> None:
     """A modeled step stretched by the time scale (and the stragglers' slowdown) lasts that
-    long in real time, and timeouts are real: a step as long as the timeout would fail."""
-    compute = config["compute"]
+    long in real time, and timeouts are real: a step as long as the timeout would fail.
+    `slowest_speed`: the slowest node's relative speed (1 without a cluster's speeds)."""
+    compute, stragglers = keys.compute, keys.stragglers
     if compute is None:
         return
-    real = compute["step_seconds"] * compute["time_scale"] / slowest_speed(config)
-    stragglers = config["stragglers"]
+    real = Clock(compute.time_scale).to_real(compute.step_seconds) / slowest_speed
     if stragglers is not None:
-        real *= stragglers["slowdown"] if stragglers["ranks"] else 1.0
-        real *= stragglers["random"]["slowdown"] if stragglers["random"] else 1.0
-    if real >= config["timeout"]:
+        real *= stragglers.slowdown if stragglers.ranks else 1.0
+        real *= stragglers.random.slowdown if stragglers.random else 1.0
+    if real >= keys.timeout:
         raise SpecError(f"a step lasts {real:g} real seconds (step_seconds × time_scale × "
-                        f"slowdown), not less than the timeout ({config['timeout']:g} s); "
+                        f"slowdown), not less than the timeout ({keys.timeout:g} s); "
                         f"raise timeout or lower time_scale", path=f"{path}.compute")
-
-
-def parse_budget(raw: Any, path: str) -> dict[str, Any] | None:
-    """`{samples: N}` (training samples over all workers) or `{seconds: T}` (training time),
-    with `evaluations` (default 10) evenly spaced evaluations of the average model."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise SpecError("expected a mapping with one of the keys samples, seconds", path=path)
-    check_keys(raw, path, {"samples", "seconds", "evaluations"})
-    if ("samples" in raw) == ("seconds" in raw):
-        raise SpecError("expected exactly one of samples, seconds", path=path)
-    budget: dict[str, Any] = {"samples": None, "seconds": None,
-                              "evaluations": _int({"evaluations": raw.get("evaluations", 10)},
-                                                  "evaluations", path, low=1, high=10_000)}
-    if "samples" in raw:
-        budget["samples"] = _int(raw, "samples", path, low=1, high=MAX_SAMPLES)
-    else:
-        budget["seconds"] = _number(raw, "seconds", path, low=0, low_open=True)
-    return budget
 
 
 def select(experiments: list[Experiment], only: list[str] | None) -> list[Experiment]:

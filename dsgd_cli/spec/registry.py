@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.metadata as metadata
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 from dsgd_cli.errors import PluginError
 
@@ -112,6 +112,18 @@ def load(kind: str, name: str) -> type[Plugin]:
         known = ", ".join(n for n, e in entries.items() if not e.shadowed_by) or "none installed"
         raise PluginError(f"unknown {kind} {name!r} (installed: {known})")
     return entries[name].load()
+
+
+def build_options(kind: str, section: Mapping[str, Any]) -> Any:
+    """The options instance of an already validated section (`{name: ..., option: value}`,
+    every option filled in, as the resolved experiment holds it)."""
+    cls = load(kind, section["name"])
+    return cls.Options(**{key: value for key, value in section.items() if key != "name"})
+
+
+def build(kind: str, section: Mapping[str, Any]) -> Plugin:
+    """An instance of the plugin an already validated section names, with its options."""
+    return load(kind, section["name"])(build_options(kind, section))
 
 
 def status(entry: PluginEntry) -> str:

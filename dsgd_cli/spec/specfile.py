@@ -18,36 +18,9 @@ import yaml
 from dsgd_cli.errors import SpecError
 from dsgd_cli.spec.nodes import NodePlan, parse_launch
 from dsgd_cli.options import check_finite
+from dsgd_cli.spec.experiment_options import EXPERIMENT_DEFAULTS  # every key, with its default
 
 TOP_LEVEL_KEYS = ("defaults", "experiments", "launch")
-
-# Every experiment key, with its default (None: required or optional-and-absent).
-EXPERIMENT_DEFAULTS: dict[str, Any] = {
-    "name": None,
-    "task": None,
-    "optimizer": {"name": "sgd", "lr": 0.05},
-    "lr_schedule": {"name": "constant"},  # the lr of each step, from the optimizer's lr
-    "lr_scaling": "none",      # the optimizer's lr times 1 (none), workers (linear), √workers (sqrt)
-    "aggregator": {"name": "allreduce"},
-    "workers": 2,
-    "epochs": 1,
-    "batch_size": 32,
-    "seed": 0,
-    "steps_per_epoch": None,   # cap on steps per epoch, for quick runs
-    "data_split": "random",    # each epoch a random part of the set (random) or one by label
-    "log_interval": 10,        # steps between logged training metrics
-    "target_accuracy": None,   # records time_to_accuracy when reached
-    "network": None,
-    "cluster": None,           # nodes, regions and a link per level: a hierarchical network
-    "stragglers": None,
-    "compute": None,           # modeled step time and time scale: an emulated cluster
-    "budget": None,            # {samples: N} or {seconds: T}: train until spent, not for epochs
-    "save_dir": None,          # saves each worker's final model to <save_dir>/<name>/rank<r>.pt
-    "timeout": 600,            # seconds a communication may make no progress before it fails
-    "checkpoint_every": None,  # steps between checkpoints, for `dsgd run --resume`
-    "grid": None,
-}
-
 
 class SpecLoader(yaml.SafeLoader):
     """YAML 1.1 as PyYAML reads it, but `1e-3`, `1E6` or `-2.5e+4` are floats as in YAML 1.2,

@@ -10,14 +10,17 @@ from torch import nn
 
 from dsgd_cli.worker import checkpoint
 from dsgd_cli.api import Aggregator, Task, WorkerContext
-from dsgd_cli.comm.communicator import DEFAULT_TIMEOUT_S, Comm
-from dsgd_cli.spec.compute_model import PaddedCompute, real_network, time_scale
+from dsgd_cli.comm.communicator import Comm
+from dsgd_cli.emulation.compute import PaddedCompute
+from dsgd_cli.emulation.network import real_cluster, real_network
 from dsgd_cli.comm.events import EventWriter
 from dsgd_cli.worker.interval_metrics import IntervalMetrics
-from dsgd_cli.spec.learning_rate import DEFAULT_SCHEDULE, LearningRate, total_steps
-from dsgd_cli.worker.schedule import StopRule, Straggling, run_length
-from dsgd_cli.spec.cluster_spec import cluster_model, node_speed
-from dsgd_cli.spec.experiments import build_plugin, network_model
+from dsgd_cli.spec.learning_rate import LearningRate, total_steps
+from dsgd_cli.emulation.stragglers import Straggling
+from dsgd_cli.worker.schedule import StopRule, run_length
+from dsgd_cli.spec.cluster_spec import cluster_model, network_model, node_speed
+from dsgd_cli.spec.resolved import ResolvedExperiment
+from dsgd_cli.spec.run_plan import NO_RUN, RunPlan, read_only
 from dsgd_cli.spec.sharding import Shard, steps_per_epoch
 from dsgd_cli.worker.data import load_data
 from dsgd_cli.worker.warmup import warm_up
@@ -28,7 +31,7 @@ from dsgd_cli.worker.evaluation import WorkerEvaluation
 class Worker:
     """What the training loop, the evaluations and the end-of-run report work with."""
 
-    config: dict
+    config: dict  # the run's configuration (current version: the launcher upgrades stored ones)
     rank: int
     world_size: int
     device: torch.device
@@ -54,48 +57,48 @@ class Worker:
 
 
 def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
-                 device: torch.device, namespace: str = "") -> Worker:
+                 device: torch.device, namespace: str = "", run: RunPlan = NO_RUN) -> Worker:
     """The worker's parts, built in the same order on every rank: the order of process group
-    creation and of random number use is part of what makes runs reproducible."""
-    seed = config["seed"]
-    task = build_plugin("task", config["task"])
+    creation and of random number use is part of what makes runs reproducible. The worker's
+    clock (`ctx.clock`) is the one `events` stamps its metrics with, of the run's time scale
+    (process.py makes both)."""
+    experiment = ResolvedExperiment.from_config(config)  # typed: what plugins see too
+    seed, batch_size = experiment.seed, experiment.batch_size
+    task = experiment.task.build("task")
     data = load_data(task, config["task"], seed)
     train_x, train_y = data.train_x.to(device), data.train_y.to(device)
     test_x, test_y = data.test_x.to(device), data.test_y.to(device)
     torch.manual_seed(seed)  # the same initial model on every worker
     model = task.build_model().to(device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_plugin("optimizer", config["optimizer"]).build(params)
+    optimizer = experiment.optimizer.build("optimizer").build(params)
     base_lrs = [group["lr"] for group in optimizer.param_groups]  # a checkpoint's are scheduled
-    checkpoint_dir = config.get("checkpoint_dir")
     resumed = None
-    if config.get("resume_step") is not None:
-        resumed = checkpoint.load(checkpoint_dir, config["resume_step"], rank)
+    if run.resuming:
+        resumed = checkpoint.load(run.checkpoint_dir, run.resume_step, rank)
         model.load_state_dict(resumed["model"])
         optimizer.load_state_dict(resumed["optimizer"])
     # Before the plugins hook into the model; outside every clock (see warmup.py).
-    warm_up(task, model, config["optimizer"], train_x[:config["batch_size"]],
-            train_y[:config["batch_size"]])
-    network = real_network(network_model(config), time_scale(config))  # links in real time
-    cluster = cluster_model(config)
+    warm_up(task, model, config["optimizer"], train_x[:batch_size], train_y[:batch_size])
+    clock = events.clock  # the worker's emulated time: the events' seconds are its
+    network = real_network(network_model(config), clock)  # links in real time
     comm = Comm(rank, world_size, network, device,
-                timeout_s=config.get("timeout", DEFAULT_TIMEOUT_S), namespace=namespace,
-                cluster=cluster.scaled(time_scale(config)) if cluster is not None else None)
+                timeout_s=experiment.timeout, namespace=namespace,
+                cluster=real_cluster(cluster_model(config), clock))
     interval = IntervalMetrics()
-    shard = Shard(len(train_y), rank, world_size, seed, config.get("data_split", "random"),
-                  data.train_y)
-    per_epoch = steps_per_epoch(shard, config["batch_size"], config["steps_per_epoch"])
+    shard = Shard(len(train_y), rank, world_size, seed, experiment.data_split, data.train_y)
+    per_epoch = steps_per_epoch(shard, batch_size, experiment.steps_per_epoch)
     last_step = total_steps(config, shard.size, per_epoch)  # None under a seconds budget
-    # Runs recorded before schedules existed (resumed) have neither key: a constant lr.
     learning_rate = LearningRate(
-        build_plugin("lr_schedule", config.get("lr_schedule", DEFAULT_SCHEDULE)), optimizer,
-        base_lrs, config.get("lr_scaling", "none"), world_size, last_step, per_epoch)
-    aggregator = build_plugin("aggregator", config["aggregator"])
+        experiment.lr_schedule.build("lr_schedule"), optimizer,
+        base_lrs, experiment.lr_scaling, world_size, last_step, per_epoch)
+    aggregator = experiment.aggregator.build("aggregator")
     ctx = WorkerContext(
         rank=rank, world_size=world_size, device=device, model=model, optimizer=optimizer,
         comm=comm, metrics=interval, seed=seed,
-        compressor=build_plugin("compressor", config["compressor"]), config=config)
-    ctx.length = run_length(config, per_epoch, comm, aggregator)
+        compressor=experiment.compressor.build("compressor"), config=read_only(config),
+        experiment=experiment, run=run, clock=clock)
+    ctx.length = run_length(config, per_epoch, comm, aggregator, clock)
     # Every rank creates the same process groups in the same order: the runtime's first.
     stop_rule = StopRule(ctx.length, aggregator, comm, last_step)
     ctx.compressor.setup(ctx)
@@ -106,11 +109,11 @@ def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
     evaluation = WorkerEvaluation(config, task, aggregator, comm, test_x, test_y, events,
                                   stop_rule, ctx.length)
     torch.manual_seed(seed * 7919 + rank)  # per-worker randomness (dropout, compressors)
-    straggling = Straggling(config.get("stragglers"), rank, seed)
+    straggling = Straggling(config["stragglers"], rank, seed)
     padding = None
-    if config.get("compute") is not None:
+    if experiment.compute is not None:
         padding = PaddedCompute(config["compute"], seed, rank, comm.blocked_seconds,
-                                speed=node_speed(config, rank))
+                                speed=node_speed(config, rank), clock=clock)
     if resumed is not None:
         checkpoint.set_rng_state(resumed["rng"], device)
     return Worker(
@@ -118,6 +121,6 @@ def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
         train_x=train_x, train_y=train_y, shard=shard, steps_per_epoch=per_epoch, model=model,
         optimizer=optimizer, comm=comm, aggregator=aggregator, ctx=ctx, interval=interval,
         stop_rule=stop_rule, evaluation=evaluation, straggling=straggling, padding=padding,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every=config.get("checkpoint_every") if checkpoint_dir else None,
+        checkpoint_dir=run.checkpoint_dir,
+        checkpoint_every=experiment.checkpoint_every if run.checkpoint_dir else None,
         resumed=None if resumed is None else resumed["progress"], learning_rate=learning_rate)

@@ -15,34 +15,35 @@
   - an aggregator that `decides_stop` (backup) ends the run itself.
 * `evaluation_points`: under a budget, where the average model is evaluated (see
   `evaluation.BackgroundEvaluation`), in the budget's unit.
-* `Straggling`: the emulated load imbalance: fixed slow ranks, and random slow steps drawn
-  from the run's seed.
+
+The emulated load imbalance (`Straggling`) lives with the rest of the emulation, in
+`dsgd_cli.emulation.stragglers`; it is imported here for code that finds it here.
 """
 
 from __future__ import annotations
 
-import random
-import statistics
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from dsgd_cli.api import Aggregator, RunLength
 from dsgd_cli.comm.communicator import Comm
-from dsgd_cli.spec.compute_model import time_scale
+from dsgd_cli.emulation.clock import Clock
+from dsgd_cli.emulation.stragglers import Straggling  # noqa: F401  (its former home)
 
 
-def run_length(config: dict, steps_per_epoch: int, comm: Comm, aggregator: Aggregator) -> RunLength:
+def run_length(config: dict, steps_per_epoch: int, comm: Comm, aggregator: Aggregator,
+               clock: Clock) -> RunLength:
+    """How long the run trains; a budget in seconds is measured on `clock` (the worker's)."""
     budget = config.get("budget")
-    scale = time_scale(config)
     if budget is None:
-        return RunLength(steps=config["epochs"] * steps_per_epoch, time_scale=scale)
+        return RunLength(steps=config["epochs"] * steps_per_epoch,
+                         time_scale=clock.time_scale, clock=clock)
     counter = None
     if budget["samples"] is not None and (aggregator.steps_may_differ or aggregator.decides_stop):
         counter = comm.counter(f"{config['name']}/samples")
     return RunLength(samples=budget["samples"], seconds=budget["seconds"],
-                     samples_counter=counter, time_scale=scale)
+                     samples_counter=counter, time_scale=clock.time_scale, clock=clock)
 
 
 @dataclass
@@ -143,35 +144,3 @@ def evaluation_points(budget: dict | None) -> list[float]:
     total = budget["samples"] if budget["samples"] is not None else budget["seconds"]
     count = budget["evaluations"]
     return [total * k / count for k in range(1, count)]
-
-
-class Straggling:
-    """How many times slower than its natural speed a worker computes at each step."""
-
-    def __init__(self, stragglers: dict | None, rank: int, seed: int):
-        stragglers = stragglers or {}
-        self.fixed = stragglers["slowdown"] if rank in stragglers.get("ranks", []) else 1.0
-        self.random = stragglers.get("random")
-        self.rank, self.seed = rank, seed
-
-    @property
-    def active(self) -> bool:
-        return self.fixed > 1 or (self.random is not None and self.random["probability"] > 0
-                                  and self.random["slowdown"] > 1)
-
-    def factor(self, step: int) -> float:
-        """The slowdown of `step`: the same seed, rank and step always give the same one."""
-        factor = self.fixed
-        if self.random is not None:
-            draw = random.Random(f"stragglers:{self.seed}:{self.rank}:{step}").random()
-            if draw < self.random["probability"]:
-                factor *= self.random["slowdown"]
-        return factor
-
-    @staticmethod
-    def delay(factor: float, recent_compute: Sequence[float]) -> float:
-        """Seconds to sleep so a step computes `factor` times its natural time: the median of
-        the worker's recent forward+backward times (robust to the slow first steps)."""
-        if factor <= 1 or not recent_compute:
-            return 0.0
-        return (factor - 1) * statistics.median(recent_compute)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dsgd_cli.api import Task
-from dsgd_cli.spec.experiments import build_plugin
+from dsgd_cli.spec.registry import build as build_plugin
 
 
 def warm_up(task: Task, model: nn.Module, optimizer_config: dict, x: torch.Tensor,

@@ -5,7 +5,7 @@ produces them, and each bucket's all-reduce starts as soon as its last gradient 
 so communication overlaps with the rest of backward.
 
 With a compressor, the gradients are averaged after backward through
-`compressor.average_many`: each parameter's gradient is compressed on its own (compressors such
+`compressed_average`: each parameter's gradient is compressed on its own (compressors such
 as PowerSGD need the tensor's shape), and all payloads travel together in one collective (two
 for PowerSGD and dqsgd). Error feedback applies when the spec asks for it or the compressor
 requires it.
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dsgd_cli.api import (Aggregator, AggregatorOptions, ErrorFeedback, Handle, flatten, option,
-                          unflatten_into)
+from dsgd_cli.api import (Aggregator, AggregatorOptions, ErrorFeedback, Handle,
+                          compressed_average, flatten, option, unflatten_into)
 
 
 @dataclass
@@ -47,7 +47,9 @@ class AllReduceOptions(AggregatorOptions):
              "optimizer without momentum)")
     hierarchical: bool = option(
         False, help="reduce-scatter inside each node of the cluster, all-reduce the slices "
-                    "across nodes, all-gather inside the node; after backward, no overlap")
+                    "across nodes, all-gather inside the node; after backward, no overlap "
+                    "(each collective needs the previous one's result: overlapping would "
+                    "wait inside backward's hooks, in one order on every rank)")
 
     def __post_init__(self):
         if self.hierarchical and self.momentum_before_compression > 0:
@@ -223,13 +225,13 @@ class AllReduce(Aggregator):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.options.momentum_before_compression > 0:
             grads = [self._momentum(key, grad) for key, grad in zip(self.keys, grads)]
-        averages = self.compressor.average_many(grads, self.keys, step, self.ctx.comm,
-                                                self.memory)
+        averages = compressed_average(self.compressor, self.ctx.comm, grads, self.keys, step,
+                                      self.memory)
         for p, average in zip(self.params, averages):
             p.grad = average.view_as(p)
         blocked = self.ctx.comm.blocked_seconds() - blocked_before
-        self.ctx.metrics.log("compress_seconds", (time.perf_counter() - started - blocked)
-                             / self.ctx.length.time_scale)  # modeled, as every recorded time
+        self.ctx.metrics.log("compress_seconds",  # modeled, as every recorded time
+                             self.ctx.clock.to_modeled(time.perf_counter() - started - blocked))
 
     def _momentum(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """m <- beta * m + g, as torch's SGD keeps it (the first m is g)."""

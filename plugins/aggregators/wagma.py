@@ -173,8 +173,8 @@ class WAGMA(Aggregator):
             self.max_staleness, self.rounds_reported = 0, self.rounds_completed
         self._check()
         metrics = self.ctx.metrics
-        # In modeled seconds, as every recorded time (the compute model's time scale).
-        metrics.log("wait_seconds", (time.perf_counter() - started) / self.ctx.length.time_scale)
+        # In modeled seconds, as every recorded time.
+        metrics.log("wait_seconds", self.ctx.clock.modeled_since(started))
         metrics.log("staleness", staleness)
         metrics.log("rounds", rounds)
 
@@ -303,9 +303,8 @@ class _Rounds:
                 timeout = None
                 if started_by_peer and not self._is_global(round_index):
                     if patience_until is None:
-                        # patience is modeled: real seconds are time_scale times longer
-                        patience_until = (time.perf_counter() + wagma.options.patience
-                                          * wagma.ctx.length.time_scale)
+                        # patience is modeled; the lock waits in real seconds
+                        patience_until = wagma.ctx.clock.real_deadline(wagma.options.patience)
                     timeout = patience_until - time.perf_counter()
                     if timeout <= 0:
                         return round_index

@@ -61,8 +61,8 @@ class ADPSGD(Aggregator):
         return graph.build(options.topology, world_size, seed=seed, undirected=True)
 
     @classmethod
-    def check_world(cls, options, world_size):
-        graph.bipartite_split(cls.make_topology(options, world_size))
+    def check_world(cls, options, world_size, seed=0):
+        graph.bipartite_split(cls.make_topology(options, world_size, seed))
 
     def setup(self, ctx):
         super().setup(ctx)

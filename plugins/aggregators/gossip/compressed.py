@@ -153,8 +153,9 @@ class CompressedGossip(Aggregator):
         return graph.build(options.topology, world_size, seed=seed, undirected=True)
 
     @classmethod
-    def check_world(cls, options, world_size):
-        check_fixed_symmetric(cls.make_topology(options, world_size), options.mixing, cls.name)
+    def check_world(cls, options, world_size, seed=0):
+        check_fixed_symmetric(cls.make_topology(options, world_size, seed), options.mixing,
+                              cls.name)
 
     def setup(self, ctx):
         super().setup(ctx)

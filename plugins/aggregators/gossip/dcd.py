@@ -56,8 +56,7 @@ class DCD(CompressedGossip):
         super().setup(ctx)
         # s_i = Σ_j w_ij x_j. A resumed run restores it from the checkpoint (load_state_dict
         # runs after setup): exchanging the models again would send and count them twice.
-        resuming = ctx.config.get("resume_step") is not None
-        self.mixed = None if resuming else self._exchange_models(self.vector.read())
+        self.mixed = None if ctx.run.resuming else self._exchange_models(self.vector.read())
         self.start: torch.Tensor | None = None
 
     def _exchange_models(self, x: torch.Tensor) -> torch.Tensor:

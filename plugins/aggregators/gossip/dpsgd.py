@@ -42,8 +42,8 @@ class DPSGD(Aggregator):
                            seed=seed, undirected=True)
 
     @classmethod
-    def check_world(cls, options, world_size):
-        graph.check_doubly_stochastic(cls.make_topology(options, world_size), options.mixing)
+    def check_world(cls, options, world_size, seed=0):
+        graph.check_doubly_stochastic(cls.make_topology(options, world_size, seed), options.mixing)
 
     def setup(self, ctx):
         super().setup(ctx)

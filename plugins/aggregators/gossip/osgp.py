@@ -46,8 +46,8 @@ class OSGP(Aggregator):
         return SGP.make_topology(options, world_size, seed)
 
     @classmethod
-    def check_world(cls, options, world_size):
-        graph.check_push_sum(cls.make_topology(options, world_size), balanced_rounds=True)
+    def check_world(cls, options, world_size, seed=0):
+        graph.check_push_sum(cls.make_topology(options, world_size, seed), balanced_rounds=True)
 
     def setup(self, ctx):
         super().setup(ctx)
@@ -79,7 +79,7 @@ class OSGP(Aggregator):
                 stats = self.gossip.stats.take()
                 staleness = self.gossip.steps - self.gossip.covered
             metrics = self.ctx.metrics
-            metrics.log("gossip_wait_seconds", waited / self.ctx.length.time_scale)  # modeled
+            metrics.log("gossip_wait_seconds", self.ctx.clock.to_modeled(waited))
             metrics.log("gossip_rounds", stats.rounds)
             metrics.log("gossip_staleness", staleness)
             if stats.lag_count:

@@ -1,0 +1,84 @@
+"""Configurations stored by older versions of dsgd, brought up to date in one place.
+
+A run's configuration (the resolved experiment as `Experiment.config`, the launch plan and
+the database's `runs.config` hold it) carries `config_version`. Each step of `UPGRADES`
+takes a configuration of one version to the next, as `results/store.py`'s `MIGRATIONS` do for
+the database's schema: whoever reads a stored configuration calls `upgrade_config` once and
+then finds every key the current version has, with its meaning of today.
+
+A step changes only what its version changed; it never drops a key (`compare` and `show`
+still list what a run recorded).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable
+
+from dsgd_cli.errors import DsgdError
+
+# Version 1: every configuration stored before the number existed (it has no
+# `config_version`), including those from before `lr_schedule`, `lr_scaling`, `data_split`,
+# `timeout`, `stragglers`, `compute`, `budget`, `cluster` and `checkpoint_every` existed.
+# Version 2: every experiment key is there, and an unlimited bandwidth is null.
+CONFIG_VERSION = 2
+
+# The value a key had before it existed: what the runtime did without it.
+_ADDED_KEYS: dict[str, Any] = {
+    "steps_per_epoch": None,
+    "log_interval": 10,
+    "timeout": 600.0,
+    "data_split": "random",
+    "target_accuracy": None,
+    "save_dir": None,
+    "network": None,
+    "stragglers": None,
+    "compute": None,
+    "cluster": None,
+    "budget": None,
+    "checkpoint_every": None,
+    "lr_scaling": "none",
+    "lr_schedule": {"name": "constant", "warmup_steps": 0, "warmup_epochs": 0.0},
+}
+
+
+def _to_version_2(config: dict[str, Any]) -> None:
+    """Keys added over version 1's life get the value that meant what the run did then;
+    a bandwidth stored as infinity (before null meant unlimited) becomes null."""
+    for key, before in _ADDED_KEYS.items():
+        if key not in config:
+            config[key] = copy.deepcopy(before)
+    links = [config["network"]] if isinstance(config["network"], dict) else []
+    if isinstance(config["cluster"], dict):
+        links += list((config["cluster"].get("links") or {}).values())
+    for link in links:
+        bandwidth = link.get("bytes_per_second")
+        if isinstance(bandwidth, float) and math.isinf(bandwidth):
+            link["bytes_per_second"] = None
+
+
+# version -> the step from it to the next
+UPGRADES: dict[int, Callable[[dict[str, Any]], None]] = {
+    1: _to_version_2,
+}
+
+
+def version_of(config: dict[str, Any]) -> int:
+    return config.get("config_version", 1)
+
+
+def upgrade_config(stored: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `stored` (a configuration as some version of dsgd stored it) in the current
+    version's layout; DsgdError for one stored by a newer dsgd."""
+    version = version_of(stored)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise DsgdError(f"unreadable configuration: config_version {version!r}")
+    if version > CONFIG_VERSION:
+        raise DsgdError(f"this configuration was stored by a newer dsgd (config_version "
+                        f"{version}; this one reads up to {CONFIG_VERSION}): upgrade dsgd")
+    config = copy.deepcopy(stored)
+    for step in range(version, CONFIG_VERSION):
+        UPGRADES[step](config)
+    config.pop("config_version", None)
+    return {"config_version": CONFIG_VERSION, **config}  # first, as a resolved spec has it
