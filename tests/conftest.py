@@ -72,6 +72,21 @@ def compare_json(db: Path, *args: str, env: dict | None = None) -> list[dict]:
     return json.loads(result.stdout)
 
 
+@pytest.fixture(scope="module")
+def quick_gamma_tuning():
+    """CHOCO's `gamma: auto` tunes during validation: 13 step sizes × 100 consensus steps on
+    vectors of the model's length, 10 s and more for the CNN of examples/choco.yaml. For tests
+    of what validation says, not of which γ it picks: the same tuning code runs, on short
+    vectors for a few steps (tests/test_choco checks the tuning itself)."""
+    from plugins.aggregators.gossip import choco
+
+    tune = choco.tune_gamma
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(choco, "TUNING_DIMENSION_CAP", 64)
+        patch.setattr(choco, "tune_gamma", lambda *args, **kwargs: tune(*args, **kwargs, steps=5))
+        yield
+
+
 @pytest.fixture(scope="session")
 def plugin_env(tmp_path_factory) -> dict:
     """Installs tests/plugin_pkgs/dsgd_testplugins into a private site dir, as a real

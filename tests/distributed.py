@@ -33,6 +33,22 @@ def preloaded_context():
     return context
 
 
+def warm_numba_kernels() -> None:
+    """Compile every kernel the built-in compressors use into numba's on-disk cache, once per
+    test process, before workers start. Each worker's compressor loads its kernels in
+    `setup`; with an empty cache (a fresh clone) every worker of a test would compile the
+    same kernels at once: tens of seconds of CPU each, n times over on a 2-core machine.
+    After this they load them from the cache in a fraction of a second."""
+    from plugins.compressors import _common
+
+    _common.warm_up_sparsification()
+    _common.warm_up_signs()
+    _common.warm_up_quantization()
+    _common.warm_up_terngrad()
+    for bits in (2, 6):  # TernGrad's codes; QSGD's at its default 16 levels
+        _common.warm_up_codes(bits)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,6 +71,7 @@ def run_workers(fn, world_size: int = 2, *args, timeout: float = 120, preloaded:
     """`fn(rank, world_size, *args)` in each of `world_size` processes; returns their results.
     `fn` must be importable (defined at module level). Fails if any worker fails or hangs.
     The processes are spawned, or with `preloaded` forked from `preloaded_context()`'s server."""
+    warm_numba_kernels()
     context = preloaded_context() if preloaded else mp.get_context("spawn")
     with context.Manager() as manager:
         results = manager.dict()
@@ -111,6 +128,7 @@ def run_scenarios(module: str, world_size: int, directory, timeout: float) -> li
 
     import torch
 
+    warm_numba_kernels()
     context = preloaded_context()
     processes = [context.Process(target=_scenarios_entry,
                                  args=(rank, world_size, str(directory), module))

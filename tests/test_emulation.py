@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 import shutil
+import sqlite3
 import time
+from pathlib import Path
 
 import pytest
 
@@ -163,8 +165,10 @@ LOGNORMAL = {"distribution": "lognormal", "sigma": 0.5}
 @pytest.fixture(scope="module")
 def timeline(tmp_path_factory):
     """One `dsgd run`: three runs with a lognormal step time (two with seed 0, one with seed 1)
-    whose workers never communicate, and allreduce at time scales 4 and 8 over an emulated
-    link."""
+    whose workers never communicate, allreduce at time scales 4 and 8 over an emulated
+    link, a seconds budget, and a run whose every step overruns (checkpointed at steps 4 and
+    8). Returns the runs by name, the store, `dsgd run`'s stderr, the database and the
+    checkpoint directory."""
     tmp = tmp_path_factory.mktemp("emulation")
     spec = write_spec(tmp, f"""
         defaults:
@@ -198,12 +202,14 @@ def timeline(tmp_path_factory):
             compute: {{step_seconds: 0.03, time_scale: 4}}
           - name: overrun  # 10 microseconds: no real forward and backward is that fast
             compute: {{step_seconds: 0.00001}}
+            checkpoint_every: 4
     """)
-    db = tmp / "results.db"
-    result = dsgd("run", str(spec), "--db", str(db), timeout=600)
+    db, checkpoints = tmp / "results.db", tmp / "ck"
+    result = dsgd("run", str(spec), "--db", str(db), "--checkpoint-dir", str(checkpoints),
+                  timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     store = Store(str(db))
-    return {run.experiment: run for run in store.runs()}, store, result.stderr, db
+    return {run.experiment: run for run in store.runs()}, store, result.stderr, db, checkpoints
 
 
 def _per_step(store, run, metric) -> dict[tuple[int, int], float]:
@@ -211,7 +217,7 @@ def _per_step(store, run, metric) -> dict[tuple[int, int], float]:
 
 
 def test_the_same_seed_gives_the_same_modeled_step_times(timeline):
-    runs, store, _, _ = timeline
+    runs, store, _, _, _ = timeline
     fitted = 0
     recorded = {name: _per_step(store, runs[name], "step_seconds")
                 for name in ("seed0-a", "seed0-b", "seed1")}
@@ -236,7 +242,7 @@ def test_the_same_seed_gives_the_same_modeled_step_times(timeline):
 
 
 def test_time_scales_record_the_same_modeled_rate_and_stretch_real_time(timeline):
-    runs, _, _, _ = timeline
+    runs, _, _, _, _ = timeline
     rates, real = {}, {}
     for name in ("scale4", "scale8"):
         run = runs[name]
@@ -324,7 +330,7 @@ def test_cluster_arithmetic_at_8_workers(cluster):
     assert _final(backup, "samples_per_second") == pytest.approx(
         sum(steps.values()) * BATCH / duration, rel=0.05)
     # T, then one ring all-reduce of the gradient (one bucket): 2(n-1) messages, each worker
-    # sending 2(n-1)/n of the buffer (README, Metrics).
+    # sending 2(n-1)/n of the buffer (docs/results.md, "Metrics").
     ring = 2 * (N - 1) * LATENCY + 2 * (N - 1) / N * MLP_PARAMETERS * 4 / BANDWIDTH
     steps = [m.value for m in store.metric_history(runs["allreduce-network"].id, "step_seconds")]
     assert sum(steps) / len(steps) == pytest.approx(T + ring, rel=0.1)
@@ -384,7 +390,7 @@ def test_plugins_record_their_waits_in_modeled_seconds(plugin_clocks):
 
 
 def test_a_seconds_budget_is_in_modeled_seconds(timeline):
-    runs, store, _, _ = timeline
+    runs, store, _, _, _ = timeline
     steps = {m.rank: m.step for m in store.metric_history(runs["budget"].id, "step_seconds")}
     # 0.3 / 0.03 = 10 steps (and the one that reads the last "time is up" flags); in real
     # seconds it would have been 0.3 / (0.03 × 4), 2 or 3 steps.
@@ -393,7 +399,7 @@ def test_a_seconds_budget_is_in_modeled_seconds(timeline):
 
 
 def test_a_run_that_overran_is_told_to_raise_the_time_scale(timeline):
-    runs, store, stderr, db = timeline
+    runs, store, stderr, db, _ = timeline
     overrun = runs["overrun"]
     assert _final(overrun, "overrun_steps") == 1.0
     assert min(m.value for m in store.metric_history(overrun.id, "emulation_overrun")) > 1
@@ -407,33 +413,33 @@ def test_a_run_that_overran_is_told_to_raise_the_time_scale(timeline):
         assert "emulation:" not in dsgd("show", str(runs[name].id), "--db", str(db)).stdout
 
 
-def test_a_resumed_run_goes_on_counting_its_overrun_steps(tmp_path):
+def test_a_resumed_run_goes_on_counting_its_overrun_steps(timeline, tmp_path):
     """Every step of a 10-microsecond model overruns. Resumed from its step-4 checkpoint, a run
     writes a step-8 checkpoint that counts 8 emulated steps, 8 overrun, not the 4 since the
-    resume, and the run's overrun_steps covers all its steps."""
-    spec = write_spec(tmp_path, """
-        defaults: {task: logreg, workers: 2, steps_per_epoch: 12, checkpoint_every: 4,
-                   compute: {step_seconds: 0.00001}}
-        experiments:
-          - {name: a}
-    """)
+    resume, and the run's overrun_steps covers all its steps. The run is `timeline`'s
+    `overrun`, resumed from a copy of its database and checkpoints (the other tests read the
+    original)."""
+    runs, _, _, recorded_db, recorded_checkpoints = timeline
     db, checkpoints = tmp_path / "r.db", tmp_path / "ck"
-    result = dsgd("run", str(spec), "--db", str(db), "--checkpoint-dir", str(checkpoints))
-    assert result.returncode == 0, result.stdout + result.stderr
+    with sqlite3.connect(recorded_db) as source, sqlite3.connect(db) as copy:
+        source.backup(copy)
+    shutil.copytree(recorded_checkpoints, checkpoints)
     store = Store(str(db))
-    (run,) = store.runs()
-    directory = store.checkpoint_dir(run.id)
+    run = store.get_run(runs["overrun"].id)
+    directory = checkpoints / Path(store.checkpoint_dir(run.id)).name
     assert checkpoint.steps(directory) == [4, 8]
     assert [checkpoint.load(directory, 4, rank)["progress"]["padding"] for rank in (0, 1)] \
         == [(4, 4), (4, 4)]
     shutil.rmtree(checkpoint.step_directory(directory, 8))
     store.finish_run(run.id, "failed", "recorded as failed by the test")
-    result = dsgd("run", "--resume", str(run.id), "--db", str(db))
+    result = dsgd("run", "--resume", str(run.id), "--db", str(db),
+                  "--checkpoint-dir", str(checkpoints))
     assert result.returncode == 0, result.stdout + result.stderr
     assert [entry["step"] for entry in store.resumes(run.id)] == [4]
     assert [checkpoint.load(directory, 8, rank)["progress"]["padding"] for rank in (0, 1)] \
         == [(8, 8), (8, 8)]
-    (run,) = store.runs()
+    run = store.get_run(run.id)
+    assert run.status == "completed"
     assert _final(run, "overrun_steps") == 1.0
 
 

@@ -23,7 +23,8 @@ def data(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[p.name for p in SPECS])
-def test_spec_validates(spec, data):
+def test_spec_validates(spec, data, quick_gamma_tuning):
+    """Valid, whichever γ CHOCO's `gamma: auto` tunes (tuned quickly here)."""
     assert load_spec(spec)
 
 

@@ -41,19 +41,9 @@ QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quick_gamma_tuning():
-    """CHOCO's `gamma: auto` tunes during validation: 13 step sizes × 100 consensus steps on
-    vectors of the model's length, 10 s and more for the CNN of examples/choco.yaml, again
-    for every mutated spec whose tuning inputs differ. The fuzz checks what validation says,
-    not which γ it picks: the same tuning code runs, on short vectors for a few steps."""
-    from plugins.aggregators.gossip import choco
-
-    tune = choco.tune_gamma
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(choco, "TUNING_DIMENSION_CAP", 64)
-        patch.setattr(choco, "tune_gamma", lambda *args, **kwargs: tune(*args, **kwargs, steps=5))
-        yield
+# CHOCO's `gamma: auto` tunes again for every mutated spec whose tuning inputs differ: the
+# fuzz checks what validation says, not which γ it picks (conftest's quick_gamma_tuning).
+pytestmark = pytest.mark.usefixtures("quick_gamma_tuning")
 
 
 # Values at the edges, where checks tend to be missing: huge and negative integers, floats

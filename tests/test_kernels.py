@@ -530,3 +530,79 @@ def test_derive_seed():
     assert a == nk.derive_seed(1, 2, 3)
     assert len({a, nk.derive_seed(1, 2, 4), nk.derive_seed(1, 3, 2), nk.derive_seed(2, 2, 3)}) == 4
     assert 0 <= a < 2**64
+
+
+# ---------------------------------------------------------------------------
+# The tests' warm-up before they start workers
+# ---------------------------------------------------------------------------
+
+
+def _loaded_kernels() -> set[tuple[str, tuple]]:
+    """(kernel, argument types) of every kernel this process has compiled or loaded."""
+    from numba.core.dispatcher import Dispatcher
+
+    from numba_kernels import _cpu
+
+    dispatchers = []
+    for value in vars(_cpu).values():
+        value = getattr(value, "__wrapped__", value)  # a backend function's kernel
+        if isinstance(value, Dispatcher):
+            dispatchers.append(value)
+        elif isinstance(value, dict):  # the copies per code width
+            dispatchers += [v for v in value.values() if isinstance(v, Dispatcher)]
+    return {(d.py_func.__qualname__, signature) for d in dispatchers for signature in d.overloads}
+
+
+def _check_the_warm_up_covers_the_compressors() -> None:
+    from importlib.metadata import entry_points
+
+    from distributed import warm_numba_kernels
+
+    warm_numba_kernels()
+    warmed = _loaded_kernels()
+    assert warmed  # the check below sees the kernels
+    for entry in entry_points(group="dsgd.compressors"):
+        compressor_class = entry.load()
+        warm_up = getattr(compressor_class(compressor_class.Options()), "warm_up", None)
+        if warm_up is not None:
+            warm_up()
+        assert _loaded_kernels() == warmed, f"{entry.name} loads kernels the warm-up did not"
+
+
+def test_the_warm_up_before_workers_start_loads_every_compressors_kernels():
+    """`distributed.run_workers` and `run_scenarios` warm the kernels up in the test process
+    first, so that the workers of a fresh clone (numba's cache empty) load them rather than
+    each compile them. A built-in compressor's own warm-up (what each worker runs) then loads
+    nothing new. In a fresh process: this one may have loaded any kernel already."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    check = (f"import sys; sys.path[:0] = [{str(tests)!r}, {str(tests.parent)!r}]; "
+             "import test_kernels; test_kernels._check_the_warm_up_covers_the_compressors()")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                            cwd=tests.parent, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+class _Stopped(Exception):
+    pass
+
+
+def test_the_test_helpers_warm_the_kernels_up_before_starting_workers(monkeypatch, tmp_path):
+    import distributed
+
+    events = []
+
+    def start_nothing():
+        events.append("workers start")
+        raise _Stopped
+
+    monkeypatch.setattr(distributed, "warm_numba_kernels", lambda: events.append("warm-up"))
+    monkeypatch.setattr(distributed, "preloaded_context", start_nothing)
+    with pytest.raises(_Stopped):
+        distributed.run_workers(print, 2, preloaded=True)
+    with pytest.raises(_Stopped):
+        distributed.run_scenarios("test_kernels", 2, tmp_path, timeout=1)
+    assert events == ["warm-up", "workers start"] * 2

@@ -65,7 +65,7 @@ def test_two_nodes_record_one_run_with_every_ranks_metrics(tmp_path):
 
 def test_a_node_that_never_joins_fails_the_run_within_the_rendezvous_timeout(tmp_path):
     port = _free_port()
-    spec = write_spec(tmp_path, SPEC.format(port=port, timeout=5))
+    spec = write_spec(tmp_path, SPEC.format(port=port, timeout=2))  # seconds the test waits
     db = tmp_path / "r.db"
     node = _start(spec, db, 0, "-e", "allreduce")
     stdout, stderr = node.communicate(timeout=300)
@@ -73,7 +73,7 @@ def test_a_node_that_never_joins_fails_the_run_within_the_rendezvous_timeout(tmp
     (run,) = Store(str(db)).runs()
     assert (run.status, run.failed_rank) == ("failed", None)
     assert run.reason == (f"rendezvous at 127.0.0.1:{port} timed out: not all 2 nodes joined "
-                          "within 5 s")
+                          "within 2 s")
     assert stderr.strip().splitlines()[-1].endswith(run.reason)
 
 

@@ -13,7 +13,8 @@ from conftest import dsgd, dsgd_in_process, write_spec
 from dsgd_cli.results.store import Store
 
 LR = 0.1
-# 4 workers, 12 steps each (log_interval 1: every step's lr is recorded), in one launch.
+# 4 workers, 12 steps each (log_interval 1: every step's lr is recorded), in one launch; the
+# last experiment's schedule comes from the test plugin package (`plugin_env`).
 SPEC = """
     defaults:
       task: {{name: logreg}}
@@ -39,6 +40,10 @@ SPEC = """
         lr_schedule: {{name: constant, warmup_epochs: 0.5}}   # 16 steps per epoch: 8 steps
         steps_per_epoch: null
         budget: {{samples: 1280}}
+      - name: third-party
+        steps_per_epoch: 5
+        optimizer: {{name: sgd, lr: 0.2}}
+        lr_schedule: {{name: exponential, warmup_steps: 1, gamma: 0.5}}
 """
 
 
@@ -51,11 +56,12 @@ def lr_by_rank(db, run_id) -> dict[int, dict[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, plugin_env):
     tmp = tmp_path_factory.mktemp("schedules")
     spec = write_spec(tmp, SPEC.format())
     db = tmp / "r.db"
-    result = dsgd("run", str(spec), "--db", str(db), "--checkpoint-dir", str(tmp / "ck"))
+    result = dsgd("run", str(spec), "--db", str(db), "--checkpoint-dir", str(tmp / "ck"),
+                  env=plugin_env)
     assert result.returncode == 0, result.stdout + result.stderr
     return db, {run.experiment: run.id for run in Store(str(db)).runs()}
 
@@ -177,14 +183,9 @@ def test_each_grid_point_is_checked_against_its_own_length(tmp_path):
             "the run has 32 steps per worker)") in result.stderr
 
 
-def test_a_third_party_schedule_is_found_validated_and_applied(tmp_path, plugin_env):
-    """The test package registers `exponential` under dsgd.schedules, as any distribution would."""
-    spec = write_spec(tmp_path, """
-        defaults: {task: logreg, workers: 2, epochs: 1, steps_per_epoch: 5, log_interval: 1,
-                   optimizer: {name: sgd, lr: 0.2}}
-        experiments:
-          - {name: a, lr_schedule: {name: exponential, warmup_steps: 1, gamma: 0.5}}
-    """)
+def test_a_third_party_schedule_is_found_validated_and_applied(tmp_path, plugin_env, runs):
+    """The test package registers `exponential` under dsgd.schedules, as any distribution
+    would; `runs` ran it (its experiment `third-party`)."""
     bad = write_spec(tmp_path, """
         experiments:
           - {name: a, task: logreg, lr_schedule: {name: exponential, gamma: 2}}
@@ -192,10 +193,10 @@ def test_a_third_party_schedule_is_found_validated_and_applied(tmp_path, plugin_
     result = dsgd("run", str(bad), "--dry-run", env=plugin_env)
     assert result.returncode == 2
     assert "experiments[0].lr_schedule.gamma: expected a value <= 1.0, got 2" in result.stderr
-    result = dsgd("run", str(spec), "--db", str(tmp_path / "r.db"), env=plugin_env)
-    assert result.returncode == 0, result.stdout + result.stderr
-    (run,) = Store(str(tmp_path / "r.db")).runs()
-    for rank, lrs in lr_by_rank(tmp_path / "r.db", run.id).items():
+    db, ids = runs
+    history = lr_by_rank(db, ids["third-party"])
+    assert sorted(history) == [0, 1, 2, 3]
+    for rank, lrs in history.items():
         assert [lrs[s] for s in range(1, 6)] == pytest.approx([0.2, 0.1, 0.05, 0.025, 0.0125])
 
 
