@@ -6,6 +6,7 @@ Everything asserts modeled times and recorded values, never wall-clock time.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from conftest import compare_json, dsgd, dsgd_in_process, write_spec
 from distributed import run_workers
 from dsgd_cli.comm.cluster import LEVELS, Cluster, Link
 from dsgd_cli.commands.cluster_picture import cluster_picture
+from dsgd_cli.commands.reference import REQUIRED, experiment_key_rows
 from dsgd_cli.commands.output import readable_bytes
 from dsgd_cli.emulation.clock import Clock
 from dsgd_cli.emulation.network import real_cluster
@@ -117,6 +119,72 @@ def test_a_cluster_that_does_not_fit_is_refused_at_its_key(tmp_path, cluster, me
     with pytest.raises(SpecError) as error:
         load_spec(spec)
     assert str(error.value).startswith(f"{spec}: experiments[0].{message}"), str(error.value)
+
+
+# Values the generic option types would take or word otherwise: 2.0 is not a node count,
+# a list item names its index, a count of speeds names the nodes.
+@pytest.mark.parametrize("cluster,message", [
+    ("{nodes: 2.0, links: {%s, %s}}" % (INTRA, INTER),
+     "cluster.nodes: expected an integer >= 1, got 2.0"),
+    ("{nodes: true, links: {%s, %s}}" % (INTRA, INTER),
+     "cluster.nodes: expected an integer >= 1, got True"),
+    ("{nodes: null, links: {%s, %s}}" % (INTRA, INTER),
+     "cluster.nodes: expected an integer >= 1, got None"),
+    ("{nodes: 4, regions: [2.0, 2], links: {%s, %s}}" % (INTRA, INTER),
+     "cluster.regions: expected a list of node counts >= 1, one per region, got [2.0, 2]"),
+    ("{nodes: 4, regions: [], links: {%s, %s}}" % (INTRA, INTER),
+     "cluster.regions: expected a list of node counts >= 1, one per region, got []"),
+    ("{nodes: 4, links: {%s, %s}, speed: 1}" % (INTRA, INTER),
+     "cluster.speed: expected a list of 4 speeds, one per node, got 1"),
+    ("{nodes: 4, links: {%s, %s}, speed: [1, 1, true, 1]}" % (INTRA, INTER),
+     "cluster.speed[2]: expected a number > 0 and <= 1000, got True"),
+    ("{nodes: 4, links: {%s, %s}, nic: null}" % (INTRA, INTER),
+     "cluster.nic: expected one of shared, dedicated, got None"),
+    ("{nodes: 4, links: [1]}", "cluster.links: expected a mapping with keys intra_node, "
+                               "inter_node, inter_region"),
+    ("{nodes: 4, links: {%s, inter_node: 5}}" % INTRA,
+     "cluster.links.inter_node: expected a mapping with keys bandwidth, latency"),
+    ("{nodes: 4, links: {%s, inter_node: null}}" % INTRA,
+     "cluster.links.inter_node: required: this cluster has inter-node links, "
+     "such as {bandwidth: 10Gbit, latency: 50us}"),
+    ("{nodes: 4}", "cluster.links.intra_node: required: this cluster has intra-node links, "
+                   "such as {bandwidth: 10Gbit, latency: 50us}"),
+    ("{}", "cluster.nodes: required: the number of nodes the workers are split over"),
+    ("{nodes: 4, links: {%s, %s}, color: red}" % (INTRA, INTER),
+     "cluster.color: unknown key (expected one of links, nic, nodes, regions, speed)"),
+])
+def test_cluster_values_keep_their_own_messages(tmp_path, cluster, message):
+    spec = write_spec(tmp_path, f"""
+        experiments:
+          - {{name: a, task: logreg, workers: 8, compute: {{step_seconds: 0.01}},
+             cluster: {cluster}}}
+    """)
+    with pytest.raises(SpecError) as error:
+        load_spec(spec)
+    assert str(error.value) == f"{spec}: experiments[0].{message}"
+
+
+def test_the_resolved_cluster_keeps_its_layout_and_the_links_given_in_level_order(tmp_path):
+    # One worker per node crosses no intra-node link, which is kept all the same (a grid
+    # over nodes gives every point the same links); written out of order, stored in order.
+    _, experiments = _load(tmp_path, "{name: a, workers: 4, cluster: {nodes: 4, links: "
+                                     "{inter_node: {bandwidth: 8Mbit}, intra_node: {}}}}")
+    assert json.dumps(experiments[0].config["cluster"]) == (
+        '{"nodes": 4, "regions": null, "links": {'
+        '"intra_node": {"bytes_per_second": null, "latency_s": 0.0}, '
+        '"inter_node": {"bytes_per_second": 1000000.0, "latency_s": 0.0}}, '
+        '"nic": "shared", "speed": null}')
+
+
+def test_the_cluster_is_declared_with_its_keys_in_the_reference():
+    rows = {row["option"]: row for row in experiment_key_rows()}
+    assert rows["cluster"]["type"] == "a section"
+    assert rows["cluster.nodes"]["default"] == REQUIRED
+    assert rows["cluster.nic"]["type"] == "one of shared, dedicated"
+    assert rows["cluster.nic"]["default"] == "shared"
+    assert [key for key in rows if key.startswith("cluster.links.") and key.count(".") == 2] == [
+        "cluster.links.intra_node", "cluster.links.inter_node", "cluster.links.inter_region"]
+    assert all(rows[key]["help"] for key in rows if key.startswith("cluster"))
 
 
 def test_network_and_cluster_together_are_refused_with_exit_2(tmp_path):

@@ -157,6 +157,34 @@ def test_the_experiments_keys_are_declared_once():
     assert EXPERIMENT_DEFAULTS["workers"] == 2 and EXPERIMENT_DEFAULTS["timeout"] == 600.0
 
 
+def test_the_cluster_is_parsed_defaulted_and_checked_against_the_workers_by_its_declaration():
+    """`cluster` is a declared section: parsing the experiment's options alone fills in its
+    defaults and runs the checks that need the worker count and the other sections."""
+    from dsgd_cli.spec.experiment_options import ExperimentOptions
+
+    links = {"intra_node": {"bandwidth": "1GB/s"}, "inter_node": {"bandwidth": "1Gbit"}}
+    keys = parse_options(ExperimentOptions, {"workers": 4, "cluster": {"nodes": 2, "links": links}},
+                         "e")
+    assert keys.cluster.nic == "shared" and keys.cluster.regions is None
+    assert keys.cluster.resolved()["links"]["inter_node"] == {"bytes_per_second": 1e9 / 8,
+                                                              "latency_s": 0.0}
+    refusals = [
+        ({"workers": 6, "cluster": {"nodes": 4, "links": links}},
+         "e.cluster.nodes: 6 workers cannot be split evenly over 4 nodes: workers must be a "
+         "multiple of nodes"),
+        ({"workers": 4, "cluster": {"nodes": 4, "links": links}, "network": {"bandwidth": "1Gbit"}},
+         "e.cluster: give either network (one link for every worker) or cluster, not both; "
+         "set network: null where a default sets it"),
+        ({"workers": 4, "cluster": {"nodes": 2, "links": links, "speed": [1, 2]}},
+         "e.cluster.speed: node speeds scale the modeled compute: add a compute section "
+         "(compute.step_seconds)"),
+    ]
+    for raw, message in refusals:
+        with pytest.raises(SpecError) as error:
+            parse_options(ExperimentOptions, raw, "e")
+        assert str(error.value) == message
+
+
 def test_an_option_typed_any_reaches_its_class_as_written():
     """A section converts an `Any` option itself (a bandwidth, a duration): 10**30 bits per
     second is not refused first as an integer beyond 64 bits."""

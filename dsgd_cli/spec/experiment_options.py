@@ -6,10 +6,9 @@ same `option()` the plugins declare their options with (`dsgd_cli.options`).
 are the spec's), and `EXPERIMENT_DEFAULTS` (what `defaults:` and each experiment are merged
 over) is read from it. The checks that involve several keys are in `__post_init__`.
 
-`cluster` takes a shape of its own (one link per level, which a `network` section
-describes): it is checked by `cluster_spec.parse_cluster`; the plugin sections
-(`task`, `optimizer`, `aggregator` with its `compressor`, `lr_schedule`) by the plugin each
-names. Nothing here imports torch: `dsgd run` reads the spec this far before torch loads.
+The plugin sections (`task`, `optimizer`, `aggregator` with its `compressor`,
+`lr_schedule`) are checked by the plugin each names. Nothing here imports torch: `dsgd run`
+reads the spec this far before torch loads.
 """
 
 from __future__ import annotations
@@ -20,8 +19,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from dsgd_cli.comm.cluster import INTER_NODE, INTER_REGION, INTRA_NODE, LEVELS
 from dsgd_cli.errors import SpecError
-from dsgd_cli.options import as_float, option, option_fields, parse_options, show
+from dsgd_cli.options import as_float, option, option_fields, show
 from dsgd_cli.emulation.failures import FailureOptions
 from dsgd_cli.spec.compute_model import ComputeOptions
 
@@ -142,13 +142,129 @@ def _seconds(value: Any) -> float:
     return seconds
 
 
-def parse_network(raw: Any, path: str) -> dict[str, float | None] | None:
-    """A `network` section, or a cluster's link, as the configuration holds it (None: none)."""
-    if raw is None:
+MAX_NODE_SPEED = 1000.0
+_LINK_EXAMPLE = "{bandwidth: 10Gbit, latency: 50us}"
+
+
+@dataclass(frozen=True)
+class ClusterLinks:
+    """One link per level of the cluster, each what a `network` section takes."""
+
+    spec_section: ClassVar[bool] = True
+
+    intra_node: NetworkOptions | None = option(None, help="between workers of one node")
+    inter_node: NetworkOptions | None = option(None, help="between nodes of one region")
+    inter_region: NetworkOptions | None = option(None, help="between regions (needs regions)")
+
+    def given(self) -> dict[str, NetworkOptions]:
+        """The levels written, in level order."""
+        return {level: getattr(self, level) for level in LEVELS
+                if getattr(self, level) is not None}
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """`{nodes: 4, regions: [2, 2], links: {intra_node: ..., inter_node: ...}, nic: shared,
+    speed: [1, 1, 0.5, 1]}`: the workers split evenly over nodes (rank r on node
+    r // (workers / nodes)), nodes grouped into regions in node order.
+
+    `nodes`, `regions` and `speed` are typed `Any` and checked in `__post_init__`, because
+    the option types would take or word them otherwise: `int` takes 2.0 as 2 and says only
+    "expected an integer"; `list[...]` takes an empty list, names no bad item (`speed[2]`)
+    and cannot say how many speeds it expects (one per node). What needs the worker count
+    is checked by `check_workers`, called by the experiment."""
+
+    spec_section: ClassVar[bool] = True
+
+    nodes: Any = option(missing="the number of nodes the workers are split over",
+                        help="an integer >= 1 that divides workers: the workers split evenly "
+                             "over nodes, in rank order")
+    regions: Any = option(None, help="a list of node counts, one per region, in node order, "
+                                     "summing to nodes; null: one region")
+    links: ClusterLinks | None = option(
+        None, help="one link per level the cluster has, each as `network` takes it")
+    nic: Literal["shared", "dedicated"] = option(
+        "shared", help="whether the workers of a node share its network card's bandwidth")
+    speed: Any = option(None, help=f"a list of relative compute speeds, one per node, each "
+                                   f"> 0 and <= {MAX_NODE_SPEED:g}; null: all 1")
+
+    def __post_init__(self):
+        _check_nodes(self.nodes)
+        object.__setattr__(self, "regions", _checked_regions(self.regions, self.nodes))
+        if self.links is not None and self.links.inter_region is not None and self.regions is None:
+            raise SpecError("an inter_region link needs regions (cluster.regions)",
+                            path=f"links.{INTER_REGION}")
+        object.__setattr__(self, "speed", _checked_speeds(self.speed, self.nodes))
+
+    def check_workers(self, workers: int) -> None:
+        """Raise SpecError (path inside the section) unless `workers` split evenly over the
+        nodes and a link is given for every level some pair of workers crosses."""
+        if workers % self.nodes:
+            raise SpecError(f"{workers} workers cannot be split evenly over {self.nodes} "
+                            f"nodes: workers must be a multiple of nodes", path="nodes")
+        given = self.links.given() if self.links is not None else {}
+        for level in self.levels_crossed(workers // self.nodes):
+            if level not in given:
+                raise SpecError(f"required: this cluster has {level.replace('_', '-')} links, "
+                                f"such as {_LINK_EXAMPLE}", path=f"links.{level}")
+
+    def levels_crossed(self, workers_per_node: int) -> list[str]:
+        """The levels some pair of workers crosses."""
+        levels = [INTRA_NODE] if workers_per_node > 1 else []
+        if any(count > 1 for count in (self.regions or [self.nodes])):
+            levels.append(INTER_NODE)
+        if self.regions is not None and len(self.regions) > 1:
+            levels.append(INTER_REGION)
+        return levels
+
+    def resolved(self) -> dict[str, Any]:
+        """The section as the configuration holds it: the links given (a level the cluster
+        lacks may still be, for a grid over nodes) in bytes per second and seconds."""
+        given = self.links.given() if self.links is not None else {}
+        return {"nodes": self.nodes, "regions": self.regions,
+                "links": {level: link.resolved() for level, link in given.items()},
+                "nic": self.nic, "speed": self.speed}
+
+
+def _is_count(value: Any) -> bool:
+    """An integer >= 1 as written (not 2.0, not true)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_nodes(nodes: Any) -> None:
+    if not _is_count(nodes):
+        raise SpecError(f"expected an integer >= 1, got {show(nodes)}", path="nodes")
+
+
+def _checked_regions(regions: Any, nodes: int) -> list[int] | None:
+    if regions is None:
         return None
-    if not isinstance(raw, dict):
-        raise SpecError("expected a mapping with keys bandwidth, latency", path=path)
-    return parse_options(NetworkOptions, raw, path).resolved()
+    if not isinstance(regions, list) or not regions or not all(map(_is_count, regions)):
+        raise SpecError(f"expected a list of node counts >= 1, one per region, "
+                        f"got {show(regions)}", path="regions")
+    if sum(regions) != nodes:
+        raise SpecError(f"the regions hold {sum(regions)} nodes, expected {nodes} "
+                        f"(cluster.nodes)", path="regions")
+    return list(regions)
+
+
+def _checked_speeds(speeds: Any, nodes: int) -> list[float] | None:
+    if speeds is None:
+        return None
+    if not isinstance(speeds, list):
+        raise SpecError(f"expected a list of {nodes} speeds, one per node, got {show(speeds)}",
+                        path="speed")
+    if len(speeds) != nodes:
+        raise SpecError(f"expected {nodes} speeds (one per node), got {len(speeds)}",
+                        path="speed")
+    checked = []
+    for index, written in enumerate(speeds):
+        speed = as_float(written)
+        if speed is None or not 0 < speed <= MAX_NODE_SPEED:
+            raise SpecError(f"expected a number > 0 and <= {MAX_NODE_SPEED:g}, "
+                            f"got {show(written)}", path=f"speed[{index}]")
+        checked.append(speed)
+    return checked
 
 
 @dataclass(frozen=True)
@@ -179,8 +295,8 @@ class ExperimentOptions:
     stragglers: Stragglers | None = option(None, help="workers that compute slower")
     compute: ComputeOptions | None = option(
         None, help="{step_seconds, variation, time_scale}: modeled step time, an emulated cluster")
-    cluster: Any = option(None, help="nodes, regions and a link per level: a hierarchical "
-                                     "network")
+    cluster: ClusterOptions | None = option(
+        None, help="nodes, regions and a link per level: a hierarchical network")
     budget: Budget | None = option(
         None, expect="a mapping with one of the keys samples, seconds",
         help="{samples: N} or {seconds: T}: train until spent, not for epochs")
@@ -210,6 +326,22 @@ class ExperimentOptions:
         if self.checkpoint_every is not None and self.budget is not None:
             raise SpecError("checkpoints are not supported with a budget (a run with a budget "
                             "cannot resume yet)", path="checkpoint_every")
+        if self.cluster is not None:
+            self._check_cluster_fits()
+
+    def _check_cluster_fits(self) -> None:
+        """What the cluster needs from the rest of the experiment: workers it splits evenly,
+        no second network model, and a compute model to scale when nodes have speeds."""
+        try:
+            self.cluster.check_workers(self.workers)
+        except SpecError as error:
+            raise SpecError(error.detail, path=f"cluster.{error.path}") from None
+        if self.network is not None:
+            raise SpecError("give either network (one link for every worker) or cluster, not "
+                            "both; set network: null where a default sets it", path="cluster")
+        if self.cluster.speed is not None and self.compute is None:
+            raise SpecError("node speeds scale the modeled compute: add a compute section "
+                            "(compute.step_seconds)", path="cluster.speed")
 
 
 def _default(field: dataclasses.Field) -> Any:

@@ -15,13 +15,13 @@ from typing import Any
 
 from dsgd_cli.spec import registry, specfile
 from dsgd_cli.emulation.failures import check_failures
-from dsgd_cli.spec.cluster_spec import check_cluster_fits, network_model, parse_cluster, slowest_speed  # noqa: F401 (network_model: imported from here)
+from dsgd_cli.spec.cluster_spec import network_model, slowest_speed  # noqa: F401 (network_model: imported from here)
 from dsgd_cli.emulation.clock import Clock
 from dsgd_cli.spec.directories import problem_without_creating, shared_problem
 from dsgd_cli.errors import PluginError, SpecError
 from dsgd_cli.spec.learning_rate import total_steps
 from dsgd_cli.spec.nodes import NodePlan, check_split
-from dsgd_cli.spec.experiment_options import ExperimentOptions, parse_network  # noqa: F401 (imported from here)
+from dsgd_cli.spec.experiment_options import ExperimentOptions
 from dsgd_cli.spec.config_versions import CONFIG_VERSION
 from dsgd_cli.spec.resolved import ResolvedExperiment
 from dsgd_cli.spec.run_plan import RunPlan, plan_entry
@@ -127,8 +127,7 @@ def validate_experiment(raw: dict, path: str, name: str,
         "network": keys.network and keys.network.resolved(),
         "stragglers": options_to_dict(keys.stragglers) or None,
         "compute": options_to_dict(keys.compute) or None,
-        "cluster": parse_cluster(keys.cluster, f"{path}.cluster", keys.workers)}
-    check_cluster_fits(config, path)
+        "cluster": keys.cluster and keys.cluster.resolved()}
     check_step_fits_timeout(keys, slowest_speed(config), path)
     config.update(budget=options_to_dict(keys.budget) or None,
                   checkpoint_every=keys.checkpoint_every)
