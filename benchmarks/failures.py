@@ -10,9 +10,12 @@ last checkpoint, restart, redo) with steps of known modeled duration, as the com
 makes them: the allreduce run's modeled timeline without its training, so that many seeds and
 intervals fit on 2 shared cores. `--launch` adds a consistency check of a real run: one small
 `dsgd run` of allreduce under seeded failures, whose steps recorded down must be its
-failures and whose steps executed must be the 60 counted plus its lost steps.
+failures and whose steps executed must be the 60 counted plus its lost steps. `--backup`
+validates the `continue` mode: backup workers (4 workers, b = 1, rank 2 twice as slow) with
+node 3 down for a while; the update rate during the outage must be that of the remaining
+workers (their slowest), and before it that of the fastest three.
 
-    python benchmarks/failures.py [--seeds 20] [--steps 20000] [--launch]
+    python benchmarks/failures.py [--seeds 20] [--steps 20000] [--launch] [--backup]
 """
 
 from __future__ import annotations
@@ -112,6 +115,60 @@ experiments:
               f"{len(up)} steps executed for 60 counted")
 
 
+BACKUP_SPEC = """
+defaults:
+  task: {{name: logreg}}
+  workers: 4
+  epochs: 1
+  steps_per_epoch: {steps}
+  batch_size: 16
+  log_interval: 1
+  optimizer: {{name: sgd, lr: 0.1}}
+  compute: {{step_seconds: {step}, time_scale: 5}}
+  stragglers: {{ranks: [2], slowdown: {slowdown}}}
+  aggregator: {{name: backup, backups: 1}}
+experiments:
+  - name: backup
+    failures: {{restart: {outage}s, at: [{{node: 3, time: {fail_at}s}}]}}
+"""
+
+
+def backup_check(step: float = 0.02, slowdown: float = 2.0, fail_at: float = 0.3,
+                 outage: float = 0.4) -> None:
+    """Backup workers under `continue`: updates per modeled second before, during and after
+    node 3's outage, from rank 0's records (it applies every update, one per step)."""
+    from dsgd_cli.results.store import Store
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, db = Path(tmp) / "spec.yaml", Path(tmp) / "r.db"
+        spec.write_text(BACKUP_SPEC.format(steps=60, step=step, slowdown=slowdown,
+                                           outage=outage, fail_at=fail_at))
+        result = subprocess.run([sys.executable, "-m", "dsgd_cli", "run", str(spec), "--db",
+                                 str(db)], capture_output=True, text=True)
+        if result.returncode:
+            sys.exit(result.stdout + result.stderr)
+        store = Store(str(db))
+        (run,) = store.runs()
+        summaries = {s.name: s.final for s in run.summaries}
+        times = [r.seconds for r in store.metric_history(run.id, "updates_applied")
+                 if r.rank == 0]
+        down = [r for r in store.metric_history(run.id, "up") if r.rank == 3 and r.value == 0]
+        windows = {"before": (0.0, fail_at), "during": (fail_at, fail_at + outage),
+                   "after": (fail_at + outage, times[-1])}
+        expected = {"before": 1 / step, "during": 1 / (slowdown * step), "after": 1 / step}
+        print(f"backup, 4 workers, b = 1, steps of {step} s, rank 2 {slowdown:g}x slower; "
+              f"node 3 down from {fail_at} s for {outage} s; load average "
+              f"{os.getloadavg()[0]:.2f}")
+        for name, (start, end) in windows.items():
+            count = sum(1 for t in times if start < t <= end)
+            print(f"  {name:>6}: {count} updates in {end - start:.3f} s = "
+                  f"{count / (end - start):.1f}/s (expected {expected[name]:.1f}/s)")
+        print(f"  rank 3 down for {len(down)} steps; failures {summaries['failures']:.0f}, "
+              f"lost_seconds {summaries['lost_seconds']:.3f} (outage {outage} s), goodput "
+              f"{summaries['goodput']:.3f}, wall_seconds {summaries['wall_seconds']:.3f}, "
+              f"dropped_rank3 {summaries['dropped_rank3']:.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=20)
@@ -122,7 +179,12 @@ def main() -> None:
     parser.add_argument("--mtbf", type=float, default=8000.0, help="per node")
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--launch", action="store_true")
+    parser.add_argument("--backup", action="store_true",
+                        help="only the backup workers' outage check (continue mode)")
     args = parser.parse_args()
+    if args.backup:
+        backup_check()
+        return
     sweep(args)
     if args.launch:
         launch_check()

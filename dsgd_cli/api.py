@@ -1,5 +1,5 @@
 """The public plugin API: the bases and services every plugin, built-in or third-party, is
-written against (README, "Writing a plugin", lists the few other modules a plugin may import).
+written against (docs/writing-plugins.md lists the few other modules a plugin may import).
 
 Five kinds of plugin, each found through an entry-point group:
 
@@ -34,24 +34,27 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
-
-import time
+from typing import Any, ClassVar, Mapping, Protocol
 
 import torch
 from torch import nn
 
 from dsgd_cli.comm.batching import all_gather_flat, all_reduce_flat
+from dsgd_cli.comm.compressed import (average_with_memory, compressed_average, delegated,
+                                      exchange_in_one_collective)
 from dsgd_cli.comm.communicator import Comm, Group, Handle, NetworkModel, SharedCounter, Traffic
+from dsgd_cli.emulation.clock import Clock
 from dsgd_cli.options import option
+from dsgd_cli.spec.resolved import ResolvedExperiment
+from dsgd_cli.spec.run_plan import NO_RUN, RunPlan
 from dsgd_cli.plugin_state import default_state, load_default_state
 
 __all__ = [
-    "Aggregator", "AggregatorOptions", "Comm", "Compressor", "ErrorFeedback", "Group",
+    "Aggregator", "AggregatorOptions", "Clock", "Comm", "Compressor", "ErrorFeedback", "Group",
     "Guarantee", "Handle", "LRSchedule", "MetricsLogger", "NetworkModel", "NoOptions",
     "OptimizerPlugin", "Payload", "Plugin", "RunLength", "ScheduleOptions", "SharedCounter", "Task",
     "TaskData", "Traffic", "WorkerContext",
-    "all_gather_flat",
+    "all_gather_flat", "compressed_average",
     "all_reduce_flat", "build_optimizer", "build_plugin", "flatten", "option", "unflatten_into",
 ]
 
@@ -141,9 +144,9 @@ def build_plugin(kind: str, section: dict[str, Any]) -> Plugin:
     """The plugin a validated section names (`{name: sgd, lr: 0.7, ...}`, as an option
     declared with `option(plugin=kind)` holds it), with its options, found through the same
     registry as the experiment's own plugins, a third party's included."""
-    from dsgd_cli.spec import experiments  # the spec loader imports this module
+    from dsgd_cli.spec import registry  # it loads plugins, which import this module
 
-    return experiments.build_plugin(kind, section)
+    return registry.build(kind, section)
 
 
 def build_optimizer(section: dict[str, Any], params) -> torch.optim.Optimizer:
@@ -271,14 +274,16 @@ class Guarantee:
 
 
 class Compressor(Plugin):
-    """Turns a tensor into a `Payload` and back. Aggregators average through `average_many`,
-    which compresses each tensor on its own and moves all payloads in one collective:
+    """Turns a tensor into a `Payload` and back. Aggregators average through
+    `compressed_average(compressor, comm, tensors, keys, step, memory)`, which compresses each
+    tensor on its own and chooses the collective from what the compressor declares:
     `summable = True`: the payload tensors of all workers may be summed elementwise (an
     all-reduce) and the sum decompressed once, giving the sum of the workers' values.
     Otherwise the payloads are all-gathered and `combine` turns them into the average.
     `uniform_payload = False` (only with `summable = False`): the payload tensors' lengths may
     differ between workers (dqsgd picks its bits per worker), so they must be 1-D and their
     lengths are all-gathered first.
+    A compressor that needs several rounds of communication (PowerSGD) overrides `exchange`.
     A payload's `context` must not depend on the worker's data: it is used to decompress
     every worker's payload.
     `requires_error_feedback = True`: the method is defined with error feedback (ef_sign,
@@ -306,7 +311,7 @@ class Compressor(Plugin):
 
     def state_dict(self) -> dict[str, Any]:
         """What the compressor keeps between steps (warm starts, generators), for checkpoints.
-        The default saves its plain-data attributes (README, "Checkpoints and resume")."""
+        The default saves its plain-data attributes (docs/writing-plugins.md, "State and resume")."""
         return default_state(self, getattr(self, "ctx", None))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -328,45 +333,21 @@ class Compressor(Plugin):
             total += self.decompress(payload, like)
         return total.div_(len(payloads))
 
+    @delegated
     def average_many(self, tensors: list[torch.Tensor], keys: list[str], step: int, comm: Comm,
                      memory: ErrorFeedback | None = None) -> list[torch.Tensor]:
-        """Each tensor averaged over all workers, compressed; `keys` name the tensors.
+        """Kept for compatibility (aggregators call `compressed_average`, which uses an
+        override of this method): each tensor averaged over all workers, compressed, with
+        error feedback when `memory` is given."""
+        return average_with_memory(self, comm, tensors, keys, step, memory)
 
-        With `memory`, error feedback: each tensor is sent compensated with its residual, and
-        the residual becomes what this worker's payload left out.
-        """
-        if memory is not None:
-            tensors = [memory.compensate(key, t) for key, t in zip(keys, tensors)]
-        results = self.exchange(tensors, keys, step, comm, with_local=memory is not None)
-        if memory is not None:
-            for key, tensor, (_, local) in zip(keys, tensors, results):
-                memory.update(key, tensor, local)
-        return [average for average, _ in results]
-
+    @delegated
     def exchange(self, tensors: list[torch.Tensor], keys: list[str], step: int, comm: Comm,
                  with_local: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Per tensor: its average over all workers and, when `with_local`, what this worker's
-        own payload decompresses to. All payloads travel in one collective (one per payload
-        dtype when summable). Compressors that need several rounds (PowerSGD) override this.
-        """
-        # An empty tensor has nothing to send; every worker skips it alike.
-        live = [i for i, t in enumerate(tensors) if t.numel() > 0]
-        results = [None if t.numel() else (t.clone(), t.clone() if with_local else None)
-                   for t in tensors]
-        payloads = [self.compress(tensors[i], keys[i], step) for i in live]
-        sent = [t for payload in payloads for t in payload.tensors]
-        if self.summable:  # one "worker": the sum of everyone's payloads
-            workers = [iter(all_reduce_flat(sent, comm))]
-        else:
-            workers = [iter(w) for w in all_gather_flat(sent, comm, self.uniform_payload)]
-        for payload, i in zip(payloads, live):
-            theirs = [Payload([next(w) for _ in payload.tensors], payload.context)
-                      for w in workers]
-            average = (self.decompress(theirs[0], tensors[i]) / comm.world_size
-                       if self.summable else self.combine(theirs, tensors[i]))
-            own = self.decompress(payload, tensors[i]).clone() if with_local else None
-            results[i] = (average, own)
-        return results
+        own payload decompresses to. By default all payloads travel in one collective;
+        compressors that need several rounds (PowerSGD) override this."""
+        return exchange_in_one_collective(self, comm, tensors, keys, step, with_local)
 
 
 class ErrorFeedback:
@@ -433,6 +414,7 @@ class RunLength:
     samples_counter: SharedCounter | None = None
     started_at: float | None = None  # time.perf_counter() when training started
     time_scale: float = 1.0  # real seconds per modeled second (the spec's compute.time_scale)
+    clock: Clock | None = None  # the worker's clock (ctx.clock), which `elapsed()` reads
 
     def spent(self) -> bool:
         if self.samples is not None and self.samples_counter is not None:
@@ -442,8 +424,11 @@ class RunLength:
         return False
 
     def elapsed(self) -> float:
-        """Modeled seconds since training started: real seconds / `time_scale`."""
-        return (time.perf_counter() - self.started_at) / self.time_scale
+        """Modeled seconds since training started: the worker's clock, or without one real
+        seconds since `started_at` over `time_scale`."""
+        if self.clock is not None:
+            return self.clock.elapsed()
+        return Clock(self.time_scale, started_at=self.started_at).elapsed()
 
 
 @dataclass
@@ -451,7 +436,14 @@ class WorkerContext:
     """What a plugin sees of the worker it runs in.
 
     `loss` is this step's training loss (detached), set by the runtime after backward;
-    `length` is how long the run trains.
+    `length` is how long the run trains; `clock` is the worker's emulated time: every time a
+    plugin records or waits for is modeled seconds, converted from real ones by the clock
+    (`clock.to_modeled(real_seconds)`, `clock.real_deadline(modeled_seconds)`); `run` is
+    this launch of the run (`run.resuming`: the plugin's state comes from a checkpoint,
+    `load_state_dict` after `setup`); `experiment` is the run's resolved experiment, typed
+    (`ctx.experiment.workers`, `ctx.experiment.aggregator.options`; None outside a run).
+    `config` is the same configuration as a read-only mapping, kept for plugins written
+    against it.
     """
 
     rank: int
@@ -463,9 +455,13 @@ class WorkerContext:
     metrics: MetricsLogger
     seed: int
     compressor: Compressor
-    config: dict = field(default_factory=dict)
+    config: Mapping[str, Any] = field(default_factory=dict)
     loss: torch.Tensor | None = None
     length: RunLength = field(default_factory=RunLength)
+    run: RunPlan = NO_RUN
+    clock: Clock = field(default_factory=Clock)
+    experiment: ResolvedExperiment | None = None
+    up: bool = True  # False during a down step under `failures` with failure_mode "continue"
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -488,6 +484,13 @@ class Aggregator(Plugin):
     workers stop after the same step.
     `decides_stop`: the algorithm itself ends the run (backup's coordinator counts the run's
     steps); the runtime then stops a worker when `finished()` says so, and not before.
+    `failure_mode`: how the algorithm lives with the spec's `failures` (docs/failures.md):
+    "restart" (the default: every worker rolls back to the last emulated checkpoint, restored
+    through `state_dict`/`load_state_dict`; only for workers that run in step), "continue"
+    (the others go on without the failed workers, told by `worker_left` and
+    `worker_rejoined`; a down worker still runs the hooks, with `ctx.up` False and no
+    gradients, and the aggregator makes it contribute nothing), or None: it cannot run
+    under failures, and `failure_refusal` says why.
     """
 
     Options: ClassVar[type] = AggregatorOptions
@@ -496,10 +499,15 @@ class Aggregator(Plugin):
     asynchronous: ClassVar[bool] = False
     steps_may_differ: ClassVar[bool] = False
     decides_stop: ClassVar[bool] = False
+    failure_mode: ClassVar[str | None] = "restart"
+    failure_refusal: ClassVar[str] = ""
 
     @classmethod
-    def check_world(cls, options: Any, world_size: int) -> None:
-        """Raise ValueError if the algorithm cannot run with `world_size` workers."""
+    def check_world(cls, options: Any, world_size: int, seed: int = 0) -> None:
+        """Raise ValueError if the algorithm cannot run with `world_size` workers. `seed` is
+        the run's, which a graph drawn at random is drawn with (`random_regular`): check the
+        graph the workers will build. An override without `seed` (written before it was
+        passed) is still called, without it."""
 
     @classmethod
     def check_compressor(cls, options: Any, compressor: "Compressor") -> None:
@@ -542,6 +550,16 @@ class Aggregator(Plugin):
     def finish(self) -> None:
         """Complete outstanding communication; called once after the last step."""
 
+    def worker_left(self, rank: int, step: int) -> None:
+        """With `failure_mode = "continue"`: worker `rank` failed after `step` steps; what it
+        sends counts for nothing until `worker_rejoined` (its `ctx.up` is False meanwhile).
+        Called on every worker, the failed one included, before step `step`."""
+
+    def worker_rejoined(self, rank: int, step: int, source: int) -> None:
+        """With `failure_mode = "continue"`: worker `rank` is back after `step` steps and
+        takes its model, and the state the algorithm needs, from live worker `source` (the
+        lowest rank that stayed up). Called on every worker before step `step`."""
+
     def run_totals(self) -> dict[str, float]:
         """Whole-run values for the run's summary (name -> value), asked for after `finish()`;
         rank 0's are recorded."""
@@ -554,7 +572,7 @@ class Aggregator(Plugin):
     def state_dict(self) -> dict[str, Any]:
         """What the algorithm keeps between steps (residuals, counters, push-sum weights,
         generators), for checkpoints. The default saves its plain-data attributes; override
-        both methods when that is not enough (README, "Checkpoints and resume")."""
+        both methods when that is not enough (docs/writing-plugins.md, "State and resume")."""
         return default_state(self, self.ctx)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -94,7 +94,6 @@ def test_fixed_failure_of_a_node_the_run_lacks_refused(tmp_path):
 
 
 @pytest.mark.parametrize("aggregator, why", [
-    ("{name: backup, backups: 1}", "do not run in step"),
     ("{name: adpsgd}", "do not run in step"),
     ("{name: wagma, group_size: 2}", "do not run in step"),
 ])
@@ -116,10 +115,14 @@ def test_failure_mode_declared_by_a_plugin_is_obeyed():
     class Continuing(allreduce):
         failure_mode = "continue"
 
+    class Unknown(allreduce):
+        failure_mode = "pause"
+
     with pytest.raises(SpecError, match="its state lives outside the process"):
         check_failures(config, Fragile, PATH)
-    with pytest.raises(SpecError, match="does not emulate yet"):
-        check_failures(config, Continuing, PATH)
+    check_failures(config, Continuing, PATH)  # accepted: it goes on without the failed
+    with pytest.raises(SpecError, match="unknown failure_mode 'pause'"):
+        check_failures(config, Unknown, PATH)
 
 
 def test_samples_budget_refused():
@@ -377,3 +380,414 @@ def test_emulation_rolls_model_and_momentum_back_and_forgets_a_lost_target():
     assert [value for name, value in worker.interval.values if name == "up"] == [1.0, 1.0, 0.0]
     assert emulation.totals() == {"failures": 1, "lost_seconds": 5 + 1 + 30, "lost_steps": 1,
                                   "checkpoints": 1}
+
+
+# -- continue -------------------------------------------------------------------------------
+
+def test_outage_lasts_restart_and_a_failure_while_down_is_part_of_it():
+    from dsgd_cli.emulation.failures import OutageSchedule
+
+    schedule = OutageSchedule(_options(restart=10, at=[
+        {"node": 1, "time": 5}, {"node": 1, "time": 8}, {"node": 0, "time": 12},
+        {"node": 1, "time": 15}]), nodes=2)
+    down = []
+    for now in (0, 4.9, 5, 12, 14.9, 15, 22, 25):
+        schedule.advance(now)
+        down.append(sorted(schedule.down_nodes(now)))
+    # A node that fails at T is down from T until T + restart, the end excluded.
+    assert down == [[], [], [1], [0, 1], [0, 1], [0, 1], [1], []]
+    assert schedule.outages == [1, 2]  # node 1's failure at 8 was part of its first outage
+    schedule = OutageSchedule(_options(restart=10, at=[{"node": 0, "time": 12},
+                                                       {"node": 1, "time": 15}]), nodes=2)
+    schedule.advance(20)
+    assert schedule.next_recovery(20) == 22
+
+
+class _Recorder:
+    """An aggregator in step that records the failure hooks it is told."""
+
+    asynchronous = steps_may_differ = decides_stop = False
+    failure_mode = "continue"
+
+    def __init__(self):
+        self.calls = []
+
+    def worker_left(self, rank, step):
+        self.calls.append(("left", rank, step))
+
+    def worker_rejoined(self, rank, step, source):
+        self.calls.append(("rejoined", rank, step, source))
+
+
+def _continuing(failures: dict, workers: int, rank: int):
+    from dsgd_cli.emulation.failures import ContinueEmulation, emulate_failures
+
+    worker, real = _worker(failures)
+    worker.config["workers"], worker.rank = workers, rank
+    worker.aggregator = _Recorder()
+    emulation = emulate_failures(worker, start=0.0)
+    assert isinstance(emulation, ContinueEmulation)
+    return worker, real, emulation
+
+
+def _run_steps(worker, real, emulation, steps: int) -> list[bool]:
+    """Steps of 1 modeled second, up or down (a down worker's clock follows its peers')."""
+    ups = []
+    for step in range(steps):
+        ups.append(emulation.before_step(step))
+        assert worker.ctx.up == ups[-1]
+        real[0] += 1.0
+        assert emulation.after_step(step + 1, 0) is None  # nothing is rolled back
+    return ups
+
+
+def test_continue_downs_the_failed_node_for_restart_seconds_then_it_rejoins():
+    # Node 1 fails at 2.5 s for 3 s: the steps that start at 3, 4 and 5 s are down.
+    worker, real, emulation = _continuing(
+        _options(restart=3, at=[{"node": 1, "time": 2.5}]), workers=2, rank=1)
+    assert _run_steps(worker, real, emulation, 8) == [True] * 3 + [False] * 3 + [True] * 2
+    assert [value for name, value in worker.interval.values if name == "up"] == [
+        1.0] * 3 + [0.0] * 3 + [1.0] * 2
+    # Told before the first down step and before the first step back, from rank 0.
+    assert worker.aggregator.calls == [("left", 1, 3), ("rejoined", 1, 6, 0)]
+    assert emulation.totals() == {"node_failures": 1, "lost_seconds": 3.0, "down_steps": 3}
+
+
+def test_continue_live_worker_sees_the_other_leave_and_counts_no_loss():
+    worker, real, emulation = _continuing(
+        _options(restart=3, at=[{"node": 1, "time": 2.5}]), workers=2, rank=0)
+    assert _run_steps(worker, real, emulation, 8) == [True] * 8
+    assert worker.aggregator.calls == [("left", 1, 3), ("rejoined", 1, 6, 0)]
+    # Node 1's outage is counted by node 1's first rank, not here (the run sums them).
+    assert emulation.totals() == {"node_failures": 0, "lost_seconds": 0.0, "down_steps": 0}
+
+
+def test_continue_with_every_node_down_the_clock_skips_to_the_first_recovery():
+    worker, real, emulation = _continuing(
+        _options(restart=3, at=[{"node": 0, "time": 1.5}]), workers=1, rank=0)
+    assert _run_steps(worker, real, emulation, 4) == [True] * 4
+    assert worker.ctx.clock.elapsed() == 4.0 + 2.5  # 4 steps, and 2 to 4.5 s skipped
+    assert emulation.totals()["lost_seconds"] == 2.5
+
+
+def _diloco_with_rank2_down_at_step2(rank, n):
+    """DiLoCo, 3 workers, rounds of 2 steps, outer plain SGD (lr 0.7): rank 2 is down at
+    step 2 and back at step 3, so it misses round 2 (steps 2-3) though it trains at step 3.
+    Returns θ_global after round 1, each worker's model before round 2's outer step, and
+    every worker's model after it."""
+    import torch
+    from torch import nn
+
+    from dsgd_cli.api import Comm, WorkerContext, flatten
+    from plugins.aggregators.diloco import DiLoCo
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).to(torch.float64)
+    ctx = WorkerContext(rank=rank, world_size=n, device=torch.device("cpu"), model=model,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        comm=Comm(rank, n), metrics=_Interval(), seed=0, compressor=None,
+                        config={"failures": {"restart": 1.0}})
+    outer = {"name": "sgd", "lr": 0.7}
+    aggregator = DiLoCo(DiLoCo.Options(period=2, outer_optimizer=outer))
+    aggregator.setup(ctx)
+    flat = lambda: flatten([p.detach() for p in model.parameters()]).clone()  # noqa: E731
+    result = {}
+    for step in range(4):
+        ctx.up = not (rank == 2 and step == 2)
+        if step == 2:
+            aggregator.worker_left(2, step)
+        if step == 3:
+            aggregator.worker_rejoined(2, step, 0)
+        ctx.optimizer.zero_grad(set_to_none=True)
+        aggregator.before_forward(step)
+        if ctx.up:  # the runtime's order; a down step computes nothing
+            for p in model.parameters():
+                p.grad = p.detach() * (1 + rank) + step
+        aggregator.after_backward(step)
+        if ctx.up:
+            ctx.optimizer.step()
+        if step == 3:
+            result["before"] = flat()
+        aggregator.after_step(step)
+        if step == 1:
+            result["global_1"] = flatten(aggregator.outer.globals).clone()
+    result["after"] = flat()
+    return result
+
+
+def test_diloco_round_averages_only_the_workers_up_all_round():
+    from distributed import run_workers
+
+    results = run_workers(_diloco_with_rank2_down_at_step2, 3, preloaded=True)
+    global_1 = results[0]["global_1"]
+    live_deltas = [global_1 - results[rank]["before"] for rank in (0, 1)]
+    expected = global_1 - 0.7 * (live_deltas[0] + live_deltas[1]) / 2
+    # Rank 2 trained at step 3 (its Δ is not zero) but was down at step 2: not counted.
+    assert not torch_equal(results[2]["before"], global_1)
+    for rank in range(3):
+        assert torch_allclose(results[rank]["after"], expected), rank
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+    return torch.equal(a, b)
+
+
+def torch_allclose(a, b) -> bool:
+    import torch
+    return torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+STEP, SLOWDOWN, FAIL_AT, OUTAGE = 0.02, 2, 0.3, 0.4
+
+
+@pytest.fixture(scope="module")
+def backup_outage(tmp_path_factory):
+    """Backup workers, 4 workers and b = 1, modeled steps of 0.02 s with rank 2 twice as slow:
+    the first 3 gradients of each update are those of ranks 0, 1 and 3 (an update per 0.02
+    s), until node 3 is down from 0.3 s for 0.4 s: then ranks 0-2, the slow one included,
+    make each update (one per 0.04 s)."""
+    tmp = tmp_path_factory.mktemp("backup_failures")
+    spec = write_spec(tmp, f"""
+        defaults:
+          task: {{name: logreg}}
+          workers: 4
+          epochs: 1
+          steps_per_epoch: 60
+          batch_size: 16
+          log_interval: 1
+          optimizer: {{name: sgd, lr: 0.1}}
+          compute: {{step_seconds: {STEP}, time_scale: 5}}
+          stragglers: {{ranks: [2], slowdown: {SLOWDOWN}}}
+          aggregator: {{name: backup, backups: 1}}
+        experiments:
+          - name: backup
+            failures: {{restart: {OUTAGE}s, at: [{{node: 3, time: {FAIL_AT}s}}]}}
+    """)
+    db = tmp / "results.db"
+    result = dsgd("run", str(spec), "--db", str(db), timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    store = Store(str(db))
+    (run,) = store.runs()
+    return store, run
+
+
+def test_backup_update_rate_during_the_outage_is_the_remaining_workers(backup_outage):
+    store, run = backup_outage
+    updates = [r.seconds for r in store.metric_history(run.id, "updates_applied")
+               if r.rank == 0]  # rank 0 applies every update, one per step
+    before = sum(1 for seconds in updates if seconds <= FAIL_AT)
+    during = sum(1 for seconds in updates if FAIL_AT < seconds <= FAIL_AT + OUTAGE)
+    assert before == pytest.approx(FAIL_AT / STEP, abs=1)  # the 3 fastest of 4
+    assert during == pytest.approx(OUTAGE / (SLOWDOWN * STEP), abs=1)  # ranks 0-2: the slow one
+    down = [r.step for r in store.metric_history(run.id, "up") if r.rank == 3 and r.value == 0]
+    assert len(down) == pytest.approx(OUTAGE / (SLOWDOWN * STEP), abs=1)
+    assert down == list(range(down[0], down[0] + len(down)))  # one outage
+    assert all(r.value == 1.0 for r in store.metric_history(run.id, "up") if r.rank != 3)
+    # A down worker sends no gradient: its own is dropped at each of its down steps.
+    dropped = {r.step: r.value for r in store.metric_history(run.id, "dropped_own")
+               if r.rank == 3}
+    assert all(dropped[step] == 1.0 for step in down)
+    # ...and computes nothing: no forward or backward (it waits for the updates).
+    compute = {r.step: r.value for r in store.metric_history(run.id, "compute_seconds")
+               if r.rank == 3}
+    assert all(compute[step] < STEP / 4 for step in down)
+    assert all(seconds > STEP / 2 for step, seconds in compute.items() if step not in down)
+
+
+def test_backup_outage_costs_the_down_worker_seconds(backup_outage):
+    _, run = backup_outage
+    summary = _summaries(run)
+    assert summary["failures"] == 1
+    assert "lost_steps" not in summary  # nothing is rolled back under continue
+    # The down steps span the outage, both ends quantized to rank 3's step boundaries
+    # (a step each while it is down: it waits for the updates of the slow rank 2).
+    assert summary["lost_seconds"] == pytest.approx(OUTAGE, abs=SLOWDOWN * STEP)
+    # (the goodput divides by the workers' own modeled times, which differ a little)
+    assert summary["goodput"] == pytest.approx(
+        1 - summary["lost_seconds"] / (4 * summary["wall_seconds"]), rel=0.01)
+
+
+def _sgp_with_rank2_down(rank, n):
+    """SGP, 4 workers with different initial models and no training (lr 0), so that only
+    push-sum moves the pairs: rank 2 is down for steps 1-3 and rejoins at step 4 from rank 0.
+    Returns each step's (x, w) after its round, and the models right after the rejoin."""
+    import torch
+    from torch import nn
+
+    from dsgd_cli.api import Comm, WorkerContext, flatten
+    from plugins.aggregators.gossip.sgp import SGP
+
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)  # the workers start apart
+    model = nn.Linear(3, 1).to(torch.float64)
+    ctx = WorkerContext(rank=rank, world_size=n, device=torch.device("cpu"), model=model,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                        comm=Comm(rank, n), metrics=_Interval(), seed=0, compressor=None,
+                        config={"failures": {"restart": 1.0}})
+    aggregator = SGP(SGP.Options())
+    aggregator.setup(ctx)
+    flat = lambda: flatten([p.detach() for p in model.parameters()]).clone()  # noqa: E731
+    result = {"pairs": []}
+    for step in range(8):
+        if step == 1:
+            aggregator.worker_left(2, step)
+        if step == 4:
+            aggregator.worker_rejoined(2, step, 0)
+            result["rejoined_model"] = flat()
+            result["rejoined_weight"] = aggregator.state.weight
+        ctx.up = not (rank == 2 and 1 <= step <= 3)
+        ctx.optimizer.zero_grad(set_to_none=True)
+        aggregator.before_forward(step)
+        if ctx.up:
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+        aggregator.after_backward(step)
+        if ctx.up:
+            ctx.optimizer.step()
+        aggregator.after_step(step)
+        result["pairs"].append((aggregator.state.numerator.clone(), aggregator.state.weight))
+    return result
+
+
+def test_sgp_loses_the_failed_mass_and_conserves_the_live_mass():
+    from distributed import run_workers
+
+    results = run_workers(_sgp_with_rank2_down, 4, preloaded=True)
+
+    def total(step, ranks):
+        return (sum(results[r]["pairs"][step][0] for r in ranks),
+                sum(results[r]["pairs"][step][1] for r in ranks))
+
+    everyone, live = range(4), (0, 1, 3)
+    x_start, w_start = total(0, everyone)
+    assert w_start == pytest.approx(4.0, abs=1e-12)
+    lost_x, lost_w = results[2]["pairs"][0]  # what rank 2 held when it failed
+    assert 0 < lost_w < 4
+    for step in (1, 2, 3):  # down: rank 2 holds nothing, the live mass is conserved
+        assert results[2]["pairs"][step][1] == 0.0
+        assert not results[2]["pairs"][step][0].any()
+        x_live, w_live = total(step, live)
+        assert w_live == pytest.approx(w_start - lost_w, abs=1e-12)
+        assert torch_allclose(x_live, x_start - lost_x)
+    # The rejoiner starts from rank 0's de-biased model; the total mass is unchanged by it
+    # and conserved after it.
+    assert torch_allclose(results[2]["rejoined_model"], results[0]["rejoined_model"])
+    assert results[2]["rejoined_weight"] == results[0]["rejoined_weight"] > 0  # half each
+    for step in (4, 5, 6, 7):
+        x_all, w_all = total(step, everyone)
+        assert w_all == pytest.approx(w_start - lost_w, abs=1e-12)
+        assert torch_allclose(x_all, x_start - lost_x)
+    # The de-biased models reach the average of the mass that survived (not the first
+    # average: rank 2 failed before the workers agreed).
+    target = (x_start - lost_x) / (w_start - lost_w)
+    assert not torch_allclose(target, x_start / w_start)
+    for rank in everyone:
+        x, w = results[rank]["pairs"][7]
+        assert torch_allclose(x / w, target), rank
+
+
+@pytest.mark.slow
+def test_launched_sgp_and_diloco_go_on_through_two_outages(tmp_path):
+    """The real training loop under `continue`: nodes 2 then 0 down for 0.2 s each (overlapping,
+    so rank 2 rejoins from rank 1), 4 workers; nothing deadlocks and the records add up."""
+    spec = write_spec(tmp_path, """
+        defaults:
+          task: {name: logreg}
+          workers: 4
+          epochs: 1
+          steps_per_epoch: 30
+          batch_size: 16
+          log_interval: 1
+          optimizer: {name: sgd, lr: 0.1}
+          compute: {step_seconds: 0.02, time_scale: 4}
+          failures: {restart: 0.2s, at: [{node: 2, time: 0.1s}, {node: 0, time: 0.25s}]}
+        experiments:
+          - name: sgp
+            aggregator: {name: sgp}
+          - name: diloco
+            aggregator: {name: diloco, period: 5}
+    """)
+    db = tmp_path / "results.db"
+    result = dsgd("run", str(spec), "--db", str(db), timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    store = Store(str(db))
+    for run in store.runs():
+        summary = _summaries(run)
+        assert summary["failures"] == 2
+        assert summary["lost_seconds"] == pytest.approx(2 * 0.2, abs=2 * 2 * 0.02)
+        up = store.metric_history(run.id, "up")
+        for rank in range(4):
+            pattern = "".join(str(int(r.value)) for r in up if r.rank == rank)
+            assert len(pattern) == 30
+            if rank in (0, 2):  # one outage each, about 0.2 s of 0.02 s steps
+                assert pattern.count("0") == pytest.approx(10, abs=2)
+                assert pattern.strip("1") == "0" * pattern.count("0")
+            else:
+                assert pattern == "1" * 30
+
+
+def _streaming_with_rank2_down_at_step4(rank, n):
+    """Streaming DiLoCo, 3 workers, H = 4 in F = 2 fragments (T = 2, no delay), outer plain
+    SGD (lr 0.7): fragment 0 is averaged after steps 1 and 5, fragment 1 after 3 and 7. Rank
+    2 is down at step 4 only: it misses fragment 0's round of steps 2-5 (and fragment 1's of
+    4-7) but not fragment 1's of steps 0-3."""
+    import torch
+    from torch import nn
+
+    from dsgd_cli.api import Comm, WorkerContext, flatten
+    from plugins.aggregators.streaming_diloco import StreamingDiLoCo
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1)).to(torch.float64)
+    ctx = WorkerContext(rank=rank, world_size=n, device=torch.device("cpu"), model=model,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        comm=Comm(rank, n), metrics=_Interval(), seed=0, compressor=None,
+                        config={"failures": {"restart": 1.0}})
+    aggregator = StreamingDiLoCo(StreamingDiLoCo.Options(
+        period=4, fragments=2, outer_optimizer={"name": "sgd", "lr": 0.7}))
+    aggregator.setup(ctx)
+    fragment = lambda f, what: flatten(  # noqa: E731
+        [t.detach() for t in getattr(aggregator.outer[f], what)]).clone()
+    result = {"global1_start": fragment(1, "globals")}
+    for step in range(8):
+        ctx.up = not (rank == 2 and step == 4)
+        if step == 4:
+            aggregator.worker_left(2, step)
+        if step == 5:
+            aggregator.worker_rejoined(2, step, 0)
+        ctx.optimizer.zero_grad(set_to_none=True)
+        aggregator.before_forward(step)
+        if ctx.up:
+            for p in model.parameters():
+                p.grad = p.detach() * (1 + rank) + step
+        aggregator.after_backward(step)
+        if ctx.up:
+            ctx.optimizer.step()
+        for f, applied_at in ((0, 5), (1, 3)):
+            if step == applied_at:
+                result[f"local{f}"] = fragment(f, "params")
+        aggregator.after_step(step)
+        for f, applied_at in ((0, 1), (0, 5), (1, 3)):
+            if step == applied_at:
+                result[f"global{f}_{step}"] = fragment(f, "globals")
+    return result
+
+
+def test_streaming_diloco_fragment_round_averages_only_the_workers_up_all_round():
+    from distributed import run_workers
+
+    results = run_workers(_streaming_with_rank2_down_at_step4, 3, preloaded=True)
+    # Fragment 0 after step 5: ranks 0 and 1 only (rank 2 was down at step 4).
+    before = results[0]["global0_1"]
+    deltas = [before - results[rank]["local0"] for rank in (0, 1)]
+    assert torch_allclose(results[0]["global0_5"], before - 0.7 * (deltas[0] + deltas[1]) / 2)
+    # Fragment 1 after step 3: every worker's (rank 2 was up for all of steps 0-3).
+    start = results[0]["global1_start"]
+    deltas = [start - results[rank]["local1"] for rank in range(3)]
+    assert torch_allclose(results[0]["global1_3"], start - 0.7 * sum(deltas) / 3)
+    for rank in range(3):  # the same θ_global everywhere
+        assert torch_allclose(results[rank]["global0_5"], results[0]["global0_5"])
+        assert torch_allclose(results[rank]["global1_3"], results[0]["global1_3"])

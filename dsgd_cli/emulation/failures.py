@@ -1,5 +1,6 @@
 """Failures on the modeled clock: the spec's `failures:` section, the seeded failure schedule,
-and the `restart` emulation of a synchronous job (docs/failures.md).
+the `restart` emulation of a synchronous job and the `continue` emulation of an algorithm that
+goes on without its failed workers (docs/failures.md).
 
 The processes stay up: a failure is an event on the modeled timeline. Under `restart` (the
 aggregators' default, `Aggregator.failure_mode`), every worker rolls back to the last emulated
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import heapq
+import math
 import random
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator
@@ -125,8 +127,7 @@ def unsupported_reason(aggregator_cls: type) -> str | None:
     if mode is None:
         return getattr(aggregator_cls, "failure_refusal", None) or "it declares failure_mode = None"
     if mode == "continue":
-        return ("it declares failure_mode 'continue', which this version does not emulate yet "
-                "(only 'restart')")
+        return None  # it goes on without the down workers (ContinueEmulation)
     if mode != "restart":
         return f"unknown failure_mode {mode!r} (expected one of {', '.join(FAILURE_MODES)})"
     if aggregator_cls.asynchronous or aggregator_cls.steps_may_differ or aggregator_cls.decides_stop:
@@ -245,6 +246,10 @@ class FailureEmulation:
         self.timeline = RestartTimeline(config["failures"], node_count(config), start, step)
         self._snapshot = self._take(step, samples)
 
+    def before_step(self, step: int) -> bool:
+        """Whether this worker computes step `step`: always under `restart`."""
+        return True
+
     def after_step(self, step: int, samples: int) -> tuple[int, int] | None:
         """Apply what a failure or a checkpoint does after `step` steps; return the (step,
         samples) to go back to after a failure, else None. Logs `up` (0 for a struck step)."""
@@ -264,13 +269,7 @@ class FailureEmulation:
                 "lost_steps": timeline.lost_steps, "checkpoints": timeline.checkpoints}
 
     def _agreed_time(self) -> float:
-        import torch
-
-        worker = self.worker
-        now = torch.tensor([worker.ctx.clock.elapsed()], dtype=torch.float64, device=worker.device)
-        with worker.comm.untracked():
-            worker.comm.all_reduce(now, "max")
-        return float(now.item())
+        return _agreed_time(self.worker)
 
     def _take(self, step: int, samples: int) -> dict[str, Any]:
         from dsgd_cli.worker import checkpoint
@@ -300,3 +299,152 @@ class FailureEmulation:
         if reached_at is not None and reached_at > saved["seconds"]:
             worker.evaluation.reached_at = None  # the target was met by work that was lost
         return saved["step"], saved["samples"]
+
+
+# -- continue ---------------------------------------------------------------------------
+
+class OutageSchedule:
+    """The `continue` policy's outages: a node that fails at T is down from T until
+    T + restart; a failure of a node that is already down is part of the same outage. Driven
+    by `advance(now)` with a modeled time that never goes back; the same on every worker."""
+
+    def __init__(self, options: dict[str, Any], nodes: int):
+        self.restart = options["restart"]
+        self._times = failure_times(options, nodes)
+        self._next = next(self._times, None)
+        self.down_until = [-math.inf] * nodes
+        self.outages = [0] * nodes  # per node: outages that began by the last `advance`
+
+    def advance(self, now: float) -> None:
+        """Take in the failures that strike at or before `now`."""
+        while self._next is not None and self._next[0] <= now:
+            time, node = self._next
+            if time >= self.down_until[node]:
+                self.down_until[node] = time + self.restart
+                self.outages[node] += 1
+            self._next = next(self._times, None)
+
+    def down_nodes(self, now: float) -> set[int]:
+        return {node for node, until in enumerate(self.down_until) if now < until}
+
+    def next_recovery(self, now: float) -> float:
+        """The earliest time after `now` at which a node that is down at `now` is back."""
+        return min(until for until in self.down_until if now < until)
+
+
+class ContinueEmulation:
+    """`continue` failures in one worker's training loop: training.py asks `before_step`
+    whether this worker computes the next step.
+
+    A step that starts (at its boundary's modeled time) while this worker's node is down is a
+    down step: the runtime runs no forward, backward or optimizer step, but still calls the
+    aggregator's hooks with `ctx.up` False, so that the worker reaches every collective the
+    algorithm's structure requires (nothing deadlocks) and the aggregator makes it contribute
+    nothing. Every worker calls `worker_left` and `worker_rejoined` when it sees a rank go
+    down or come back; the rejoiner takes its model, and the state the algorithm needs, from
+    the lowest live rank.
+
+    Workers in step agree on each boundary's time, as under `restart` (an untracked
+    all-reduce of their clocks' maximum). Workers that do not run in step (backup) cannot
+    meet at a collective every step; each one reads the seeded schedule, which every worker
+    computes alike, against its own modeled clock. That is consistent because nothing in such
+    an algorithm waits for one given worker: whether a worker's step counts is decided by that
+    worker's own time alone, and two workers of one node see an outage begin within one step
+    of each other.
+    """
+
+    def __init__(self, worker: Any, start: float):
+        config = worker.config
+        aggregator = type(worker.aggregator)
+        self.worker = worker
+        self.workers = config["workers"]
+        self.nodes = node_count(config)
+        self.node = node_of(worker.rank, self.workers, self.nodes)
+        self.in_step = not (aggregator.asynchronous or aggregator.steps_may_differ
+                            or aggregator.decides_stop)
+        self.schedule = OutageSchedule(config["failures"], self.nodes)
+        self.schedule.advance(start)  # a resumed run: the outages before it are behind it
+        self._outages_before = list(self.schedule.outages)
+        self.down_ranks: set[int] = set()
+        self.lost_seconds = 0.0
+        self.down_steps = 0
+        self._down_since: float | None = None  # start of this worker's current down step
+
+    def before_step(self, step: int) -> bool:
+        """Decide whether this worker's node is up for step `step` (0-based, the steps done
+        so far), tell the aggregator who left and who is back, and log `up`."""
+        worker = self.worker
+        now = self._now()
+        self._close_down_step(now)
+        now = self._wait_while_everyone_is_down(now)
+        down = self._down_ranks(now)
+        for rank in sorted(down - self.down_ranks):
+            worker.aggregator.worker_left(rank, step)
+        live = [rank for rank in range(self.workers) if rank not in down]
+        stayed_up = [rank for rank in live if rank not in self.down_ranks] or live
+        for rank in sorted(self.down_ranks - down):
+            worker.aggregator.worker_rejoined(rank, step, stayed_up[0])
+        self.down_ranks = down
+        up = worker.rank not in down
+        worker.ctx.up = up
+        worker.interval.log("up", 1.0 if up else 0.0)
+        if not up:
+            self.down_steps += 1
+            self._down_since = now
+        return up
+
+    def after_step(self, step: int, samples: int) -> None:
+        """Nothing is rolled back under `continue`."""
+        return None
+
+    def totals(self) -> dict[str, float]:
+        self._close_down_step(self.worker.ctx.clock.elapsed())
+        first_of_node = self.worker.rank % (self.workers // self.nodes) == 0
+        counted = self.schedule.outages[self.node] - self._outages_before[self.node]
+        # node_failures: summed over the workers, each node counted by its first rank
+        return {"node_failures": counted if first_of_node else 0,
+                "lost_seconds": self.lost_seconds, "down_steps": self.down_steps}
+
+    def _down_ranks(self, now: float) -> set[int]:
+        self.schedule.advance(now)
+        nodes = self.schedule.down_nodes(now)
+        return {rank for rank in range(self.workers)
+                if node_of(rank, self.workers, self.nodes) in nodes}
+
+    def _wait_while_everyone_is_down(self, now: float) -> float:
+        """With every node down nobody can step: the clock skips to the first recovery,
+        worker-seconds lost by every worker."""
+        while len(self._down_ranks(now)) == self.workers:
+            back = self.schedule.next_recovery(now)
+            self.worker.ctx.clock.skip(back - now)
+            self.lost_seconds += back - now
+            now = back
+        return now
+
+    def _close_down_step(self, now: float) -> None:
+        """A down step lasted until the boundary at `now`: its time is lost."""
+        if self._down_since is not None:
+            self.lost_seconds += max(0.0, now - self._down_since)
+            self._down_since = None
+
+    def _now(self) -> float:
+        if not self.in_step:
+            return self.worker.ctx.clock.elapsed()
+        return _agreed_time(self.worker)
+
+
+def _agreed_time(worker: Any) -> float:
+    """The maximum of the workers' modeled clocks, by an untracked all-reduce."""
+    import torch
+
+    now = torch.tensor([worker.ctx.clock.elapsed()], dtype=torch.float64, device=worker.device)
+    with worker.comm.untracked():
+        worker.comm.all_reduce(now, "max")
+    return float(now.item())
+
+
+def emulate_failures(worker: Any, start: float, step: int = 0, samples: int = 0):
+    """The emulation of the spec's `failures` for the run's aggregator's `failure_mode`."""
+    if getattr(type(worker.aggregator), "failure_mode", "restart") == "continue":
+        return ContinueEmulation(worker, start)
+    return FailureEmulation(worker, start, step, samples)

@@ -22,12 +22,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dsgd_cli.comm.cluster import LEVELS
 from dsgd_cli.comm.communicator import DEFAULT_TIMEOUT_S
-from dsgd_cli.spec.compute_model import time_scale
+from dsgd_cli.emulation.clock import Clock
+from dsgd_cli.emulation.compute import time_scale
 from dsgd_cli.spec.directories import UntrustedDirectory, make_experiment_directory
 from dsgd_cli.comm.events import EventWriter, events_path, experiment_dir, launcher_gone, stop_path
 from dsgd_cli.worker.training import Diverged, Stopped, StopRequest, Totals, TrainingLoop
 from dsgd_cli.worker.parts import Worker, build_worker
+from dsgd_cli.spec.run_plan import NO_RUN, RunPlan, read_plan_entry
 from dsgd_cli.worker.evaluation import all_sum
 
 
@@ -41,13 +44,15 @@ def main(argv: list[str] | None = None) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     plan = wait_for_plan(Path(plan_path))
     exit_code = 0
-    for index, config in enumerate(plan["experiments"]):
+    for index, entry in enumerate(plan["experiments"]):
+        config, run = read_plan_entry(entry)
         directory = experiment_dir(events_dir, index)
         directory.mkdir(parents=True, exist_ok=True)
-        events = EventWriter(events_path(directory, rank), rank, time_scale(config))
+        # The worker's clock: the events' seconds, and the plugins' `ctx.clock`.
+        events = EventWriter(events_path(directory, rank), rank, Clock(time_scale(config)))
         exit_code = run_experiment(config, events, rank, world_size, local_rank,
                                    namespace=str(index), stop_file=stop_path(events_dir),
-                                   device_kind=plan.get("device"))
+                                   device_kind=plan.get("device"), run=run)
         events.close()
         if exit_code:
             break
@@ -72,7 +77,7 @@ def wait_for_plan(path: Path) -> dict:
 
 def run_experiment(config: dict, events: EventWriter, rank: int, world_size: int,
                    local_rank: int, namespace: str = "", stop_file: Path | None = None,
-                   device_kind: str | None = None) -> int:
+                   device_kind: str | None = None, run: RunPlan = NO_RUN) -> int:
     """Train one experiment, reporting to `events`; returns the process exit code, or -1 when
     it stopped as the launcher asked (the process then leaves, with code 0)."""
     try:
@@ -82,8 +87,8 @@ def run_experiment(config: dict, events: EventWriter, rank: int, world_size: int
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(
                 seconds=config.get("timeout", DEFAULT_TIMEOUT_S)))
         if config.get("nnodes", 1) > 1:
-            events.write("run", run_id=_shared_run_id(config, namespace))
-        worker = build_worker(config, events, rank, world_size, device, namespace)
+            events.write("run", run_id=_shared_run_id(run, namespace))
+        worker = build_worker(config, events, rank, world_size, device, namespace, run)
         totals = TrainingLoop(worker, events, StopRequest(stop_file, namespace)).run()
         report_run(worker, events, totals)
         if config["save_dir"]:
@@ -109,7 +114,7 @@ def run_experiment(config: dict, events: EventWriter, rank: int, world_size: int
 
 def report_run(worker: Worker, events: EventWriter, totals: Totals) -> None:
     """The run's totals, written by rank 0 (every rank takes part in the all-reduces)."""
-    wall = (time.perf_counter() - totals.started) / worker.ctx.length.time_scale  # modeled
+    wall = worker.ctx.clock.elapsed()  # modeled, since the common start (before a resume too)
     # Run totals: samples and bytes over all workers; the emulation's overrun steps.
     padding = worker.padding
     samples, total_sent, steps, overran = all_sum(worker.comm, [
@@ -134,6 +139,36 @@ def report_run(worker: Worker, events: EventWriter, totals: Totals) -> None:
             events.metric("time_to_accuracy", reached_by_all, per_rank=False)
         for name, value in worker.aggregator.run_totals().items():
             events.metric(name, value, per_rank=False)
+    if totals.sent_by_level is not None:
+        report_levels(worker, events, totals.sent_by_level)
+    if totals.failures is not None:
+        report_failures(worker, events, totals.failures, wall)
+
+
+def report_levels(worker: Worker, events: EventWriter, sent_by_level: dict[str, int]) -> None:
+    """On a cluster: the run's bytes over all workers per link level they crossed,
+    `total_bytes_sent_{level}`, which sum to `total_bytes_sent`."""
+    # Every rank sums all the levels, in one order (a rank that sent nothing has none).
+    totals = all_sum(worker.comm, [sent_by_level.get(level, 0) for level in LEVELS])
+    if worker.rank == 0:
+        for level, total in zip(LEVELS, totals):
+            events.metric(f"total_bytes_sent_{level}", total, per_rank=False)
+
+
+def report_failures(worker: Worker, events: EventWriter, failures: dict, wall: float) -> None:
+    """Under the spec's `failures`: how many struck (the same on every worker), the
+    worker-seconds they cost over all workers, and the goodput, the fraction of modeled
+    worker-time spent on work that counted."""
+    # Under `continue` each node's outages are counted by its first rank (node_failures).
+    lost, worker_time, node_failures = all_sum(
+        worker.comm, [failures["lost_seconds"], wall, failures.get("node_failures", 0)])
+    if worker.rank == 0:
+        events.metric("failures", failures.get("failures", node_failures), per_rank=False)
+        events.metric("lost_seconds", lost, per_rank=False)
+        if "lost_steps" in failures:  # restart: steps rolled back and redone, per worker
+            events.metric("lost_steps", failures["lost_steps"], per_rank=False)
+        events.metric("goodput", 1.0 - lost / worker_time if worker_time > 0 else 1.0,
+                      per_rank=False)
 
 
 def save_model(worker: Worker, directory: Path) -> None:
@@ -193,13 +228,13 @@ def device_and_backend(local_rank: int, kind: str | None = None) -> tuple[torch.
     return torch.device("cpu"), "gloo"
 
 
-def _shared_run_id(config: dict, namespace: str) -> int:
+def _shared_run_id(run: RunPlan, namespace: str) -> int:
     """The id of the run, which only node rank 0's launcher knows (it created the run): its
     workers put it in the rendezvous store, the other machines' read it from there."""
     store = dist.distributed_c10d._get_default_store()
     key = f"dsgd/run_id/{namespace}"
-    if config.get("run_id") is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        store.set(key, str(config["run_id"]))
+    if run.run_id is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        store.set(key, str(run.run_id))
     return int(store.get(key))
 
 

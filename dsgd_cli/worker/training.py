@@ -17,8 +17,10 @@ import torch.distributed as dist
 
 from dsgd_cli.worker import checkpoint
 from dsgd_cli.api import Task
+from dsgd_cli.comm.communicator import Traffic
 from dsgd_cli.comm.events import EventWriter, launcher_gone
-from dsgd_cli.worker.schedule import Straggling
+from dsgd_cli.emulation.failures import emulate_failures
+from dsgd_cli.emulation.stragglers import Straggling
 from dsgd_cli.worker.data import augmentation_generator
 from dsgd_cli.worker.parts import Worker
 
@@ -96,11 +98,13 @@ class StopRequest:
 class Totals:
     """What this worker did, for the end-of-run report."""
 
-    started: float  # time.perf_counter() at the common start, less the time before a resume
     train_seconds: float  # the steps' time, evaluation and checkpoints excluded
     samples: int
     bytes_sent: int
     reached_at: float | None  # see WorkerEvaluation.reached_at
+    failures: dict | None = None  # the failure emulation's totals() under `failures`
+    # On a cluster: bytes_sent split by the link level they crossed (cluster.LEVELS).
+    sent_by_level: dict[str, int] | None = None
 
 
 class TrainingLoop:
@@ -119,24 +123,30 @@ class TrainingLoop:
         steps_per_epoch = worker.steps_per_epoch
         events.write("start", total_steps=worker.stop_rule.expected_steps())
         step, samples, total_sent = 0, 0, 0
-        train_seconds, elapsed = 0.0, 0.0
+        sent_by_level: dict[str, int] = {}
+        train_seconds, seconds_before = 0.0, 0.0
         resumed = worker.resumed
         if resumed is not None:  # go on where the checkpoint left off
             step, samples, total_sent = (resumed[k] for k in ("step", "samples", "total_sent"))
-            train_seconds, elapsed = resumed["train_seconds"], resumed["elapsed"]
+            sent_by_level = dict(resumed.get("total_sent_by_level") or {})
+            train_seconds, seconds_before = resumed["train_seconds"], resumed["seconds"]
             evaluation.reached_at = resumed["reached_at"]
             interval.restore(resumed["interval"])
             if worker.padding is not None and resumed.get("padding") is not None:
                 worker.padding.steps, worker.padding.overran_steps = resumed["padding"]
         with worker.comm.untracked():
             worker.comm.barrier()  # a common start: budgets in seconds count from here
-        started = time.perf_counter() - elapsed
-        worker.ctx.length.started_at = started
-        # Recorded `seconds` count from this common start too, as `wall_seconds` does: what
-        # came before it (joining the process group, building the worker and its warm-up
-        # step) is not the run's training time.
-        events.continue_from(resumed["seconds"] if resumed is not None else 0.0)
+        # The worker's clock (the events' too) counts from this common start, a resumed run
+        # from its checkpoint's time: recorded `seconds`, `wall_seconds` and budgets in
+        # seconds. What came before it (joining the process group, building the worker and
+        # its warm-up step) is not the run's training time.
+        clock = worker.ctx.clock
+        clock.start(seconds_before)
+        worker.ctx.length.started_at = clock.started_at
         done = worker.stop_rule.after_resume(step) if resumed is not None else False
+        failures = None
+        if config.get("failures") is not None:
+            failures = emulate_failures(worker, clock.elapsed(), step, samples)
         order_epoch = None
         augments = type(worker.task).augment is not Task.augment  # else no generator per step
         while not done:
@@ -148,21 +158,29 @@ class TrainingLoop:
             if augments:
                 x = worker.task.augment(x, augmentation_generator(config["seed"], worker.rank,
                                                                   step))
+            up = failures is None or failures.before_step(step)
             try:
-                loss, step_seconds = self._step(step, x, y)
+                loss, step_seconds = self._step(step, x, y) if up else self._down_step(step)
             except Diverged:
                 self._flush(step, epoch)  # the steps before it are sound: keep them
                 raise
             traffic = worker.comm.take_traffic()
-            # Recorded times are modeled: real ones over the compute model's time scale.
-            step_seconds /= worker.ctx.length.time_scale
-            traffic.seconds /= worker.ctx.length.time_scale
+            # Recorded times are modeled.
+            step_seconds = clock.to_modeled(step_seconds)
+            traffic.seconds = clock.to_modeled(traffic.seconds)
             total_sent += traffic.bytes_sent
-            samples += len(y)
+            _add_levels(sent_by_level, traffic)
+            samples += len(y) if up else 0
             train_seconds += step_seconds
             interval.add(loss, step_seconds, traffic)
             step += 1
-            done = worker.stop_rule.after_step(step, len(y))
+            if failures is not None:
+                back_to = failures.after_step(step, samples)
+                if back_to is not None:  # a failure: this step's metrics, then redo from there
+                    self._flush(step, epoch)
+                    step, samples = back_to
+                    continue
+            done = worker.stop_rule.after_step(step, len(y) if up else 0)
             end_of_epoch = b == steps_per_epoch - 1
             every = worker.checkpoint_every
             stopping = bool(every) and not done and self.stop.stops_after(step)
@@ -176,8 +194,11 @@ class TrainingLoop:
             if checkpointing:  # after the step's metrics and evaluation: resumes repeat neither
                 self._save_checkpoint(step, {
                     "step": step, "samples": samples, "total_sent": total_sent,
-                    "train_seconds": train_seconds, "elapsed": time.perf_counter() - started,
-                    "seconds": events.seconds(), "reached_at": evaluation.reached_at,
+                    "total_sent_by_level": dict(sent_by_level),
+                    "train_seconds": train_seconds, "seconds": clock.elapsed(),
+                    # real seconds, which versions before the clock resumed from
+                    "elapsed": clock.to_real(clock.elapsed()),
+                    "reached_at": evaluation.reached_at,
                     "interval": interval.state(),
                     "padding": (worker.padding.steps, worker.padding.overran_steps)
                     if worker.padding is not None else None})
@@ -189,12 +210,15 @@ class TrainingLoop:
         # the steps' bytes add up to the run's.
         drained = worker.comm.take_traffic()
         total_sent += drained.bytes_sent
+        _add_levels(sent_by_level, drained)
         interval.add_bytes(drained)
         self._flush(step, epoch)
         if launcher_gone():
             raise LauncherGone()
         evaluation.after_training(step, epoch)
-        return Totals(started, train_seconds, samples, total_sent, evaluation.reached_at)
+        return Totals(train_seconds, samples, total_sent, evaluation.reached_at,
+                      failures.totals() if failures is not None else None,
+                      sent_by_level if worker.comm.cluster is not None else None)
 
     def _step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
         """One training step in the loop's order; returns (loss, seconds)."""
@@ -227,6 +251,22 @@ class TrainingLoop:
         worker.aggregator.after_step(step)
         return value, time.perf_counter() - started
 
+    def _down_step(self, step: int) -> tuple[float, float]:
+        """A step of a worker whose node is down (`failures` under `continue`): no forward,
+        backward or optimizer step, so nothing it computes counts. The aggregator's hooks
+        still run, with `ctx.up` False and no gradients, so that the worker reaches every
+        collective the algorithm requires while contributing nothing to it. The step's
+        recorded loss repeats the worker's last one (its model has not trained since)."""
+        worker = self.worker
+        started = time.perf_counter()
+        worker.learning_rate.apply(step + 1)
+        worker.optimizer.zero_grad(set_to_none=True)
+        worker.aggregator.before_forward(step)
+        worker.aggregator.after_backward(step)
+        worker.aggregator.after_step(step)
+        last = worker.ctx.loss
+        return (float(last) if last is not None else math.nan), time.perf_counter() - started
+
     def _flush(self, step: int, epoch: int) -> None:
         self.worker.interval.flush(self.events, step, epoch,
                                    lr=self.worker.optimizer.param_groups[0]["lr"])
@@ -246,3 +286,9 @@ class TrainingLoop:
                 raise NoSpaceLeft(f"no space left on device for the checkpoint of step {step} "
                                   f"in {worker.checkpoint_dir}") from error
             raise
+
+
+def _add_levels(sent_by_level: dict[str, int], traffic: Traffic) -> None:
+    """Add `traffic`'s bytes per link level (on a cluster) to the run's."""
+    for level, sent in (traffic.sent_by_level or {}).items():
+        sent_by_level[level] = sent_by_level.get(level, 0) + sent

@@ -30,6 +30,15 @@ stale) and `updates_applied` (more than 1 when it caught up). The run's summary 
 r, `dropped_rank{r}`: how many of the run's updates were made without r's gradient (together
 b per update). With `backups: 0` it is synchronous SGD: every update averages all n
 gradients, as `allreduce` does.
+
+Under `failures` (failure_mode "continue", docs/failures.md) a worker whose node is down
+computes nothing: instead of its gradient it tells the coordinator it is absent (an untracked
+control message of the emulation), so its gradient is one more dropped. The coordinator closes
+a step with the first N gradients, or with every live worker's when fewer than N are up, and
+averages those it closed with. A down worker still receives every update and applies it
+itself (the runtime makes no optimizer step for it): when it rejoins it holds the newest
+model and optimizer state, as if taken from a live peer. The coordinator thread on rank 0 is
+assumed to survive rank 0's failures (a parameter server on its own machine).
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ import torch
 
 from dsgd_cli.api import Aggregator, AggregatorOptions, flatten, option
 
-GRADIENT, DONE = 1.0, 0.0
+GRADIENT, DONE, ABSENT = 1.0, 0.0, 2.0
 REQUEST_HEADER = 3  # kind, sender, step
 UPDATE_HEADER = 2   # step, final (then one 0/1 per rank: who contributed)
 
@@ -65,6 +74,7 @@ class Backup(Aggregator):
     asynchronous = True      # no worker waits for the slowest
     steps_may_differ = True  # late workers skip steps
     decides_stop = True      # the coordinator counts the run's updates
+    failure_mode = "continue"  # a failed worker's gradient is one more dropped
     instances = 0            # per process: names this instance's shared counter
 
     @classmethod
@@ -106,14 +116,22 @@ class Backup(Aggregator):
         grad = flatten([p.grad if p.grad is not None else torch.zeros_like(p)
                         for p in self.params]).to("cpu", self.dtype)
         published = self._published_count()
-        sent = published <= version  # else update `version` is out: the gradient is stale
+        up = getattr(self.ctx, "up", True)
+        sent = up and published <= version  # else update `version` is out: the gradient is stale
         if sent:
             self._send(GRADIENT, version, grad)
+        elif not up and published <= version:
+            self._send_absent(version)
         updates = [self._receive() for _ in range(max(version + 1, published) - version)]
-        for update in updates[:-1]:  # catching up: all but the last applied here
-            self._set_grads(update.average)
+        # Catching up: all but the last applied here; a down worker applies the last one too
+        # (the runtime makes no optimizer step for it).
+        for update in updates if not up else updates[:-1]:
+            self._set_grads(update)
             self.ctx.optimizer.step()
-        self._set_grads(updates[-1].average)  # the runtime's optimizer step applies it
+        if up:
+            self._set_grads(updates[-1])  # the runtime's optimizer step applies it
+        else:
+            self.ctx.optimizer.zero_grad(set_to_none=True)
         self.applied += len(updates)
         self._finished = any(update.final for update in updates)
         for update in updates:
@@ -172,6 +190,17 @@ class Backup(Aggregator):
         self.ctx.comm.send_within_process(message)
         self.coordinator.inbox.put((kind, 0, step, message[REQUEST_HEADER:]))
 
+    def _send_absent(self, step: int) -> None:
+        """Tell the coordinator this worker is down for `step`: no gradient will come. A
+        message of the emulation, not of the algorithm: untracked, no bytes, no time."""
+        if self.coordinator is not None:
+            self.coordinator.inbox.put((ABSENT, 0, step, None))
+            return
+        message = torch.zeros(REQUEST_HEADER + self.numel, dtype=self.dtype)
+        message[:REQUEST_HEADER] = torch.tensor([ABSENT, self.ctx.rank, step])
+        with self.ctx.comm.untracked():
+            self.ctx.comm.send(message, 0, self.group)
+
     def _receive(self) -> _Update:
         if self.coordinator is not None:
             with self.ctx.comm.blocked():
@@ -181,7 +210,13 @@ class Backup(Aggregator):
         buffer = self.ctx.comm.recv(self.update_buffer, 0, self.group)
         return _parse_update(buffer, self.ctx.world_size)
 
-    def _set_grads(self, average: torch.Tensor) -> None:
+    def _set_grads(self, update: _Update) -> None:
+        """The update's average as the gradients; none when nobody contributed (every
+        worker down: the optimizer step then leaves the model alone)."""
+        if not update.contributors:
+            self.ctx.optimizer.zero_grad(set_to_none=True)
+            return
+        average = update.average
         average = average.to(self.params[0].device) if self.params else average
         offset = 0
         for p in self.params:
@@ -256,21 +291,27 @@ class _Coordinator(threading.Thread):
         receiver.join()
 
     def _coordinate(self) -> None:
-        step, total, contributors, closed = None, None, [], False
+        step, total, contributors, absent, closed = None, None, [], 0, False
         sends = []  # updates in flight to remote workers: a slow one receives them late
         for kind, sender, gradient_step, gradient in self._messages():
             if step is None:  # set by now: messages come once training has begun
                 step = self.first_step
             if kind == DONE or closed or gradient_step != step:
                 continue  # a stale gradient: its step was closed without it
-            total = gradient.clone() if total is None else total.add_(gradient)
-            contributors.append(sender)
-            if len(contributors) < self.needed:
+            if kind == ABSENT:  # a down worker (failures): no gradient will come from it
+                absent += 1
+            else:
+                total = gradient.clone() if total is None else total.add_(gradient)
+                contributors.append(sender)
+            # The first N gradients; with more than b workers down, every live one's.
+            if len(contributors) < min(self.needed, self.n - absent):
                 continue
             final = self._run_ends_after(step + 1)
-            self._publish(_Update(step, final, sorted(contributors), total / self.needed), sends)
+            average = total / len(contributors) if contributors else torch.zeros(
+                self.backup.numel, dtype=self.backup.dtype)
+            self._publish(_Update(step, final, sorted(contributors), average), sends)
             sends = [handle for handle in sends if not handle.is_completed()]
-            step, total, contributors, closed = step + 1, None, [], final
+            step, total, contributors, absent, closed = step + 1, None, [], 0, final
         for handle in sends:
             handle.wait()
 
@@ -284,7 +325,8 @@ class _Coordinator(threading.Thread):
         backup = self.backup
         message = torch.zeros(UPDATE_HEADER + self.n + backup.numel, dtype=backup.dtype)
         message[:UPDATE_HEADER] = torch.tensor([update.step, float(update.final)])
-        message[UPDATE_HEADER + torch.tensor(update.contributors)] = 1.0
+        if update.contributors:
+            message[UPDATE_HEADER + torch.tensor(update.contributors)] = 1.0
         message[UPDATE_HEADER + self.n:] = update.average
         for rank in range(1, self.n):
             sends.append(self.comm.isend(message, rank, backup.group))

@@ -16,6 +16,13 @@ averaged (no partial round at the end of a run).
 The outer optimizer works on a copy of the parameters (θ_global), never on the model, so the
 model's gradients and the inner optimizer are untouched; it is built through the optimizer
 registry from the `outer_optimizer` section, so any optimizer plugin can be the outer one.
+
+Under `failures` (failure_mode "continue", docs/failures.md) the outer average is over the
+live workers: a worker down at any step of a round contributes nothing to that round's
+average (it sends [0, 0] where a live one sends [Δ_i, 1]; the sum is divided by the live
+count; nobody live: θ_global stays). Every worker, down or not, takes part in every outer
+all-reduce, so θ_global and the outer optimizer are the same on all of them: a rejoiner takes
+θ_global as its model, and starts its inner optimizer afresh (its state was lost with it).
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ from typing import Any
 
 import torch
 
-from dsgd_cli.api import (Aggregator, AggregatorOptions, ErrorFeedback, build_optimizer, flatten,
-                          option)
+from dsgd_cli.api import (Aggregator, AggregatorOptions, ErrorFeedback, build_optimizer,
+                          compressed_average, flatten, option)
 
 # The paper's outer optimizer (Douillard et al., 2023, section 3).
 PAPER_OUTER_OPTIMIZER = {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
@@ -88,7 +95,7 @@ class OuterParameters:
 class DeltaExchange:
     """Averages pseudo-gradients over all workers through the run's compressor: uncompressed,
     one all-reduce of their sum, divided by the number of workers; compressed, the
-    compressor's `average_many`, with error feedback when asked for or required."""
+    `compressed_average` through the compressor, with error feedback when asked for or required."""
 
     def __init__(self, ctx, error_feedback: bool):
         self.ctx = ctx
@@ -104,9 +111,36 @@ class DeltaExchange:
         if self.memory is not None and state["memory"] is not None:
             self.memory.load_state_dict(state["memory"])
 
+    def live_average(self, deltas: list[torch.Tensor], keys: list[str], step: int,
+                     live: bool) -> list[torch.Tensor] | None:
+        """The average of the live workers' Δ (`live`: this worker's counts this round), or
+        None when no worker's does. One all-reduce of [Δ · live, live] uncompressed;
+        compressed, the compressed average of Δ · live scaled by n / (live count)."""
+        weight = 1.0 if live else 0.0
+        deltas = [delta * weight for delta in deltas]
+        if self.compressed:
+            if not live and self.memory is not None:
+                self.memory = ErrorFeedback()  # the residual was lost with the failed node
+            averaged = compressed_average(self.ctx.compressor, self.ctx.comm, deltas, keys,
+                                          step, self.memory)
+            count = torch.tensor([weight], device=self.ctx.device)
+            self.ctx.comm.all_reduce(count, "sum")
+            live_count = float(count.item())
+            if live_count == 0:
+                return None
+            return [a * (self.ctx.world_size / live_count) for a in averaged]
+        flat = torch.cat([flatten(deltas), torch.tensor([weight], dtype=deltas[0].dtype,
+                                                        device=deltas[0].device)])
+        self.ctx.comm.all_reduce(flat, "sum")
+        live_count = float(flat[-1].item())
+        if live_count == 0:
+            return None
+        return split_like(flat[:-1].div_(live_count), deltas)
+
     def average(self, deltas: list[torch.Tensor], keys: list[str], step: int) -> list[torch.Tensor]:
         if self.compressed:
-            return self.ctx.compressor.average_many(deltas, keys, step, self.ctx.comm, self.memory)
+            return compressed_average(self.ctx.compressor, self.ctx.comm, deltas, keys, step,
+                                      self.memory)
         flat = flatten(deltas)
         self.ctx.comm.all_reduce(flat, "sum")
         return split_like(flat.div_(self.ctx.world_size), deltas)
@@ -130,6 +164,7 @@ class DiLoCo(Aggregator):
     Options = DiLoCoOptions
     models_identical = False  # they differ inside a round
     supports_compression = True
+    failure_mode = "continue"  # the outer average over the live workers
 
     def setup(self, ctx):
         super().setup(ctx)
@@ -137,14 +172,30 @@ class DiLoCo(Aggregator):
         self.keys = parameter_names(ctx)
         self.exchange = DeltaExchange(ctx, self.options.error_feedback)
         self.rounds = 0
+        self.under_failures = ctx.config.get("failures") is not None
+        self.missed_round = False  # this worker was down at a step of the current round
 
     def after_step(self, step):
+        if not getattr(self.ctx, "up", True):
+            self.missed_round = True
         if (step + 1) % self.options.period == 0:
             self.round(step)
 
+    def worker_rejoined(self, rank, step, source):
+        if rank == self.ctx.rank:  # θ_global is the same on every worker: no transfer needed
+            self.outer.set_model()
+            self.ctx.optimizer.state.clear()
+
     def round(self, step: int) -> None:
-        averaged = self.exchange.average(self.outer.pseudo_gradients(), self.keys, step)
-        self.outer.outer_step(averaged)
+        deltas = self.outer.pseudo_gradients()
+        if self.under_failures:
+            averaged = self.exchange.live_average(deltas, self.keys, step,
+                                                  live=not self.missed_round)
+            self.missed_round = False
+        else:
+            averaged = self.exchange.average(deltas, self.keys, step)
+        if averaged is not None:
+            self.outer.outer_step(averaged)
         self.outer.set_model()
         if self.options.sync_buffers:
             average_buffers(self.ctx)

@@ -15,6 +15,11 @@ which belongs to fragment k mod F. For that fragment:
 So fragment f is applied after steps (f + 1)·T + m·H, and each step sends at most one
 fragment: the peak bandwidth is about 1/F of `diloco`'s. An exchange still in flight when the
 run ends is completed and not applied (no partial round).
+
+Under `failures` (failure_mode "continue", docs/failures.md) each fragment's outer average is
+over the live workers, as `diloco`'s is: a worker down at any step of a fragment's round (the
+H steps up to its send) contributes nothing to it ([0, 0] where a live one sends [Δ, 1]); a
+rejoiner takes θ_global for every fragment and starts its inner optimizer afresh.
 """
 
 from __future__ import annotations
@@ -68,11 +73,18 @@ class _Pending:
     handle: Handle | None = None      # the uncompressed all-reduce of their sum, in flight
     flat: torch.Tensor | None = None  # its buffer
     averaged: list[torch.Tensor] | None = None  # known at once when compressed
+    counts_live: bool = False  # under failures: `flat` ends with the count of live workers
 
     def wait(self, world_size: int) -> list[torch.Tensor]:
+        """The averaged Δ; [] when no worker was live (the outer step then leaves θ_global)."""
         if self.averaged is None:
             self.handle.wait()
-            self.averaged = split_like(self.flat.div_(world_size), self.deltas)
+            if not self.counts_live:
+                self.averaged = split_like(self.flat.div_(world_size), self.deltas)
+            else:
+                live = float(self.flat[-1])
+                self.averaged = (split_like(self.flat[:-1].div_(live), self.deltas)
+                                 if live > 0 else [])
         return self.averaged
 
 
@@ -80,6 +92,7 @@ class StreamingDiLoCo(Aggregator):
     Options = StreamingDiLoCoOptions
     models_identical = False
     supports_compression = True
+    failure_mode = "continue"  # each fragment's outer average over the live workers
 
     def setup(self, ctx):
         super().setup(ctx)
@@ -92,11 +105,21 @@ class StreamingDiLoCo(Aggregator):
         self.keys = [[names[i] for i in group] for group in self.groups]
         self.exchange = DeltaExchange(ctx, o.error_feedback)
         self.pending: _Pending | None = None
+        self.under_failures = ctx.config.get("failures") is not None
+        self.missed = [False] * o.fragments  # per fragment: this worker was down this round
+
+    def worker_rejoined(self, rank, step, source):
+        if rank == self.ctx.rank:  # θ_global is the same on every worker: no transfer needed
+            for outer in self.outer:
+                outer.set_model()
+            self.ctx.optimizer.state.clear()
 
     def fragment_of(self, n: int) -> int:
         return ((n - 1) // self.segment) % self.options.fragments
 
     def after_step(self, step):
+        if not getattr(self.ctx, "up", True):
+            self.missed = [True] * self.options.fragments
         n = step + 1
         if n % self.segment == (self.segment - self.options.delay) % self.segment:
             self.send(self.fragment_of(n), step)
@@ -108,12 +131,31 @@ class StreamingDiLoCo(Aggregator):
     def send(self, fragment: int, step: int) -> None:
         deltas = self.outer[fragment].pseudo_gradients()
         pending = _Pending(fragment, deltas)
-        if not deltas:  # a fragment without parameters (more fragments than parameters)
+        if self.under_failures:
+            self.send_live(pending, step)
+        elif not deltas:  # a fragment without parameters (more fragments than parameters)
             pending.averaged = []
         elif self.exchange.compressed:  # the compressors' exchange blocks: no overlap
             pending.averaged = self.exchange.average(deltas, self.keys[fragment], step)
         else:
             pending.flat = flatten(deltas)
+            pending.handle = self.ctx.comm.all_reduce(pending.flat, "sum", async_op=True)
+        self.pending = pending
+
+    def send_live(self, pending: _Pending, step: int) -> None:
+        """`send` under failures: the average over the workers live all the fragment's round."""
+        live, self.missed[pending.fragment] = not self.missed[pending.fragment], False
+        deltas = pending.deltas
+        if not deltas:
+            pending.averaged = []
+        elif self.exchange.compressed:
+            pending.averaged = self.exchange.live_average(
+                deltas, self.keys[pending.fragment], step, live) or []
+        else:
+            weight = torch.tensor([1.0 if live else 0.0], dtype=deltas[0].dtype,
+                                  device=deltas[0].device)
+            pending.flat = torch.cat([flatten(deltas) * weight, weight])
+            pending.counts_live = True
             pending.handle = self.ctx.comm.all_reduce(pending.flat, "sum", async_op=True)
         self.pending = pending
 

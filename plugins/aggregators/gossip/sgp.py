@@ -8,6 +8,14 @@ model the worker computes with, and reports, is the de-biased z_i = x_i / w_i. E
    x_i -= η g(z_i), the paper's Algorithm 1; see `PushSum.apply_update`);
 3. one synchronous push-sum round with the column-stochastic shares `push_weights` of the
    topology at this step; then z_i = x_i / w_i goes back into the model.
+
+Under `failures` (failure_mode "continue", docs/failures.md): the mass (x_i, w_i) a failed
+node held is lost with it (its pair becomes (0, 0)); a worker keeps the share it would have
+pushed to a down peer, so the live nodes' total mass is conserved from then on, and the
+de-biased z_i still converge to the live numerators' average. Messages still travel to and
+from a down worker, so every send meets its receive, but carry no mass. A rejoiner takes
+half of the (x, w) of the lowest live rank (one message from it), so it starts from that
+worker's de-biased model and the total mass is unchanged.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ class SGPOptions(AggregatorOptions):
 class SGP(Aggregator):
     Options = SGPOptions
     models_identical = False
+    failure_mode = "continue"  # push-sum around the down peers
 
     @classmethod
     def make_topology(cls, options, world_size: int, seed: int = 0) -> Topology:
@@ -44,8 +53,8 @@ class SGP(Aggregator):
                            seed=seed)
 
     @classmethod
-    def check_world(cls, options, world_size):
-        graph.check_push_sum(cls.make_topology(options, world_size))
+    def check_world(cls, options, world_size, seed=0):
+        graph.check_push_sum(cls.make_topology(options, world_size, seed))
 
     def setup(self, ctx):
         super().setup(ctx)
@@ -56,6 +65,7 @@ class SGP(Aggregator):
         self.group = ctx.comm.new_group(range(n), backend="gloo") if n > 1 else None
         self.inbox: dict[int, torch.Tensor] = {}
         self.before: torch.Tensor | None = None
+        self.down: set[int] = set()  # ranks down (failures, continue)
 
     def before_forward(self, step):
         self.before = self.vector.read()
@@ -64,7 +74,33 @@ class SGP(Aggregator):
         self.state.apply_update(self.vector.read() - self.before)
         if self.group is not None:
             self.gossip(step)
-        self.vector.write(self.state.debiased())
+        if self.rank not in self.down:  # a down worker holds no mass: nothing to de-bias
+            self.vector.write(self.state.debiased())
+
+    def worker_left(self, rank, step):
+        self.down.add(rank)
+        if rank == self.rank:  # its mass is lost with it
+            self.state.numerator.zero_()
+            self.state.weight = 0.0
+
+    def worker_rejoined(self, rank, step, source):
+        """The rejoiner takes half of `source`'s (x, w): one message, source to rejoiner."""
+        self.down.discard(rank)
+        if self.rank == source:
+            (message,) = self.state.emit({source: 0.5, rank: 0.5}, source, step, step).values()
+            self.ctx.comm.send(message, rank, self.group)
+        elif self.rank == rank:
+            buffer = message_buffer(self.state.numerator.numel(), self.state.numerator.dtype)
+            self.state.absorb(self.ctx.comm.recv(buffer, source, self.group))
+            self.vector.write(self.state.debiased())
+
+    def live_shares(self, step: int) -> dict[int, float]:
+        """The topology's shares at `step`, with those of down peers kept by this worker."""
+        shares = dict(push_weights(self.topology, self.rank, step))
+        for peer in self.down & shares.keys() - {self.rank}:
+            shares[self.rank] += shares[peer]
+            shares[peer] = 0.0
+        return shares
 
     def gossip(self, step: int) -> None:
         """One synchronous push-sum round on the graph of `step`."""
@@ -74,7 +110,7 @@ class SGP(Aggregator):
             buffer = self.inbox.setdefault(
                 peer, message_buffer(state.numerator.numel(), state.numerator.dtype))
             receives.append(comm.irecv(buffer, peer, self.group))
-        messages = state.emit(push_weights(self.topology, rank, step), rank, step, step)
+        messages = state.emit(self.live_shares(step), rank, step, step)
         sends = [comm.isend(message, peer, self.group) for peer, message in messages.items()]
         for handle in receives + sends:
             handle.wait()
