@@ -12,7 +12,7 @@ import pytest
 from conftest import dsgd, dsgd_in_process, write_spec
 from dsgd_cli.api import RunLength
 from dsgd_cli.commands.run import _stats
-from dsgd_cli.launch.launcher import Progress as BarState, _take_progress, _update_progress
+from dsgd_cli.launch.run_events import Progress as BarState, _take_progress, _update_progress
 from dsgd_cli.spec.learning_rate import total_steps
 from dsgd_cli.spec.sharding import Shard, samples_budget_steps, samples_in_steps, steps_per_epoch
 from dsgd_cli.results.store import Store
