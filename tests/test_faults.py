@@ -232,7 +232,8 @@ while not os.path.exists(sys.argv[1]):  # started early, before the spec was val
     time.sleep(0.01)
 experiments = json.load(open(sys.argv[1]))["experiments"]
 
-for index, config in enumerate(experiments):
+for index, entry in enumerate(experiments):
+    config = entry["config"]  # each plan entry: the experiment's config and its run plan
     events = os.path.join(sys.argv[2], str(index))
     os.makedirs(events, exist_ok=True)
     diverges = config["name"].startswith("bad")
