@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dsgd, write_spec
+from conftest import dsgd, dsgd_in_process, write_spec
 from dsgd_cli.worker import checkpoint
 from dsgd_cli.launch.resume import locate
 from dsgd_cli.results.store import Store
@@ -120,7 +120,7 @@ def test_resume_verifies_checkpoints_and_finds_moved_ones(tmp_path):
     moved = tmp_path / "moved" / recorded.name
 
     # Moved away: not found where recorded...
-    result = dsgd("run", "--resume", "1", "--db", str(db), env=env)
+    result = dsgd_in_process("run", "--resume", "1", "--db", str(db))  # refused: no launch
     assert (result.returncode, result.stderr) == (2, f"dsgd: error: run 1 has no checkpoint to "
                                                      f"resume from (none complete in {recorded})\n")
     # ...and with both steps damaged, nothing to resume from: the file named, nothing changed.
@@ -130,8 +130,8 @@ def test_resume_verifies_checkpoints_and_finds_moved_ones(tmp_path):
     kept = earlier.read_bytes()
     earlier.write_bytes(bytes(reversed(kept)))
     before = content(db)
-    result = dsgd("run", "--resume", "1", "--db", str(db), "--checkpoint-dir", str(tmp_path / "moved"),
-                  env=env)
+    result = dsgd_in_process("run", "--resume", "1", "--db", str(db), "--checkpoint-dir",
+                             str(tmp_path / "moved"))
     assert (result.returncode, result.stderr) == (2, (
         f"dsgd: error: run 1 cannot resume: {latest} is damaged ({written // 2} bytes, {written} "
         "when written), as is its earlier checkpoint\n"))

@@ -19,7 +19,7 @@ import pytest
 from rich.text import Text
 from typer.testing import CliRunner
 
-from conftest import compare_json, dsgd, write_spec
+from conftest import compare_json, dsgd, dsgd_in_process, write_spec
 from dsgd_cli.launch import launcher
 from dsgd_cli.launch import torchrun
 from dsgd_cli.cli import app
@@ -94,7 +94,7 @@ def test_non_finite_numbers_are_spec_errors(tmp_path, text, expected):
     spec = tmp_path / "bad.yaml"
     spec.write_text(text)
     db = tmp_path / "results.db"
-    result = dsgd("run", str(spec), "--db", str(db))
+    result = dsgd_in_process("run", str(spec), "--db", str(db))  # refused before any launch
     assert result.returncode == 2, result.stderr
     message = result.stderr.strip()
     assert "\n" not in message and "Traceback" not in message
@@ -389,9 +389,11 @@ def _start_and_wait_for_training(spec: Path, db: Path, cwd: Path):
     raise AssertionError(f"training did not start: {cli.communicate()}")
 
 
-@pytest.mark.parametrize("signum,exit_code", [(signal.SIGTERM, 143), (signal.SIGINT, 130),
-                                               (signal.SIGHUP, 129)],  # SIGHUP: SSH dropped
-                         ids=["SIGTERM", "SIGINT", "SIGHUP"])
+@pytest.mark.parametrize("signum,exit_code", [
+    pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow),  # the same path as SIGINT
+    (signal.SIGINT, 130),
+    pytest.param(signal.SIGHUP, 129, marks=pytest.mark.slow)],  # SIGHUP: SSH dropped
+    ids=["SIGTERM", "SIGINT", "SIGHUP"])
 def test_a_signal_interrupts_the_run_and_stops_its_processes(tmp_path, signum, exit_code):
     spec = write_spec(tmp_path, """
         experiments:
@@ -498,7 +500,8 @@ def test_the_killed_rank_is_blamed_not_the_survivor():
     assert result.reason == "rank 1: ValueError: bad"
 
 
-@pytest.mark.parametrize("aggregator", ["allreduce", "adpsgd"])
+@pytest.mark.parametrize("aggregator", [
+    "allreduce", pytest.param("adpsgd", marks=pytest.mark.slow)])  # adpsgd: background threads
 def test_a_worker_killed_by_a_signal_is_named_with_the_signal(tmp_path, aggregator):
     spec = write_spec(tmp_path, f"""
         experiments:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import dsgd, write_spec
+from conftest import dsgd, dsgd_in_process, write_spec
 from dsgd_cli.launch.launcher import plan_launches
 from dsgd_cli.spec.experiments import load_spec
 from dsgd_cli.results.store import Store
@@ -110,7 +110,7 @@ def test_a_failure_in_a_shared_launch_ends_only_its_experiment(tmp_path, plugin_
 @pytest.mark.parametrize("flags", [[], ["--isolate"]], ids=["shared", "isolated"])
 def test_dry_run_shows_the_launch_plan(tmp_path, flags):
     spec = write_spec(tmp_path, "experiments: [{name: a, task: logreg}, {name: b, task: logreg}]\n")
-    result = dsgd("run", str(spec), "--dry-run", *flags)
+    result = dsgd_in_process("run", str(spec), "--dry-run", *flags)
     lines = [line for line in result.stdout.splitlines() if line.startswith("launch")]
     assert lines == (["launch 1: 2 experiments on 2 workers (cpu)"] if not flags else
                      ["launch 1: 1 experiment on 2 workers (cpu)",

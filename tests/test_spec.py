@@ -153,10 +153,21 @@ BAD = [
 
 @pytest.mark.parametrize("label, text, expected", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, label, text, expected):
+    """In this process (`dsgd_cli.cli.main`, the same exit code and output); the next test
+    checks the same through a real `dsgd` process for one of them."""
+    check_bad_input(tmp_path, text, expected, dsgd_in_process)
+
+
+def test_bad_input_exits_2_from_a_real_process(tmp_path):
+    label, text, expected = BAD[0]
+    check_bad_input(tmp_path, text, expected, dsgd)
+
+
+def check_bad_input(tmp_path, text, expected, run):
     spec = tmp_path / "bad.yaml"
     spec.write_text(text)
     db = tmp_path / "results.db"
-    result = dsgd("run", str(spec), "--db", str(db))
+    result = run("run", str(spec), "--db", str(db))
     assert result.returncode == 2, result.stderr
     message = result.stderr.strip()
     assert "\n" not in message and "Traceback" not in message
@@ -166,21 +177,21 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, label, tex
 
 
 def test_missing_spec_file(tmp_path):
-    result = dsgd("run", str(tmp_path / "nope.yaml"), "--db", str(tmp_path / "r.db"))
+    result = dsgd_in_process("run", str(tmp_path / "nope.yaml"), "--db", str(tmp_path / "r.db"))
     assert result.returncode == 2
     assert "nope.yaml: cannot read spec: No such file or directory" in result.stderr
 
 
 def test_unknown_experiment_selected(tmp_path):
     spec = write_spec(tmp_path, GOOD)
-    result = dsgd("run", str(spec), "-e", "nothere", "--dry-run")
+    result = dsgd_in_process("run", str(spec), "-e", "nothere", "--dry-run")
     assert result.returncode == 2
     assert "no experiment named 'nothere' (the spec has: plain, other-optimizer, sweep[" in result.stderr
 
 
 def test_dry_run_prints_plan_and_commands(tmp_path):
     spec = write_spec(tmp_path, GOOD)
-    result = dsgd("run", str(spec), "--dry-run", "--db", str(tmp_path / "r.db"))
+    result = dsgd_in_process("run", str(spec), "--dry-run", "--db", str(tmp_path / "r.db"))
     assert result.returncode == 0, result.stderr
     assert "plain: 2 workers, task logreg, aggregator allreduce" in result.stdout
     assert "torch.distributed.run --standalone --nproc-per-node=2" in result.stdout
@@ -209,7 +220,7 @@ def _one_line_error(result, spec, expected):
 def test_spec_that_is_not_utf8(tmp_path, content):
     spec = tmp_path / "bad.yaml"
     spec.write_bytes(content)
-    result = dsgd("run", str(spec), "--dry-run")
+    result = dsgd_in_process("run", str(spec), "--dry-run")
     _one_line_error(result, spec, ": not UTF-8 text: byte 0x")
 
 
@@ -348,6 +359,7 @@ def test_gossip_graph_is_checked_with_the_runs_seed(tmp_path):
     assert [e.config["seed"] for e in load_spec(spec)] == [0, 0, 1]
 
 
+@pytest.mark.slow  # 100,000 grid points: grid expansion itself is tested small above
 def test_huge_grid_is_announced_and_dry_run_completes(tmp_path):
     lrs = [round(1e-4 * (i + 1), 6) for i in range(1000)]
     spec = write_spec(tmp_path, f"""

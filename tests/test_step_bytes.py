@@ -13,6 +13,10 @@ from conftest import dsgd, write_spec
 from dsgd_cli.results.store import Store
 from dsgd_cli.spec import registry
 
+# The default suite checks the same on a cluster of two nodes (tests/test_level_bytes.py: each
+# run's bytes per level equal its steps' bytes per level and add up to total_bytes_sent).
+pytestmark = pytest.mark.slow
+
 STEPS, LOG_INTERVAL = 3, 2  # records after steps 2 and 3: intervals of 2 steps and 1
 
 
