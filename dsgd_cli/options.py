@@ -10,9 +10,12 @@ A plugin declares its options as a dataclass whose fields use `option(...)`::
 (int, float, bool, str, Literal[...], X | None, list[X], a nested plugin section with
 `option(plugin=kind)`, and a nested section declared as a dataclass of its own, or that
 dataclass | None; an option typed `Any` is passed on as written, for its class to convert)
-and bounds, and raises a
-`SpecError` naming the key path of the first problem. NaN and infinities are never accepted,
-and an integer must fit in 64 bits (what torch and NumPy take) even where no `max` is declared.
+and bounds, and raises a `SpecError` naming the key path of the first problem. NaN and
+infinities are never accepted, and an integer must fit in 64 bits (what torch and NumPy take)
+even where no `max` is declared.
+
+A nested plugin section is checked by the registry (`spec.registry.plugin_section`), which
+passes itself as `plugin_section`: the registry imports this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -22,13 +25,17 @@ import functools
 import math
 import types
 import typing
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from dsgd_cli.errors import SpecError
 
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # an integer option beyond these overflows torch
 FLOAT32_MAX = 3.4028234663852886e38  # the largest float32; a float option beyond it overflows torch
 _SHOWN = 60  # characters of a value an error message shows
+
+# How a nested plugin section is checked: (kind, section as written, key path) -> the section
+# with every option filled in. The registry's `plugin_section`.
+PluginSectionReader = Callable[[str, Any, str], dict[str, Any]]
 
 
 def show(value: Any) -> str:
@@ -163,11 +170,14 @@ def _declaration(options_cls: type) -> tuple[dict[str, Any], dict[str, dataclass
     return typing.get_type_hints(options_cls), {f.name: f for f in option_fields(options_cls)}
 
 
-def parse_options(options_cls: type, raw: Mapping[str, Any], path: str) -> Any:
+def parse_options(options_cls: type, raw: Mapping[str, Any], path: str,
+                  plugin_section: PluginSectionReader | None = None) -> Any:
     """Build `options_cls` from a spec mapping, checking every key against its declaration.
     A class with `spec_section = True` is a section of the experiment rather than a plugin's
     options: its errors say "unknown key" and "required" as the experiment's keys' do. Its
-    `__post_init__` may raise SpecError with a key path inside it (`ranks[0]`)."""
+    `__post_init__` may raise SpecError with a key path inside it (`ranks[0]`).
+    `plugin_section` checks the options declared with `option(plugin=kind)`; a class that
+    declares one cannot be parsed without it."""
     hints, fields = _declaration(options_cls)
     section = getattr(options_cls, "spec_section", False)
     for key in raw:
@@ -180,13 +190,14 @@ def parse_options(options_cls: type, raw: Mapping[str, Any], path: str) -> Any:
     for name, field in fields.items():
         key_path = f"{path}.{name}"
         if field.metadata.get("plugin") and name not in raw:  # a nested section's default
-            values[name] = _checked(_default(field), hints[name], field, key_path)  # filled in
+            values[name] = _checked(_default(field), hints[name], field, key_path,
+                                    plugin_section)  # filled in
             continue
         if name not in raw:
             if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
                 raise SpecError(_missing(field, hints[name], section), path=key_path)
             continue
-        values[name] = _checked(raw[name], hints[name], field, key_path)
+        values[name] = _checked(raw[name], hints[name], field, key_path, plugin_section)
     try:
         return options_cls(**values)
     except SpecError as error:  # a cross-field check, naming the key inside the section
@@ -213,24 +224,28 @@ def _section_class(annotation: Any) -> type | None:
 
 
 def _nested_section(cls: type, written: Any, annotation: Any, field: dataclasses.Field,
-                    key_path: str) -> Any:
+                    key_path: str, plugin_section: PluginSectionReader | None) -> Any:
     if written is None and type(None) in typing.get_args(annotation):
         return None
     if not isinstance(written, Mapping):
         names = ", ".join(f.name for f in option_fields(cls))
         expect = field.metadata.get("expect") or f"a mapping with keys {names}"
         raise SpecError(f"expected {expect}", path=key_path)
-    return parse_options(cls, written, key_path)
+    return parse_options(cls, written, key_path, plugin_section)
 
 
-def _checked(written: Any, annotation: Any, field: dataclasses.Field, key_path: str) -> Any:
+def _checked(written: Any, annotation: Any, field: dataclasses.Field, key_path: str,
+             plugin_section: PluginSectionReader | None) -> Any:
     """`written` as the option's type, within its bounds; SpecError(key_path) if not."""
     plugin_kind = field.metadata.get("plugin")
     if plugin_kind is not None:  # a nested section, checked as a top-level one is
-        return _plugin_section(plugin_kind, written, key_path)
+        if plugin_section is None:
+            raise TypeError(f"option {field.name!r} is a {plugin_kind} section: parse its class "
+                            f"through dsgd_cli.spec.registry, which checks plugin sections")
+        return plugin_section(plugin_kind, written, key_path)
     section_cls = _section_class(annotation)
     if section_cls is not None:
-        return _nested_section(section_cls, written, annotation, field, key_path)
+        return _nested_section(section_cls, written, annotation, field, key_path, plugin_section)
     check_finite(written, key_path)
     if annotation is Any:  # taken as written: its class's __post_init__ converts and checks it
         return written
@@ -272,9 +287,10 @@ def _is_integer(annotation: Any) -> bool:
     return annotation is int
 
 
-def check_defaults(options_cls: type) -> None:
+def check_defaults(options_cls: type, plugin_section: PluginSectionReader | None = None) -> None:
     """Raise SpecError(path=option name) for the first default that the same option written
-    in a spec would fail: a plugin's defaults obey its own declaration."""
+    in a spec would fail: a plugin's defaults obey its own declaration. `plugin_section` as
+    for `parse_options`."""
     hints, fields = _declaration(options_cls)
     for name, field in fields.items():
         if field.default is not dataclasses.MISSING:
@@ -283,20 +299,13 @@ def check_defaults(options_cls: type) -> None:
             default = field.default_factory()
         else:
             continue  # required: the spec must give it
-        _checked(default, hints[name], field, name)
+        _checked(default, hints[name], field, name, plugin_section)
 
 
 def _default(field: dataclasses.Field) -> Any:
     if field.default_factory is not dataclasses.MISSING:
         return field.default_factory()
     return None if field.default is dataclasses.MISSING else field.default
-
-
-def _plugin_section(kind: str, raw: Any, path: str) -> dict[str, Any]:
-    """A nested plugin section, checked through the registry as a top-level one is."""
-    from dsgd_cli.spec.experiments import plugin_section  # it imports this module
-
-    return plugin_section(kind, raw, path)
 
 
 def _check_64_bits(value: Any, path: str) -> None:

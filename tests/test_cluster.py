@@ -14,6 +14,7 @@ import pytest
 
 import torch
 
+from cluster_helpers import emulated_seconds, halving_doubling_seconds
 from conftest import compare_json, dsgd, dsgd_in_process, write_spec
 from distributed import run_workers
 from dsgd_cli.comm.cluster import LEVELS, Cluster, Link
@@ -302,7 +303,7 @@ def test_recursive_halving_doubling_pays_each_exchange_by_its_pairs_level():
     inter = Link(50e-6, 1.25 * GB)
     intra = Link(2e-6, 300 * GB)
     expected = 2 * (inter.seconds(B / 2, 2) + inter.seconds(B / 4, 2) + intra.seconds(B / 8))
-    assert cluster.halving_doubling_seconds(list(range(8)), B) == pytest.approx(expected)
+    assert halving_doubling_seconds(cluster, list(range(8)), B) == pytest.approx(expected)
 
 
 def test_broadcast_sends_one_copy_per_member_by_its_level():
@@ -415,7 +416,7 @@ def _collectives_on_a_cluster(rank, world_size):
     tensor = torch.ones(1000)  # 4000 bytes
     handle = comm.all_reduce(tensor, async_op=True)
     handle.wait()
-    reduced = (tensor.tolist()[0], handle.emulated_seconds)
+    reduced = (tensor.tolist()[0], emulated_seconds(handle))
     after_all_reduce = comm.take_traffic()
     p2p = comm.isend(torch.zeros(250), (rank + 2) % 4)  # 1000 bytes to the other node
     comm.recv(torch.zeros(250), (rank + 2) % 4)
@@ -433,8 +434,8 @@ def _collectives_on_a_cluster(rank, world_size):
     comm.broadcast(torch.zeros(5), 0)
     root = comm.take_traffic()
     comm.close()
-    return (reduced, vars(after_all_reduce), p2p.emulated_seconds, vars(after_p2p),
-            gathered.emulated_seconds, vars(after_gather), (chunk, scattered.emulated_seconds),
+    return (reduced, vars(after_all_reduce), emulated_seconds(p2p), vars(after_p2p),
+            emulated_seconds(gathered), vars(after_gather), (chunk, emulated_seconds(scattered)),
             vars(after_scatter), vars(root))
 
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
-from conftest import write_spec
+from conftest import dsgd_in_process, write_spec
 from dsgd_cli.api import WorkerContext
 from dsgd_cli.comm.communicator import Comm
 from dsgd_cli.errors import DsgdError
@@ -27,6 +29,7 @@ from dsgd_cli.spec.run_plan import RunPlan, read_only
 from dsgd_cli.worker import checkpoint
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "configs_before_version.json").read_text())
+SCHEMA_1_DB = Path(__file__).parent / "fixtures" / "schema1.sqlitedb"  # runs dsgd 0.1.0 stored
 
 # A configuration as the first versions stored it (tests/fixtures/make_schema1_db.py's runs):
 # no lr_schedule, lr_scaling, data_split, timeout, budget, ..., and an unlimited bandwidth
@@ -155,3 +158,56 @@ def test_an_older_configuration_reads_as_a_typed_experiment():
         k: v for k, v in upgraded.items() if k not in plugins}
     for kind in plugins:  # an option added since the run was stored reads as its default
         assert written[kind].items() >= upgraded[kind].items()
+
+
+# -- commands that read stored runs --------------------------------------------------------------
+
+def _shown_configuration(output: str) -> dict:
+    """The configuration `dsgd show` prints (between "configuration:" and "plugins:")."""
+    text = output.split("\nconfiguration:\n", 1)[1].split("\nplugins:\n", 1)[0]
+    return yaml.safe_load(text)
+
+
+def test_commands_read_runs_of_dsgd_0_1_with_todays_keys(tmp_path):
+    """Runs stored by dsgd 0.1.0 (no lr_scaling, lr_schedule, timeout, ...): `compare`
+    selects them by keys added since, and `show` prints what each key meant then."""
+    db = tmp_path / "old.db"
+    shutil.copy(SCHEMA_1_DB, db)
+    selected = dsgd_in_process("compare", "--db", str(db), "--where", "lr_scaling=none",
+                               "--where", "lr_schedule.name=constant", "--format", "json")
+    assert selected.returncode == 0, selected.stderr
+    assert [row["id"] for row in json.loads(selected.stdout)] == [1, 2]
+    shown = dsgd_in_process("show", "1", "--db", str(db))
+    assert shown.returncode == 0, shown.stderr
+    configuration = _shown_configuration(shown.stdout)
+    assert list(configuration)[0] == "config_version"
+    assert configuration["config_version"] == CONFIG_VERSION
+    assert (configuration["lr_scaling"], configuration["timeout"]) == ("none", 600.0)
+    assert configuration["lr_schedule"] == {"name": "constant", "warmup_steps": 0,
+                                            "warmup_epochs": 0.0}
+
+
+def test_commands_read_a_run_stored_before_the_version_as_todays(tmp_path):
+    """Configurations as main stored them before `config_version` (the fixture) read as
+    today's: the version first, then every key as stored."""
+    store = Store(str(tmp_path / "r.db"))
+    ids = {name: store.create_run(name, config, None, [])
+           for name, config in FIXTURE["configs"].items()}
+    selected = dsgd_in_process("compare", "--db", str(tmp_path / "r.db"), "--where",
+                               f"config_version={CONFIG_VERSION}", "--format", "json")
+    assert selected.returncode == 0, selected.stderr
+    assert sorted(row["id"] for row in json.loads(selected.stdout)) == sorted(ids.values())
+    for name, run_id in ids.items():
+        shown = dsgd_in_process("show", str(run_id), "--db", str(tmp_path / "r.db"))
+        assert shown.returncode == 0, shown.stderr
+        configuration = _shown_configuration(shown.stdout)
+        assert list(configuration) == ["config_version", *FIXTURE["configs"][name]]
+        assert configuration["config_version"] == CONFIG_VERSION
+
+
+def test_a_run_stored_by_a_newer_dsgd_is_refused_by_name(tmp_path):
+    store = Store(str(tmp_path / "r.db"))
+    run_id = store.create_run("new", {**OLDEST, "config_version": CONFIG_VERSION + 1}, None, [])
+    shown = dsgd_in_process("show", str(run_id), "--db", str(tmp_path / "r.db"))
+    assert shown.returncode == 2
+    assert f"run {run_id}: this configuration was stored by a newer dsgd" in shown.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint_helpers import latest_complete
 from conftest import dsgd, dsgd_in_process, write_spec
 from dsgd_cli.worker import checkpoint
 from dsgd_cli.launch.resume import resumable
@@ -106,7 +107,7 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(reference, tmp_p
     assert run.status == "interrupted"
     # Asked to stop, the workers agreed on a step after the one they were at and saved a
     # last checkpoint there.
-    stopped_at = checkpoint.latest_complete(Store(str(db)).checkpoint_dir(run.id), 2)
+    stopped_at = latest_complete(Store(str(db)).checkpoint_dir(run.id), 2)
     assert 50 < stopped_at < 384
 
     result = dsgd("run", "--resume", str(run.id), "--db", str(db))
@@ -186,7 +187,7 @@ def test_a_torn_checkpoint_is_never_loaded(tmp_path):
         writer.wait(timeout=30)
     finally:
         writer.kill()
-    assert checkpoint.latest_complete(directory, 2) == 10
+    assert latest_complete(directory, 2) == 10
     assert checkpoint.load(directory, 10, 1) == {"step": 10, "rank": 1}
     # Rank 0 kept its step-10 file: step 20 never became complete.
     assert checkpoint.load(directory, 10, 0) == {"step": 10, "rank": 0}

@@ -154,20 +154,6 @@ class Cluster:
         """The root sends one copy to each other member, one after the other on its link."""
         return sum(self.message_seconds(root, rank, nbytes) for rank in ranks if rank != root)
 
-    def halving_doubling_seconds(self, ranks: Sequence[int], nbytes: float) -> float:
-        """Recursive halving then doubling over a power-of-two group (WAGMA's group average,
-        Rabenseifner's all-reduce): exchange k pairs members at distance p / 2^(k+1) and
-        each sends nbytes / 2^(k+1); the all-gather repeats the exchanges in reverse order.
-        Each exchange waits for its slowest pair."""
-        p = len(ranks)
-        exchanges = p.bit_length() - 1
-        total = 0.0
-        for k in range(exchanges):
-            half = p >> (k + 1)
-            pairs = [(ranks[i], ranks[i ^ half]) for i in range(p)]
-            total += 2 * self.concurrent_seconds(pairs, nbytes / 2 ** (k + 1))
-        return total
-
     # -- the ledger --------------------------------------------------------------------------
 
     def bytes_by_level(self, sends: Sequence[tuple[int, int, int]]) -> dict[str, int]:

@@ -200,11 +200,6 @@ class Handle:
         self._tracked = comm._tracking() and comm._counting_seconds()
         self._blocking = blocking  # the caller has been blocked since the operation was issued
 
-    @property
-    def emulated_seconds(self) -> float:
-        """The real seconds the network emulation makes this operation last at least."""
-        return self._emulated_s
-
     def is_completed(self) -> bool:
         if self._done:
             return True

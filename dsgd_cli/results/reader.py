@@ -21,12 +21,13 @@ from datetime import datetime, timezone
 from functools import cached_property
 from typing import Any, Iterable, Iterator, NamedTuple
 
-from dsgd_cli.errors import StoreError
+from dsgd_cli.errors import DsgdError, StoreError
 from dsgd_cli.results.database import (missing_driver_error, one_line, read_only_uri, resolve_url,
                                        shown_db, sqlite_path)
 from dsgd_cli.results.schema import (CHECKPOINTS, MAX_ID, META, METRICS, PARAMS, PLUGIN_VERSIONS,
                                      RUNS, SCHEMA_VERSION, SUMMARIES, TABLE_COLUMNS, TAGS,
                                      tables_of_version)
+from dsgd_cli.spec.config_versions import upgrade_config
 
 IN_LIST_LIMIT = 10_000  # beyond this many ids, reading a whole table beats a huge IN list
 RUN_FIELDS = RUNS.columns
@@ -112,8 +113,12 @@ class RunRecord:
     @cached_property
     def config(self) -> dict:
         """The run's whole configuration, decoded when first asked for (a table of thousands
-        of runs that shows no configuration key never decodes it)."""
-        return _json(self.config_json)
+        of runs that shows no configuration key never decodes it), in the current version's
+        layout whatever version of dsgd stored it (`config_versions.upgrade_config`)."""
+        try:
+            return upgrade_config(_json(self.config_json))
+        except DsgdError as error:
+            raise DsgdError(f"run {self.id}: {error}") from None
 
     @property
     def clock(self) -> str:

@@ -18,7 +18,7 @@ from dsgd_cli.emulation.failures import check_failures
 from dsgd_cli.spec.cluster_spec import network_model, slowest_speed  # noqa: F401 (network_model: imported from here)
 from dsgd_cli.emulation.clock import Clock
 from dsgd_cli.spec.directories import problem_without_creating, shared_problem
-from dsgd_cli.errors import PluginError, SpecError
+from dsgd_cli.errors import SpecError
 from dsgd_cli.spec.learning_rate import total_steps
 from dsgd_cli.spec.nodes import NodePlan, check_split
 from dsgd_cli.spec.experiment_options import ExperimentOptions
@@ -223,28 +223,6 @@ def _directory(value: Any, path: str) -> str | None:
     return str(directory)
 
 
-def _plugin_section(kind: str, raw: Any, path: str) -> dict[str, Any]:
-    """Validate `{name: ..., option: value, ...}`; return it with every option filled in."""
-    if raw is None:
-        raise SpecError(f"required: a {kind} section such as {{name: ...}}", path=path)
-    if isinstance(raw, str):
-        raw = {"name": raw}
-    if not isinstance(raw, dict):
-        raise SpecError(f"expected a mapping with a 'name' key, got {show(raw)}", path=path)
-    name = raw.get("name")
-    if not isinstance(name, str):
-        raise SpecError(f"expected the name of a {kind} plugin, got {show(name)}", path=f"{path}.name")
-    try:
-        cls = registry.load(kind, name)
-    except PluginError as error:
-        raise SpecError(str(error), path=f"{path}.name") from None
-    options = parse_options(cls.Options, {k: v for k, v in raw.items() if k != "name"}, path)
-    return {"name": name, **options_to_dict(options)}
-
-
-plugin_section = _plugin_section  # what an option declared with `option(plugin=kind)` goes through
-
-
 def check_world(aggregator_cls: type, options: Any, workers: int, seed: int) -> bool:
     """Run the aggregator's `check_world` for the run's workers and seed: the gossip plugins
     check the graph their workers will draw with it. A `check_world(options, world_size)` of
@@ -335,9 +313,9 @@ class _Cache:
         """The resolved section, and the key of its content (None: not cacheable)."""
         key = self.key(kind, raw)
         if key is None:
-            return _plugin_section(kind, raw, path), None
+            return registry.plugin_section(kind, raw, path), None
         if key not in self.sections:
-            resolved = _plugin_section(kind, raw, path)
+            resolved = registry.plugin_section(kind, raw, path)
             flat = not any(isinstance(v, (dict, list)) for v in resolved.values())
             self.sections[key] = resolved, flat
         resolved, flat = self.sections[key]
@@ -354,7 +332,7 @@ class _Cache:
                          compressor: dict[str, Any], compressor_key: Any, path: str) -> None:
         """The aggregator's `check_compressor` (choco refuses compressors that are not
         contractive), once per pair of sections; skipped where it is the base's no-op."""
-        from dsgd_cli.api import Aggregator  # imported already: `cls` derives from it
+        from dsgd_cli.plugin_base import Aggregator  # imported already: `cls` derives from it
 
         if getattr(cls.check_compressor, "__func__", None) is Aggregator.check_compressor.__func__:
             return
@@ -374,7 +352,7 @@ class _Cache:
         """The aggregator section with the aggregator's `resolve_options` applied (choco's
         `gamma: auto` becomes the γ it tunes), once per distinct input; unchanged where it is
         the base's no-op."""
-        from dsgd_cli.api import Aggregator  # imported already: `cls` derives from it
+        from dsgd_cli.plugin_base import Aggregator  # imported already: `cls` derives from it
 
         aggregator = config["aggregator"]
         if getattr(cls.resolve_options, "__func__", None) is Aggregator.resolve_options.__func__:

@@ -4,6 +4,10 @@ Built-in plugins are registered in dsgd's own pyproject.toml under the same grou
 party uses, so there is one discovery path. A plugin that fails to import, or whose class does
 not derive from the right base, is reported with its distribution, entry name and the original
 error, and never breaks the others.
+
+`plugin_section` checks a spec's plugin section (`{name: ..., option: value}`) against the
+options its plugin declares; a plugin's options may hold plugin sections of their own
+(`option(plugin=kind)`), which come back here.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any, Mapping
 
-from dsgd_cli.errors import PluginError
+from dsgd_cli.errors import PluginError, SpecError
+from dsgd_cli.options import check_defaults, options_to_dict, parse_options, show
 
 if TYPE_CHECKING:
-    from dsgd_cli.api import Plugin
+    from dsgd_cli.plugin_base import Plugin
 
 # kind -> (entry-point group, the base class in dsgd_cli.api its plugins derive from)
 KINDS: dict[str, tuple[str, str]] = {
@@ -44,7 +49,7 @@ class PluginEntry:
         return f"{self.kind} plugin {self.name!r} ({self.target}, from {self.distribution} {self.version})"
 
     def load(self) -> type[Plugin]:
-        from dsgd_cli import api  # torch: discovering plugins needs none, loading one does
+        from dsgd_cli import plugin_base  # torch: discovering plugins needs none, loading one does
 
         if self.shadowed_by:
             raise PluginError(f"{self.describe()}: name already registered by {self.shadowed_by}")
@@ -53,7 +58,7 @@ class PluginEntry:
         except Exception as error:  # any import-time failure of third-party code
             raise PluginError(
                 f"{self.describe()} failed to import: {type(error).__name__}: {error}") from error
-        base = getattr(api, KINDS[self.kind][1])
+        base = getattr(plugin_base, KINDS[self.kind][1])
         if not (isinstance(loaded, type) and issubclass(loaded, base)):
             raise PluginError(f"{self.describe()} is not a subclass of dsgd_cli.api.{base.__name__}")
         self._check_defaults(loaded)
@@ -62,11 +67,8 @@ class PluginEntry:
 
     def _check_defaults(self, loaded: type) -> None:
         """The defaults of its options obey the rules a value in a spec does."""
-        from dsgd_cli.errors import SpecError
-        from dsgd_cli.options import check_defaults
-
         try:
-            check_defaults(loaded.Options)
+            check_defaults(loaded.Options, plugin_section)
         except SpecError as error:
             raise PluginError(f"{self.describe()}: the default of option {error.path!r} is "
                               f"invalid: {error.detail}") from None
@@ -112,6 +114,27 @@ def load(kind: str, name: str) -> type[Plugin]:
         known = ", ".join(n for n, e in entries.items() if not e.shadowed_by) or "none installed"
         raise PluginError(f"unknown {kind} {name!r} (installed: {known})")
     return entries[name].load()
+
+
+def plugin_section(kind: str, raw: Any, path: str) -> dict[str, Any]:
+    """Validate `{name: ..., option: value, ...}` (or the plugin's name alone) at key path
+    `path`; return it with every option filled in."""
+    if raw is None:
+        raise SpecError(f"required: a {kind} section such as {{name: ...}}", path=path)
+    if isinstance(raw, str):
+        raw = {"name": raw}
+    if not isinstance(raw, dict):
+        raise SpecError(f"expected a mapping with a 'name' key, got {show(raw)}", path=path)
+    name = raw.get("name")
+    if not isinstance(name, str):
+        raise SpecError(f"expected the name of a {kind} plugin, got {show(name)}", path=f"{path}.name")
+    try:
+        cls = load(kind, name)
+    except PluginError as error:
+        raise SpecError(str(error), path=f"{path}.name") from None
+    options = parse_options(cls.Options, {k: v for k, v in raw.items() if k != "name"}, path,
+                            plugin_section)
+    return {"name": name, **options_to_dict(options)}
 
 
 def build_options(kind: str, section: Mapping[str, Any]) -> Any:

@@ -168,12 +168,6 @@ def complete_steps(directory: str | Path | None, workers: int) -> list[int]:
             if all(_is_regular_file(rank_file(directory, step, rank)) for rank in range(workers))]
 
 
-def latest_complete(directory: str | Path | None, workers: int) -> int | None:
-    """The latest step with every rank's file, or None."""
-    complete = complete_steps(directory, workers)
-    return complete[-1] if complete else None
-
-
 def latest_sound(directory: str | Path | None, workers: int) -> tuple[int | None, list[str]]:
     """The latest complete step whose files all match their recorded size and checksum (or
     None), and what is wrong with each later complete step, newest first."""
