@@ -17,7 +17,7 @@ import pytest
 
 from conftest import TINY_SPEC, dsgd, dsgd_in_process, write_spec
 from dsgd_cli.launch import launcher, torchrun
-from dsgd_cli.launch.outcome import last_lines, left_early, run_result
+from dsgd_cli.launch.outcome import last_lines, left_early, listed_ranks, run_result
 from dsgd_cli.results.store import Store
 
 EXPERIMENT = launcher.Experiment("a", {"workers": 2})
@@ -47,16 +47,16 @@ def _said(problems=(), done=(), stopped=()):
 
 
 def test_a_rank_that_left_with_code_0_is_the_cause_not_its_peer():
-    left = left_early(EXPERIMENT, _said([PEER_RESET]), SUMMARY_WITHOUT_RANK_1, 1)
+    left = left_early(EXPERIMENT, _said([PEER_RESET]), listed_ranks(SUMMARY_WITHOUT_RANK_1), 1)
     assert left == [1]
     result = run_result(1, EXPERIMENT, [PEER_RESET], set(), 1, "", [], None, left)
     assert (result.status, result.failed_rank, result.reason) == (
         "failed", 1, "rank 1: exited with code 0 before the end of the run")
     # Every rank left with code 0 before its `done`: torchrun succeeded, and wrote no summary.
-    assert left_early(EXPERIMENT, _said(), "", 0) == [0, 1]
+    assert left_early(EXPERIMENT, _said(), set(), 0) == [0, 1]
     # Unknown without torchrun's summary (torchrun itself killed), or with a `done`.
-    assert left_early(EXPERIMENT, _said([PEER_RESET]), "", -9) == []
-    assert left_early(EXPERIMENT, _said([PEER_RESET], done={1}), SUMMARY_WITHOUT_RANK_1, 1) == []
+    assert left_early(EXPERIMENT, _said([PEER_RESET]), set(), -9) == []
+    assert left_early(EXPERIMENT, _said([PEER_RESET], done={1}), listed_ranks(SUMMARY_WITHOUT_RANK_1), 1) == []
 
 
 def test_a_rank_behind_in_the_collectives_is_named():
@@ -143,6 +143,7 @@ def test_a_deleted_run_is_reported_as_deleted_and_the_next_experiment_runs(tmp_p
 
     script = tmp_path / "fake_torchrun.py"
     script.write_text(FAKE_TORCHRUN)
+    monkeypatch.setenv("DSGD_LAUNCHER", "torchrun")  # a stand-in for torchrun
     monkeypatch.setattr(torchrun, "command", lambda shape, plan, run_dir: [
         sys.executable,
         str(script), str(plan), str(run_dir)])

@@ -56,7 +56,26 @@ def _wait_until_none(name: str, value: str, seconds: float = 60) -> None:
         time.sleep(0.2)
 
 
+def test_the_early_fork_server_serves_the_first_launch(tmp_path, monkeypatch):
+    """On one machine dsgd's agent starts the workers once the spec is valid: the early
+    start is the fork server's, and the launch uses that server."""
+    spec = write_spec(tmp_path, SPEC)
+    early = torchrun.early_start(spec, None, None, None)
+    assert early is not None and early.process is None and early.fork_server is not None
+    (experiment,) = load_spec(spec)
+    servers_started_later = []
+    monkeypatch.setattr(torchrun.Torchrun, "_start_fork_server",
+                        lambda self, *args: servers_started_later.append(self))
+    store = Store(str(tmp_path / "r.db"))
+    (result,) = launcher.run_all([experiment], store, str(spec), early=early)
+    assert result.status == "completed", result.reason
+    assert servers_started_later == []  # no second server
+    assert {m.step for m in store.metric_history(result.run_id, "train_loss")} == {2}
+    assert not early.dir.exists()
+
+
 def test_the_early_torchrun_runs_the_first_launch(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSGD_LAUNCHER", "torchrun")
     spec = write_spec(tmp_path, SPEC)
     early = torchrun.early_start(spec, None, None, None)
     assert early is not None and early.process is not None
@@ -112,7 +131,21 @@ def test_a_spec_that_fails_validation_stops_the_early_torchrun(tmp_path):
     _wait_until_none(torchrun.LAUNCHER_PID, str(cli.pid), seconds=10)
 
 
-def test_waiting_workers_leave_when_their_launcher_is_killed(tmp_path):
+def test_the_early_fork_server_leaves_when_its_launcher_is_killed(tmp_path):
+    spec = write_spec(tmp_path, SPEC)
+    code = ("import sys; from dsgd_cli.launch.torchrun import early_start; "
+            f"t = early_start({str(spec)!r}, None, None, None); "
+            "print(t.dir, t.fork_server.pid, flush=True); import time; time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    run_dir, server = holder.stdout.readline().split()
+    assert int(server) in _processes_marked(torchrun.RUN_MARKER, run_dir)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    _wait_until_none(torchrun.RUN_MARKER, run_dir)
+
+
+def test_waiting_workers_leave_when_their_launcher_is_killed(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSGD_LAUNCHER", "torchrun")  # torchrun's workers start before the plan
     spec = write_spec(tmp_path, SPEC)
     code = ("import sys; from dsgd_cli.launch.torchrun import early_start; "
             f"t = early_start({str(spec)!r}, None, None, None); print(t.dir, flush=True); "

@@ -207,6 +207,7 @@ def test_a_launch_whose_torchrun_cannot_start_leaves_no_fork_server(tmp_path, mo
         return servers[-1]
 
     monkeypatch.setattr(torchrun.subprocess, "Popen", torchrun_refused)
+    monkeypatch.setenv("DSGD_LAUNCHER", "torchrun")
     spec = write_spec(tmp_path, """
         experiments:
           - {name: a, task: {name: logreg, samples: 64}, steps_per_epoch: 2}

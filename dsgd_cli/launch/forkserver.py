@@ -57,11 +57,14 @@ _CREDENTIALS = struct.Struct("3i")  # Linux's struct ucred: pid, uid, gid
 
 # -- protocol: a request (relay -> server), then two lines back ("pid N", "exit CODE") --------
 
-def send_request(connection: socket.socket, module: str, args: list[str]) -> None:
-    """The relay's whole request: its streams' descriptors ride with the length prefix."""
+def send_request(connection: socket.socket, module: str, args: list[str],
+                 env: dict[str, str] | None = None, streams: list[int] | None = None) -> None:
+    """A whole request: the worker's environment (by default this process's) and its standard
+    streams' descriptors (by default this process's), which ride with the length prefix."""
     body = json.dumps({"module": module, "args": args, "cwd": os.getcwd(),
-                       "env": dict(os.environ)}).encode()
-    socket.send_fds(connection, [_LENGTH.pack(len(body))], list(range(STREAMS)))
+                       "env": dict(os.environ) if env is None else env}).encode()
+    socket.send_fds(connection, [_LENGTH.pack(len(body))],
+                    list(range(STREAMS)) if streams is None else streams)
     connection.sendall(body)
 
 

@@ -33,7 +33,7 @@ from dsgd_cli.spec.directories import make_experiment_directory
 from dsgd_cli.spec.experiments import PLUGIN_SECTIONS, Experiment
 from dsgd_cli.results.store import RunDeleted, Store
 from dsgd_cli.launch.outcome import (RunResult, launch_dir_full, last_lines, left_early,
-                                     rendezvous_failure, run_result, torchrun_failures)
+                                     rendezvous_failure, run_result)
 from dsgd_cli.launch.run_events import Progress, RunEvents
 from dsgd_cli.launch.torchrun import Shape, Torchrun
 from dsgd_cli.launch.unrecorded import RecordingLost
@@ -304,7 +304,7 @@ class _Launcher:
             self.torchrun.start()
         except OSError as error:
             self.finish(RunResult(self.running.run_id, self.running.experiment.name, "failed",
-                                  f"cannot start torchrun: {error}"))
+                                  f"cannot start {self.torchrun.starter}: {error}"))
             return False
         return True
 
@@ -355,8 +355,9 @@ class _Launcher:
         returncode = self.torchrun.process.returncode
         # Workers that dsgd itself stopped died of its signals: torchrun's record of them
         # says nothing about the cause.
-        failures = [] if stopped else torchrun_failures(log_text)
-        left = [] if stopped else left_early(running.experiment, running.events, log_text, returncode)
+        failures = [] if stopped else self.torchrun.failures(log_text)
+        left = [] if stopped else left_early(running.experiment, running.events,
+                                             self.torchrun.not_zero(log_text), returncode)
         result = running.result(returncode, last_lines(log_text), failures=failures,
                                 launch_failure=rendezvous_failure(running.experiment, log_text),
                                 left=left)

@@ -68,14 +68,19 @@ def torchrun_failures(log: str) -> list[WorkerExit]:
     return [exit for _, exit in sorted(found, key=lambda pair: pair[0])]
 
 
-def left_early(experiment: Experiment, said: RunEvents, log: str, returncode: int) -> list[int]:
+def listed_ranks(log: str) -> set[int]:
+    """The ranks torchrun's error summary lists: those that did not exit with 0."""
+    return {int(match.group(1)) for match in _FAILURE.finditer(log)}
+
+
+def left_early(experiment: Experiment, said: RunEvents, listed: set[int],
+               returncode: int) -> list[int]:
     """The ranks of this machine that exited with code 0 before the end of the run: they
-    wrote no `done`, `error`, `diverged` or `stopped` event (`said`), and torchrun did not list
-    them among the workers that did not exit 0 (those that failed and those it stopped then).
-    Known only when torchrun wrote that list, or itself exited with code 0."""
+    wrote no `done`, `error`, `diverged` or `stopped` event (`said`), and are not `listed`
+    among the workers that did not exit 0 (those that failed and those stopped then).
+    Known only when that list is known, or the launch exited with code 0."""
     if experiment.nodes is not None:  # other ranks' events are on other machines
         return []
-    listed = {int(match.group(1)) for match in _FAILURE.finditer(log)}
     if not listed and returncode != 0:
         return []
     spoke = said.done_ranks | said.stopped_ranks | {event["rank"] for event in said.problems}

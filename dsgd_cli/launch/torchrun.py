@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from dsgd_cli.launch import forkserver
+from dsgd_cli.launch import agent, forkserver
+from dsgd_cli.launch.agent import LocalAgent
+from dsgd_cli.launch.outcome import WorkerExit, listed_ranks, torchrun_failures
 from dsgd_cli.spec import specfile
 from dsgd_cli.errors import SpecError
 from dsgd_cli.comm.events import LAUNCHER_PID
@@ -186,8 +188,10 @@ class CappedLog:
 
 
 class Torchrun:
-    """A launch's torchrun and its temporary directory, which holds the plan (the experiments
-    to run, read by every worker), the workers' event files and torchrun's log."""
+    """A launch's processes and its temporary directory, which holds the plan (the experiments
+    to run, read by every worker), the workers' event files and the launch's log. On one
+    machine dsgd's own agent (agent.py) starts the workers through the fork server; across
+    machines, or with DSGD_LAUNCHER=torchrun, torchrun does, through relays."""
 
     def __init__(self, shape: Shape):
         self.shape = shape
@@ -195,25 +199,62 @@ class Torchrun:
         self.dir = Path(self._directory.name)
         self.plan_path = self.dir / "experiments.json"
         self.log_path = self.dir / "torchrun.log"
-        self.process: subprocess.Popen | None = None
+        # torchrun's process, or the agent that stands in its place (agent.LocalAgent)
+        self.process: subprocess.Popen | LocalAgent | None = None
         self.fork_server: subprocess.Popen | None = None
         self.log: CappedLog | None = None
+        self._env: dict[str, str] | None = None
+
+    @property
+    def uses_agent(self) -> bool:
+        return self.shape.nodes is None and agent.wanted()
+
+    @property
+    def starter(self) -> str:
+        """What starts the workers, in words."""
+        return "the workers" if isinstance(self.process, LocalAgent) else "torchrun"
+
+    def start_server(self) -> None:
+        """Start the launch's log and fork server, once; the server imports torch while the
+        launcher validates the spec."""
+        if self.log is not None:
+            return
+        self._env = environment(self.dir)
+        self.log = CappedLog(self.log_path)
+        self.fork_server = self._start_fork_server(self._env, self.log.write_end)
+        if self.fork_server is not None:
+            self._env[forkserver.SOCKET_VARIABLE] = str(forkserver.socket_path(self.dir))
 
     def start(self) -> None:
-        """Start the fork server and torchrun (OSError if torchrun cannot be started); the
-        workers wait for the plan. Without a fork server (its socket cannot be made) each
-        rank's process becomes its worker itself."""
-        env = environment(self.dir)
-        self.log = CappedLog(self.log_path)
+        """Start the workers (OSError if they cannot be); they wait for the plan. Without a
+        fork server (its socket cannot be made) torchrun starts each worker as a process of
+        its own."""
+        self.start_server()
         try:
-            self.fork_server = self._start_fork_server(env, self.log.write_end)
-            if self.fork_server is not None:
-                env[forkserver.SOCKET_VARIABLE] = str(forkserver.socket_path(self.dir))
-            self.process = subprocess.Popen(
-                command(self.shape, self.plan_path, self.dir), stdout=self.log.write_end,
-                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            if self.uses_agent and self.fork_server is not None:
+                self.process = LocalAgent(self.shape.workers, forkserver.WORKER_MODULE,
+                                          [str(self.plan_path), str(self.dir)], self._env,
+                                          self.log.write_end,
+                                          forkserver.socket_path(self.dir))
+                self.process.start()
+            else:
+                self.process = subprocess.Popen(
+                    command(self.shape, self.plan_path, self.dir), stdout=self.log.write_end,
+                    stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
         finally:
             self.log.close_write_end()
+
+    def failures(self, log: str) -> list[WorkerExit]:
+        """The workers that failed by themselves, the first first (see outcome.py)."""
+        if isinstance(self.process, LocalAgent):
+            return self.process.failures()
+        return torchrun_failures(log)
+
+    def not_zero(self, log: str) -> set[int]:
+        """The ranks that did not exit with 0, failed or stopped."""
+        if isinstance(self.process, LocalAgent):
+            return self.process.not_zero()
+        return listed_ranks(log)
 
     def out_of_space(self) -> bool:
         """Whether the launch's directory ran out of space: its log could not be written for
@@ -274,9 +315,12 @@ class Torchrun:
         forked (whose /proc environment is the server's). Each relay and each worker has a
         session of its own, so a signal to torchrun's process group misses them, and they
         outlive a torchrun that was killed."""
-        if self.process is None:
+        if self.process is None and self.fork_server is None:
             return set()
-        pids = {self.process.pid} if self.process.poll() is None else set()
+        pids = set()
+        if (self.process is not None and not isinstance(self.process, LocalAgent)
+                and self.process.poll() is None):
+            pids.add(self.process.pid)
         marker = f"{RUN_MARKER}={self.dir}".encode()
         for entry in Path("/proc").glob("[0-9]*"):
             try:
@@ -289,6 +333,8 @@ class Torchrun:
     def close(self) -> None:
         """Stop what is left of the launch and delete its directory."""
         self.stop()
+        if isinstance(self.process, LocalAgent):
+            self.process.close()
         if self.fork_server is not None:
             self.fork_server.kill()  # nothing happens if stop() ended it
             self.fork_server.wait()
@@ -317,7 +363,10 @@ def early_start(spec: str | Path, only: list[str] | None, workers: int | None,
         return None
     torchrun = Torchrun(shape)
     try:
-        torchrun.start()
+        if torchrun.uses_agent:
+            torchrun.start_server()  # the agent starts the workers once the spec is valid
+        else:
+            torchrun.start()
     except OSError:
         torchrun.close()
         return None
