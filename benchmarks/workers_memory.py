@@ -3,15 +3,20 @@
 For each worker count, runs one short experiment (a few steps of the task, a compute model so
 the workers sit in their padded steps while they are measured) and samples, every 0.2 s, the
 unique set size (USS: Private_Clean + Private_Dirty of /proc/PID/smaps_rollup) of every worker
-process. torch's libraries are shared between the workers, so RSS would count them once per
-worker; USS is what each worker adds.
+process, and the launch's whole memory: the proportional set size (PSS) of `dsgd run` and
+every process below it, summed per sampling round, which counts each shared page once.
+torch's libraries are shared between the workers, so RSS would count them once per worker;
+USS is what each worker adds.
 
 Printed per worker count: start-up (from `dsgd run` starting to every worker's first training
 step: the first `step_seconds` record), the median and the largest peak USS per worker, the
-workers' total peak USS, the total peak USS of the launch's other processes (torchrun, its
-per-rank relays, the fork server), and the whole `dsgd run`'s time.
+workers' total peak USS, the total peak USS of the launch's other processes (the fork server;
+with --torchrun also torchrun and its per-rank relays), the launcher's (`dsgd run`, which
+hosts the rendezvous store), the largest whole-launch PSS, the run's `overrun_steps`, and the
+whole `dsgd run`'s time.
 
-    python benchmarks/workers_memory.py [--workers 16 32 64] [--task mnist1d_mlp]
+    python benchmarks/workers_memory.py [--workers 16 32 64] [--task mnist1d_mlp] [--steps 6]
+        [--aggregator allreduce] [--torchrun]
 """
 
 from __future__ import annotations
@@ -30,15 +35,22 @@ from pathlib import Path
 WORKER_MODULE = "dsgd_cli.worker.process"
 
 
-def uss_bytes(pid: int) -> int | None:
-    """Private_Clean + Private_Dirty of a process, in bytes; None once it is gone."""
+def memory_bytes(pid: int) -> tuple[int, int] | None:
+    """A process's USS (Private_Clean + Private_Dirty) and PSS (its private pages, and each
+    shared page divided by the number of processes sharing it), in bytes; None once it is
+    gone. The PSS of every process of a launch add up to its memory with each shared page
+    counted once."""
     try:
         text = Path(f"/proc/{pid}/smaps_rollup").read_text()
     except OSError:
         return None
-    kib = sum(int(line.split()[1]) for line in text.splitlines()
-              if line.startswith(("Private_Clean:", "Private_Dirty:")))
-    return kib * 1024
+    uss = pss = 0
+    for line in text.splitlines():
+        if line.startswith(("Private_Clean:", "Private_Dirty:")):
+            uss += int(line.split()[1])
+        elif line.startswith("Pss:"):
+            pss += int(line.split()[1])
+    return uss * 1024, pss * 1024
 
 
 def launch_processes(root: int) -> dict[int, str]:
@@ -74,20 +86,26 @@ def launch_processes(root: int) -> dict[int, str]:
 
 
 class Sampler(threading.Thread):
-    """Peak USS per process of the launch, sampled until `stop`."""
+    """Peak USS per process of the launch, and the peak over sampling rounds of the launch's
+    whole memory (the PSS of `dsgd run` and every process below it), sampled until `stop`."""
 
     def __init__(self, root: int):
         super().__init__(daemon=True)
         self.root, self.peak, self.kind = root, {}, {}
+        self.peak_all_in = 0
         self.stopping = threading.Event()
 
     def run(self) -> None:
         while not self.stopping.is_set():
-            for pid, kind in launch_processes(self.root).items():
-                size = uss_bytes(pid)
-                if size is not None:
-                    self.peak[pid] = max(self.peak.get(pid, 0), size)
+            processes = {self.root: "launcher", **launch_processes(self.root)}
+            all_in = 0
+            for pid, kind in processes.items():
+                sizes = memory_bytes(pid)
+                if sizes is not None:
+                    self.peak[pid] = max(self.peak.get(pid, 0), sizes[0])
                     self.kind[pid] = kind
+                    all_in += sizes[1]
+            self.peak_all_in = max(self.peak_all_in, all_in)
             self.stopping.wait(0.2)
 
     def peaks(self, kind: str) -> list[int]:
@@ -107,7 +125,8 @@ def first_step_at(db: Path) -> float | None:
     return time.time() if row and row[0] else None
 
 
-def measure(workers: int, task: str, directory: Path) -> dict:
+def measure(workers: int, task: str, directory: Path, steps: int = 6,
+            aggregator: str = "allreduce", env: dict[str, str] | None = None) -> dict:
     spec = directory / f"workers{workers}.yaml"
     spec.write_text(textwrap.dedent(f"""
         experiments:
@@ -115,7 +134,8 @@ def measure(workers: int, task: str, directory: Path) -> dict:
             task: {{name: {task}}}
             workers: {workers}
             epochs: 1
-            steps_per_epoch: 6
+            steps_per_epoch: {steps}
+            aggregator: {aggregator}
             batch_size: 16
             log_interval: 1
             compute: {{step_seconds: 0.05, time_scale: 20}}
@@ -124,7 +144,7 @@ def measure(workers: int, task: str, directory: Path) -> dict:
     started = time.time()
     process = subprocess.Popen([sys.executable, "-m", "dsgd_cli", "run", str(spec), "--db",
                                 str(db)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+                               text=True, env={**os.environ, **(env or {})})
     sampler = Sampler(process.pid)
     sampler.start()
     first_step = None
@@ -142,21 +162,43 @@ def measure(workers: int, task: str, directory: Path) -> dict:
     return {"workers": workers, "startup_s": (first_step or time.time()) - started,
             "run_s": total, "uss_median_mib": statistics.median(peaks) / 2**20,
             "uss_max_mib": peaks[-1] / 2**20, "uss_total_gib": sum(peaks) / 2**30,
-            "others_gib": sum(sampler.peaks("other")) / 2**30, "sampled": len(peaks)}
+            "others_gib": sum(sampler.peaks("other")) / 2**30, "sampled": len(peaks),
+            "launcher_gib": sum(sampler.peaks("launcher")) / 2**30,
+            "all_in_gib": sampler.peak_all_in / 2**30, "overrun": overrun_steps(db)}
+
+
+def overrun_steps(db: Path) -> float | None:
+    """The run's `overrun_steps` (the fraction of steps whose real time exceeded the
+    modeled one), from SQLite."""
+    import sqlite3
+
+    with sqlite3.connect(db) as connection:
+        row = connection.execute("select value from metrics where name = 'overrun_steps'"
+                                 ).fetchone()
+    return row[0] if row else None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--task", default="mnist1d_mlp")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--aggregator", default="allreduce")
+    parser.add_argument("--torchrun", action="store_true",
+                        help="torchrun with a relay per rank (DSGD_LAUNCHER=torchrun), as before "
+                             "dsgd's own agent")
     args = parser.parse_args()
+    env = {"DSGD_LAUNCHER": "torchrun"} if args.torchrun else {}
     print(f"{'workers':>7} {'start-up s':>10} {'USS median MiB':>14} {'USS max MiB':>11} "
-          f"{'USS total GiB':>13} {'others GiB':>10} {'run s':>6}")
+          f"{'USS total GiB':>13} {'others GiB':>10} {'launcher GiB':>12} {'all in GiB':>10} "
+          f"{'overrun':>7} {'run s':>6}")
     with tempfile.TemporaryDirectory() as tmp:
         for workers in args.workers:
-            row = measure(workers, args.task, Path(tmp))
+            row = measure(workers, args.task, Path(tmp), args.steps, args.aggregator, env)
+            overrun = "-" if row["overrun"] is None else f"{row['overrun']:.3f}"
             print(f"{row['workers']:>7} {row['startup_s']:>10.1f} {row['uss_median_mib']:>14.1f} "
                   f"{row['uss_max_mib']:>11.1f} {row['uss_total_gib']:>13.2f} {row['others_gib']:>10.2f} "
+                  f"{row['launcher_gib']:>12.2f} {row['all_in_gib']:>10.2f} {overrun:>7} "
                   f"{row['run_s']:>6.1f}"
                   + ("" if row["sampled"] == workers else f"  ({row['sampled']} sampled)"),
                   flush=True)

@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from dsgd_cli.comm import by_messages
 from dsgd_cli.comm.cluster import LEVELS, Cluster
 # The emulated link, in real time (`emulation.network.real_network`); imported from here too.
 from dsgd_cli.emulation.network import NetworkModel
@@ -260,6 +261,7 @@ class Comm:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._collectives = CollectiveCounts(rank, namespace)
+        self._by_messages: dict[tuple[int, ...], int] = {}  # collectives by messages, per group
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -443,8 +445,14 @@ class Comm:
             def finish():
                 tensor.div_(n)
                 return tensor
+        if by_messages.wanted(n, tensor):  # a large group: see by_messages.py
+            start = self._all_reduce_by_messages(tensor, "sum" if op == "avg" else op, group)
+        else:
+            def start():
+                return dist.all_reduce(tensor, reduce_ops[op], group=self._pg(group),
+                                       async_op=True)
         return self._issue(
-            lambda: dist.all_reduce(tensor, reduce_ops[op], group=self._pg(group), async_op=True),
+            start,
             sent=traffic, received=traffic, messages=2 * (n - 1), async_op=async_op,
             operation=f"all_reduce over {self._members(group)}", result=tensor,
             on_complete=finish, collective=group or self.world,
@@ -517,8 +525,27 @@ class Comm:
             operation=f"broadcast from rank {src} over {self._members(group)}", result=tensor,
             collective=group or self.world, on_cluster=on_cluster)
 
+    def _all_reduce_by_messages(self, tensor: torch.Tensor, op: str,
+                                group: Group | None) -> Callable[[], None]:
+        """How to start an all-reduce of a large group (by_messages.py). It completes before
+        `start()` returns: an `async_op` caller gets the result early, never late."""
+        ranks = (group or self.world).ranks
+        with self._lock:
+            count = self._by_messages.get(ranks, 0)
+            self._by_messages[ranks] = count + 1
+        return lambda: by_messages.all_reduce(tensor, op, ranks, self.rank, self._pg(group),
+                                              by_messages.tag(count))
+
     def barrier(self, group: Group | None = None) -> None:
-        self._issue(lambda: dist.barrier(group=self._pg(group), async_op=True),
+        nccl = (group or self.world).backend == "nccl"
+        marker = torch.zeros(1, device=self.device if nccl else "cpu")
+        if by_messages.wanted(self._size(group), marker):
+            # gloo's barrier, like its ring, sends messages quadratic in the group's size
+            start = self._all_reduce_by_messages(marker, "sum", group)
+        else:
+            def start():
+                return dist.barrier(group=self._pg(group), async_op=True)
+        self._issue(start,
                     sent=0, received=0, messages=0, async_op=False,
                     operation=f"barrier of {self._members(group)}", collective=group or self.world)
 

@@ -130,6 +130,7 @@ class ForkServer:
         self.selector = selectors.DefaultSelector()
         self.workers: dict[int, socket.socket] = {}  # pid -> its relay's connection
         self.stopping = False  # SIGTERM came
+        self.prepared = False  # the launch's plan has been prepared for (see prepare())
         self.serving = True  # the listener is open
         # Signals wake the selector through a pipe; their handlers only take note.
         self.wakeup_read, self.wakeup_write = os.pipe()
@@ -180,6 +181,7 @@ class ForkServer:
         except (OSError, ValueError):  # ConnectionError is an OSError
             connection.close()  # the relay starts its worker itself
             return
+        self.prepare(request)
         try:
             pid = os.fork()
         except OSError:  # out of processes or memory: the relay starts its worker itself
@@ -198,6 +200,17 @@ class ForkServer:
             connection.sendall(f"pid {pid}\n".encode())
         except OSError:
             self.relay_left(connection, pid)
+
+    def prepare(self, request: dict) -> None:
+        """Before the first worker: build once what every worker of the plan builds first
+        (dsgd_cli/worker/preload.py), so they share it."""
+        if self.prepared or request["module"] != WORKER_MODULE or not request["args"]:
+            return
+        self.prepared = True
+        from dsgd_cli.worker.preload import prepare  # imported with WORKER_MODULE already
+
+        if prepare(Path(request["args"][0])):
+            gc.freeze()  # what it made, too, stays out of the collector's passes
 
     def become_worker(self, request: dict, fds: list[int]) -> NoReturn:
         """In the forked child: drop the server's state, take the relay's environment,

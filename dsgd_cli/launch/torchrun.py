@@ -96,6 +96,9 @@ def environment(run_dir: str | Path) -> dict[str, str]:
     # faster (benchmarks/RESULTS.md). Other C libraries ignore these variables.
     for name, value in MALLOC_SETTINGS.items():
         env.setdefault(name, value)
+    # gloo connects a pair of ranks when they first communicate, not every pair at start-up:
+    # at n workers a full mesh is n(n-1)/2 connections (523,776 at 1,024), most never used.
+    env.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env["LOGLEVEL"] = "WARNING"  # torchrun's warnings name the workers it stopped itself
     env[RUN_MARKER] = str(run_dir)  # inherited by the workers: how `stop` finds them

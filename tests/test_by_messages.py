@@ -1,0 +1,98 @@
+"""All-reduce of large groups by point-to-point messages (dsgd_cli/comm/by_messages.py):
+the same result as gloo's ring, the same bits on every member, the ring's accounting, and
+never a plugin's message taken for one of its own. The tests lower the size above which a
+group goes by messages, so that three real gloo workers take that path (three: one of them
+folds into a partner, as a group whose size is not a power of two does)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from distributed import run_workers
+
+
+def _by_messages_from(size: int) -> None:
+    from dsgd_cli.comm import by_messages
+
+    by_messages.GLOO_RING_MAX = size - 1
+
+
+def _sums_like_gloo(rank: int, world_size: int) -> dict:
+    from dsgd_cli.comm.communicator import Comm
+
+    comm = Comm(rank, world_size)
+    _by_messages_from(world_size)
+    exact = torch.arange(10, dtype=torch.float64) * (rank + 1)  # integers: every order exact
+    by_ring = exact.clone()
+    dist.all_reduce(by_ring)
+    results = {}
+    for op in ("sum", "avg", "max", "min"):
+        tensor = exact.clone()
+        comm.all_reduce(tensor, op)
+        results[op] = tensor
+    results["ring"] = by_ring
+    noisy = torch.randn(1000, generator=torch.Generator().manual_seed(rank))
+    comm.all_reduce(noisy, "sum")
+    results["noisy"] = noisy
+    handle = comm.all_reduce(torch.ones(4), "sum", async_op=True)
+    results["async"] = handle.wait()
+    comm.barrier()
+    results["traffic"] = comm.take_traffic()
+    comm.close()
+    return results
+
+
+def test_an_all_reduce_by_messages_sums_like_gloo_and_counts_like_a_ring():
+    results = run_workers(_sums_like_gloo, 3, preloaded=True)
+    n = 3
+    expected = torch.arange(10, dtype=torch.float64) * (1 + 2 + 3)
+    for result in results:
+        assert torch.equal(result["sum"], result["ring"]) and torch.equal(result["sum"], expected)
+        assert torch.equal(result["avg"], expected / n)
+        assert torch.equal(result["max"], torch.arange(10, dtype=torch.float64) * 3)
+        assert torch.equal(result["min"], torch.arange(10, dtype=torch.float64))
+        assert torch.equal(result["async"], torch.full((4,), 3.0))
+        # The same bits everywhere, however the additions were ordered.
+        assert torch.equal(result["noisy"], results[0]["noisy"])
+    # The emulated network charges a ring all-reduce: 2(n-1)/n of the buffer each way, per call.
+    sizes = [10 * 8] * 4 + [1000 * 4, 4 * 4]
+    ring_bytes = sum(2 * (n - 1) * size // n for size in sizes)
+    for result in results:
+        traffic = result["traffic"]
+        assert (traffic.bytes_sent, traffic.bytes_received) == (ring_bytes, ring_bytes)
+        assert traffic.calls == len(sizes) + 1  # the barrier too
+
+
+def _beside_a_plugins_message(rank: int, world_size: int) -> list[float]:
+    from dsgd_cli.comm.communicator import Comm
+
+    comm = Comm(rank, world_size)
+    _by_messages_from(world_size)
+    # Rank 1 sends a plugin's message to rank 0 first; rank 0 receives it only after an
+    # all-reduce in which it also receives from rank 1.
+    if rank == 1:
+        sent = comm.isend(torch.full((3,), 7.0), 0)
+    total = torch.full((3,), float(rank))
+    comm.all_reduce(total, "sum")
+    message = None
+    if rank == 0:
+        message = comm.recv(torch.empty(3), 1).tolist()
+    if rank == 1:
+        sent.wait()
+    comm.close()
+    return [total.tolist(), message]
+
+
+def test_an_all_reduce_by_messages_never_takes_a_plugins_message():
+    results = run_workers(_beside_a_plugins_message, 3, preloaded=True)
+    assert [total for total, _ in results] == [[3.0] * 3] * 3
+    assert results[0][1] == [7.0] * 3
+
+
+def test_small_groups_keep_gloos_ring():
+    from dsgd_cli.comm import by_messages
+
+    assert not by_messages.wanted(by_messages.GLOO_RING_MAX, torch.ones(1))
+    assert by_messages.wanted(by_messages.GLOO_RING_MAX + 1, torch.ones(1))
+    assert by_messages.GLOO_RING_MAX == 64  # bit for bit with earlier dsgd up to 64 workers
