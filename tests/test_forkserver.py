@@ -24,11 +24,17 @@ PROBE = textwrap.dedent("""
 
     def main(args):
         action, report = args
-        with open(report, "w") as file:
+        rank = os.environ.get("RANK", "?")
+        with open(report.replace("RANK", rank), "w") as file:
             json.dump({"pid": os.getpid(), "parent": os.getppid(), "cwd": os.getcwd(),
                        "probe_value": os.environ.get("PROBE_VALUE"), "argv": sys.argv,
-                       "name": open("/proc/self/comm").read().strip()}, file)
+                       "name": open("/proc/self/comm").read().strip(),
+                       "niceness": os.nice(0), "rank": rank,
+                       "world_size": os.environ.get("WORLD_SIZE"),
+                       "master_port": os.environ.get("MASTER_PORT")}, file)
         print("hello from the worker", flush=True)
+        if action == "rank1fails":
+            action = "exit3" if rank == "1" else "sleep"
         if action.startswith("exit"):
             sys.exit(int(action[4:]))
         if action == "kill":
@@ -72,10 +78,10 @@ def _relay(socket_path, directory: Path, action: str, tmp_path: Path, **popen):
                             stdout=subprocess.PIPE, text=True, **popen)
 
 
-def _report(tmp_path: Path) -> dict:
+def _report(tmp_path: Path, name: str = "report.json") -> dict:
     import json
 
-    path = tmp_path / "report.json"
+    path = tmp_path / name
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -275,3 +281,52 @@ def test_the_server_refuses_another_users_request():
             server.wait(timeout=60)
     finally:
         shutil.rmtree(directory)
+
+
+def test_a_worker_runs_as_nice_as_its_launch_asks(server, tmp_path, monkeypatch):
+    _, directory, path = server
+    monkeypatch.setenv(forkserver.NICENESS_VARIABLE, "7")
+    relay = _relay(path, directory, "exit0", tmp_path)
+    relay.communicate(timeout=60)
+    assert _report(tmp_path)["niceness"] == os.nice(0) + 7
+
+
+def test_a_crowded_launch_runs_its_workers_nicer_than_its_launcher():
+    from dsgd_cli.launch import torchrun
+
+    crowded = torchrun.Torchrun(torchrun.Shape((os.cpu_count() or 1) + 1))
+    roomy = torchrun.Torchrun(torchrun.Shape(1))
+    try:
+        crowded.start_server()
+        roomy.start_server()
+        assert crowded._env[forkserver.NICENESS_VARIABLE] == str(torchrun.CROWDED_WORKER_NICENESS)
+        assert forkserver.NICENESS_VARIABLE not in roomy._env
+    finally:
+        crowded.close()
+        roomy.close()
+
+
+def test_the_agent_starts_every_rank_and_stops_the_others_when_one_fails(server, tmp_path):
+    """dsgd's agent in torchrun's place: each rank forked with torchrun's variables and the
+    store's port; when rank 1 fails, the others are stopped (SIGTERM) and only rank 1 is
+    reported as failed by itself."""
+    from dsgd_cli.launch.agent import LocalAgent
+    from dsgd_cli.launch.outcome import WorkerExit
+
+    _, directory, path = server
+    read_end, write_end = os.pipe()
+    agent = LocalAgent(3, "forkprobe", ["rank1fails", str(tmp_path / "RANK.json")],
+                       {**os.environ, "PYTHONPATH": str(directory)}, write_end, path)
+    try:
+        agent.start()
+        os.close(write_end)
+        reports = [_report(tmp_path, f"{rank}.json") for rank in range(3)]
+        assert agent.wait(timeout=60) == 1
+        assert agent.failures() == [WorkerExit(1, 3)]
+        assert agent.not_zero() == {0, 1, 2}  # 0 and 2 stopped by the agent
+        assert [(r["rank"], r["world_size"], r["master_port"]) for r in reports] == [
+            (str(rank), "3", str(agent.store.port)) for rank in range(3)]
+        with open(read_end) as output:
+            assert output.read().count("hello from the worker") == 3
+    finally:
+        agent.close()

@@ -34,6 +34,8 @@ from dsgd_cli.emulation.network import NetworkModel
 
 
 DEFAULT_TIMEOUT_S = 600.0  # the spec's `timeout` when it has none
+# A modeled operation overran when its real transfer took this fraction longer than modeled.
+COMM_OVERRUN_TOLERANCE = 0.05
 # What an operation costs on a cluster: its real seconds, and its bytes sent per link level.
 Cost = tuple[float, dict[str, int]]
 
@@ -199,6 +201,7 @@ class Handle:
         self._on_complete = on_complete
         self._done = False
         self._tracked = comm._tracking() and comm._counting_seconds()
+        self._modeled = comm._tracking() and emulated_s > 0  # its time is the model's
         self._blocking = blocking  # the caller has been blocked since the operation was issued
 
     def is_completed(self) -> bool:
@@ -217,6 +220,9 @@ class Handle:
                     work.wait()
         except RuntimeError as error:
             raise self._comm._failure(self._operation, error, self._entered) from error
+        if self._modeled:
+            real = time.perf_counter() - self._issued_at
+            self._comm._note_modeled(real > self._emulated_s * (1 + COMM_OVERRUN_TOLERANCE))
         _sleep_until(self._issued_at + self._emulated_s)
         if self._on_complete is not None:
             self._result = self._on_complete()
@@ -262,6 +268,9 @@ class Comm:
         self._local = threading.local()
         self._collectives = CollectiveCounts(rank, namespace)
         self._by_messages: dict[tuple[int, ...], int] = {}  # collectives by messages, per group
+        # Operations with a modeled duration, and those whose real transfer overran it: their
+        # recorded time is then the machine's, not the model's (see `comm_overrun`).
+        self.modeled_operations = self.overran_operations = 0
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -315,6 +324,11 @@ class Comm:
         finally:
             if self._tracking() and self._counting_seconds():
                 self._add(seconds=time.perf_counter() - started)
+
+    def _note_modeled(self, overran: bool) -> None:
+        with self._lock:
+            self.modeled_operations += 1
+            self.overran_operations += overran
 
     def _add(self, *, sent: int = 0, received: int = 0, seconds: float = 0.0, calls: int = 0,
              levels: dict[str, int] | None = None):

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import NoReturn
 
 SOCKET_VARIABLE = "DSGD_FORK_SERVER"  # the socket's path, in the environment of torchrun's workers
+NICENESS_VARIABLE = "DSGD_WORKER_NICENESS"  # added to a worker's niceness (launch/torchrun.py)
 SOCKET_NAME = "forkserver.sock"
 # What every worker imports before it trains; torch._dynamo is imported by torch.optim on
 # first use (torch 2.x), and costs as much CPU as torch itself.
@@ -231,6 +232,7 @@ class ForkServer:
             for fd in set(fds) - {0, 1, 2}:
                 os.close(fd)
             os.setsid()  # a session of its own, as torchrun gives each process it starts
+            os.nice(int(request["env"].get(NICENESS_VARIABLE, "0")))
             os.environ.clear()
             os.environ.update(request["env"])
             os.chdir(request["cwd"])

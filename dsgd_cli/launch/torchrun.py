@@ -38,6 +38,11 @@ TERMINATE_WAIT_S = 5.0  # after SIGTERM, before SIGKILL
 # glibc: allocations under 64 MiB come from the heap, which keeps up to 256 MiB free.
 MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(64 * 2**20),
                    "MALLOC_TRIM_THRESHOLD_": str(256 * 2**20)}
+# Workers of a launch with more workers than the machine has cores run this much nicer than
+# the launcher and the fork server, which would otherwise get one share of the cores among
+# hundreds: the rendezvous store (in the launcher), the forking and the storing of metrics
+# would wait on the workers they serve.
+CROWDED_WORKER_NICENESS = 19
 # Beyond this many workers an early start is not tried: for a spec that then fails
 # validation, starting them costs more than the overlap saves.
 EARLY_START_MAX_WORKERS = 16
@@ -223,6 +228,8 @@ class Torchrun:
         if self.log is not None:
             return
         self._env = environment(self.dir)
+        if self.shape.local_workers > (os.cpu_count() or 1):
+            self._env.setdefault(forkserver.NICENESS_VARIABLE, str(CROWDED_WORKER_NICENESS))
         self.log = CappedLog(self.log_path)
         self.fork_server = self._start_fork_server(self._env, self.log.write_end)
         if self.fork_server is not None:

@@ -117,9 +117,11 @@ def report_run(worker: Worker, events: EventWriter, totals: Totals) -> None:
     wall = worker.ctx.clock.elapsed()  # modeled, since the common start (before a resume too)
     # Run totals: samples and bytes over all workers; the emulation's overrun steps.
     padding = worker.padding
-    samples, total_sent, steps, overran = all_sum(worker.comm, [
+    comm = worker.comm
+    samples, total_sent, steps, overran, modeled_ops, overran_ops = all_sum(comm, [
         totals.samples, totals.bytes_sent, padding.steps if padding else 0,
-        padding.overran_steps if padding else 0])
+        padding.overran_steps if padding else 0, comm.modeled_operations,
+        comm.overran_operations])
     # The slowest worker's training time; the time by which every worker had seen the
     # target accuracy (workers of asynchronous algorithms each judge their own model;
     # under a budget rank 0 judged the average model and the others pass 0).
@@ -135,6 +137,8 @@ def report_run(worker: Worker, events: EventWriter, totals: Totals) -> None:
         events.metric("total_bytes_sent", total_sent, per_rank=False)
         if padding is not None and steps:
             events.metric("overrun_steps", overran / steps, per_rank=False)
+        if modeled_ops:
+            events.metric("comm_overrun", overran_ops / modeled_ops, per_rank=False)
         if reached_by_all != math.inf:
             events.metric("time_to_accuracy", reached_by_all, per_rank=False)
         for name, value in worker.aggregator.run_totals().items():
