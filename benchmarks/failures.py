@@ -13,9 +13,12 @@ intervals fit on 2 shared cores. `--launch` adds a consistency check of a real r
 failures and whose steps executed must be the 60 counted plus its lost steps. `--backup`
 validates the `continue` mode: backup workers (4 workers, b = 1, rank 2 twice as slow) with
 node 3 down for a while; the update rate during the outage must be that of the remaining
-workers (their slowest), and before it that of the fastest three.
+workers (their slowest), and before it that of the fastest three. `--plot DB` draws the
+goodput and the time to a target of each run recorded in DB (examples/failures.yaml's),
+side by side, into `--output`.
 
     python benchmarks/failures.py [--seeds 20] [--steps 20000] [--launch] [--backup]
+    python benchmarks/failures.py --plot failures.db --target test_accuracy=0.55 -o failures.png
 """
 
 from __future__ import annotations
@@ -169,6 +172,51 @@ def backup_check(step: float = 0.02, slowdown: float = 2.0, fail_at: float = 0.3
               f"dropped_rank3 {summaries['dropped_rank3']:.0f}")
 
 
+def recorded_runs(db: str, target: str) -> list[dict]:
+    """Each run's experiment, goodput (1 for a run without failures) and time to `target`
+    (None where it was not reached), as `dsgd compare --target` reports them."""
+    import json
+
+    result = subprocess.run([sys.executable, "-m", "dsgd_cli", "compare", "--db", db,
+                             "--metric", "goodput", "--target", target, "--format", "json"],
+                            capture_output=True, text=True)
+    if result.returncode:
+        sys.exit(result.stdout + result.stderr)
+    return [{"experiment": row["experiment"],
+             "goodput": 1.0 if row.get("goodput") is None else row["goodput"],
+             "time_to_target": row.get("time_to_target")} for row in json.loads(result.stdout)]
+
+
+def plot_runs(db: str, target: str, output: str) -> None:
+    """Goodput and time to target per run, two bar charts side by side, into `output`."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = recorded_runs(db, target)
+    if not runs:
+        sys.exit(f"no recorded runs in {db}")
+    names = [run["experiment"] for run in runs]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 0.5 * len(runs) + 1.5),
+                                         sharey=True)
+    left.barh(names, [run["goodput"] for run in runs])
+    left.set_xlim(0, 1)
+    left.set_xlabel("goodput (useful fraction of modeled worker-time)")
+    reached = [run["time_to_target"] or 0.0 for run in runs]
+    right.barh(names, reached)
+    for index, run in enumerate(runs):
+        if run["time_to_target"] is None:
+            right.text(0, index, " not reached", va="center")
+    right.set_xlabel(f"modeled seconds to {target}")
+    left.invert_yaxis()  # the runs in the order recorded, from the top
+    figure.tight_layout()
+    figure.savefig(output)
+    for run in runs:
+        shown = "not reached" if run["time_to_target"] is None else f"{run['time_to_target']:.2f} s"
+        print(f"{run['experiment']:>24}  goodput {run['goodput']:.3f}  {target}: {shown}")
+    print(f"wrote {output}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=20)
@@ -181,7 +229,14 @@ def main() -> None:
     parser.add_argument("--launch", action="store_true")
     parser.add_argument("--backup", action="store_true",
                         help="only the backup workers' outage check (continue mode)")
+    parser.add_argument("--plot", metavar="DB",
+                        help="only plot the goodput and time to --target of DB's runs")
+    parser.add_argument("--target", default="test_accuracy=0.55", help="with --plot")
+    parser.add_argument("-o", "--output", default="failures.png", help="with --plot")
     args = parser.parse_args()
+    if args.plot:
+        plot_runs(args.plot, args.target, args.output)
+        return
     if args.backup:
         backup_check()
         return

@@ -238,12 +238,26 @@ RESTART = 7.0
 WRITE = 0.5
 
 
+# The same experiment twice (twice-a, twice-b): allreduce on 2 workers, 12 steps of 0.05
+# modeled seconds, node 1 failing at 0.025 s (fixed) and at 0.591 s (mtbf 3 s, seed 7; the
+# next failure, 5.98 s, is long past the run's end). Both strike in the middle of a step
+# (the first, and the first after the restart), so that both runs decide them at the same
+# step even with 40 ms of real time beyond the model per step (the clock is real time /
+# time_scale): each loses that step and restarts (0.5 s); 3 checkpoints are written (0.02 s).
+TWICE = """
+            compute: {step_seconds: 0.05, time_scale: 2}
+            optimizer: {name: sgd, lr: 0.1}
+            failures: {restart: 0.5s, mtbf: 3s, seed: 7, checkpoint_every: 4,
+                       checkpoint_seconds: 0.02s, at: [{node: 1, time: 0.025s}]}"""
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """Two experiments in one `dsgd run`: allreduce with momentum, checkpoints every 4 steps
-    of 0.02 modeled seconds that cost 0.5 s; one without a failure within the run, one with a
-    failure at 0.3 s, during the first checkpoint's write (steps 1-4 end by 0.15 s even on a
-    loaded machine; the write ends after 0.5 s): it takes effect at step 5's boundary."""
+    """Four experiments in one `dsgd run`: TWICE's two, and two of allreduce with momentum,
+    checkpoints every 4 steps of 0.02 modeled seconds that cost 0.5 s; one without a
+    failure within the run, one with a failure at 0.3 s, during the first checkpoint's
+    write (steps 1-4 end by 0.15 s even on a loaded machine; the write ends after 0.5 s):
+    it takes effect at step 5's boundary."""
     tmp = tmp_path_factory.mktemp("failures")
     spec = write_spec(tmp, f"""
         defaults:
@@ -263,6 +277,8 @@ def launched(tmp_path_factory):
           - name: failed
             failures: {{restart: {RESTART}s, checkpoint_every: 4, checkpoint_seconds: {WRITE}s,
                         at: [{{node: 1, time: 0.3}}]}}
+          - name: twice-a{TWICE}
+          - name: twice-b{TWICE}
     """)
     db = tmp / "results.db"
     result = dsgd("run", str(spec), "--db", str(db), timeout=600)
@@ -460,6 +476,16 @@ def test_continue_live_worker_sees_the_other_leave_and_counts_no_loss():
     assert worker.aggregator.calls == [("left", 1, 3), ("rejoined", 1, 6, 0)]
     # Node 1's outage is counted by node 1's first rank, not here (the run sums them).
     assert emulation.totals() == {"node_failures": 0, "lost_seconds": 0.0, "down_steps": 0}
+
+
+def test_continue_rejoiner_takes_the_state_of_a_worker_failing_at_that_boundary():
+    # Node 1 is down for the steps starting at 1-3 s and back at 4 s, where node 0 goes
+    # down: nobody stays up, so rank 1 takes rank 0's state, before rank 0 leaves.
+    worker, real, emulation = _continuing(
+        _options(restart=3, at=[{"node": 1, "time": 0.5}, {"node": 0, "time": 3.2}]),
+        workers=2, rank=0)
+    assert _run_steps(worker, real, emulation, 5) == [True] * 4 + [False]
+    assert worker.aggregator.calls == [("left", 1, 1), ("rejoined", 1, 4, 0), ("left", 0, 4)]
 
 
 def test_continue_with_every_node_down_the_clock_skips_to_the_first_recovery():
@@ -791,3 +817,402 @@ def test_streaming_diloco_fragment_round_averages_only_the_workers_up_all_round(
     for rank in range(3):  # the same θ_global everywhere
         assert torch_allclose(results[rank]["global0_5"], results[0]["global0_5"])
         assert torch_allclose(results[rank]["global1_3"], results[0]["global1_3"])
+
+
+# -- determinism --------------------------------------------------------------------------------
+
+class _CostlyComm(_Comm):
+    """One worker alone, whose untracked all-reduce takes `cost` real seconds."""
+
+    def __init__(self, real: list[float], cost: float):
+        self.real, self.cost = real, cost
+
+    def all_reduce(self, tensor, op):
+        super().all_reduce(tensor, op)
+        self.real[0] += self.cost
+
+
+def test_restart_bookkeeping_stays_off_the_modeled_clock():
+    # Steps of 1 s, a checkpoint after step 2 that costs 5 s; agreeing on each boundary's
+    # time takes 0.25 real seconds, which the modeled cluster never spends: the clock reads
+    # the steps and the write only, and the failure at 7.1 s is decided at step 3's end.
+    from dsgd_cli.emulation.failures import FailureEmulation
+
+    worker, real = _worker(_options(restart=30, checkpoint_every=2, checkpoint_seconds=5,
+                                    at=[{"node": 0, "time": 7.1}]))
+    worker.comm = _CostlyComm(real, cost=0.25)
+    emulation = FailureEmulation(worker, start=0.0)
+    for step in (1, 2):
+        _train_step(worker, real)
+        assert emulation.after_step(step, samples=0) is None
+    assert worker.ctx.clock.elapsed() == 7.0
+    _train_step(worker, real)
+    assert emulation.after_step(3, samples=0) == (2, 0)
+    assert worker.ctx.clock.elapsed() == 8.0 + 30
+    assert emulation.totals()["lost_seconds"] == 5 + 1 + 30
+
+
+def test_continue_bookkeeping_stays_off_the_modeled_clock():
+    # The agreement (0.25 s) and the hooks (a rejoiner's state transfer, 0.5 s) are free.
+    worker, real, emulation = _continuing(
+        _options(restart=3, at=[{"node": 1, "time": 2.5}]), workers=2, rank=1)
+    worker.comm = _CostlyComm(real, cost=0.25)
+    calls = worker.aggregator.calls
+
+    class _SlowHooks(_Recorder):
+        def worker_left(self, rank, step):
+            real[0] += 0.5
+            calls.append(("left", rank, step))
+
+        def worker_rejoined(self, rank, step, source):
+            real[0] += 0.5
+            calls.append(("rejoined", rank, step, source))
+
+    worker.aggregator = _SlowHooks()
+    assert _run_steps(worker, real, emulation, 8) == [True] * 3 + [False] * 3 + [True] * 2
+    assert calls == [("left", 1, 3), ("rejoined", 1, 6, 0)]
+    assert worker.ctx.clock.elapsed() == 8.0
+    assert emulation.totals()["lost_seconds"] == 3.0
+
+
+# Node 1 fails at 3.01 s: rank 0's own clock reaches 3.0 at its third boundary, rank 1's
+# (steps of 1.03 s) 3.09: only the agreed time (their maximum) makes both decide it there.
+# Seeded failures of node 0 (8.79 s and 11.6 s) come on top.
+AGREED = {"restart": "2s", "mtbf": "6s", "seed": 6, "at": [{"node": 1, "time": 3.01}]}
+
+
+def _two_workers_twice(rank, n):
+    """The same failures twice, on 2 workers whose modeled steps last 1 s (rank 0) and 1.03 s
+    (rank 1), under `restart` and under `continue`: what each emulation decided, step by
+    step, and its totals."""
+    from dsgd_cli.api import Comm
+    from dsgd_cli.emulation.failures import ContinueEmulation, FailureEmulation
+
+    def worker_of(failures):
+        worker, real = _worker(parse_failures(failures, PATH))
+        worker.config["workers"], worker.rank, worker.comm = n, rank, Comm(rank, n)
+        return worker, real
+
+    runs = []
+    for _ in range(2):
+        worker, real = worker_of({**AGREED, "checkpoint_every": 3, "checkpoint_seconds": "0.5s"})
+        restart, step, restart_ups = FailureEmulation(worker, start=0.0), 0, []
+        while step < 12:
+            _train_step(worker, real, seconds=1.0 + 0.03 * rank)
+            back_to = restart.after_step(step + 1, samples=0)
+            restart_ups.append(back_to is None)
+            step = step + 1 if back_to is None else back_to[0]
+        worker, real = worker_of(AGREED)
+        worker.aggregator = _Recorder()
+        continuing, continue_ups = ContinueEmulation(worker, start=0.0), []
+        for step in range(12):
+            continue_ups.append(continuing.before_step(step))
+            real[0] += 1.0 + 0.03 * rank
+        runs.append({"restart_ups": restart_ups, "restart": restart.totals(),
+                     "continue_ups": continue_ups, "continue": continuing.totals(),
+                     "hooks": worker.aggregator.calls})
+    return runs
+
+
+def test_same_failures_same_decisions_on_every_worker_and_in_every_run():
+    from distributed import run_workers
+
+    results = run_workers(_two_workers_twice, 2, preloaded=True)
+    for runs in results:
+        assert runs[0] == runs[1]  # the same run twice: the same decisions and totals
+    rank0, rank1 = results[0][0], results[1][0]
+    # restart: every worker takes the same decisions and counts the same loss, bit for bit
+    assert rank0["restart_ups"] == rank1["restart_ups"]
+    assert rank0["restart"] == rank1["restart"]
+    assert rank0["restart_ups"][2] is False  # 3.01 s: at the third boundary (3.09 s)
+    assert rank0["restart"]["failures"] >= 2  # the fixed failure and seeded ones
+    # continue: every worker is told the same departures and returns at the same steps
+    assert rank0["hooks"] == rank1["hooks"] == [
+        ("left", 1, 3), ("rejoined", 1, 5, 0), ("left", 0, 9), ("rejoined", 0, 11, 1)]
+    assert [step for step, up in enumerate(rank1["continue_ups"]) if not up] == [3, 4]
+    assert [step for step, up in enumerate(rank0["continue_ups"]) if not up] == [9, 10]
+
+
+def test_launched_same_experiment_twice_same_failures_and_costs(launched):
+    """`twice-a` and `twice-b`, the same experiment in the module's `dsgd run` (see
+    TWICE): the same decisions at the same steps, and the same costs."""
+    store, runs = launched
+    first, again = _summaries(runs["twice-a"]), _summaries(runs["twice-b"])
+    assert (first["failures"], first["lost_steps"]) == (2, 2)
+    assert (again["failures"], again["lost_steps"]) == (2, 2)
+
+    def ups(run):
+        records = store.metric_history(run.id, "up")  # per rank in the order recorded
+        return [(r.rank, r.step, r.value) for r in sorted(records, key=lambda r: r.rank)]
+    assert ups(runs["twice-a"]) == ups(runs["twice-b"])
+    assert [value for rank, _, value in ups(runs["twice-a"]) if rank == 0] == (
+        [0.0, 0.0] + [1.0] * 12)
+    # The costs: restarts and checkpoint writes exactly the same, the lost steps' time (the
+    # clock is real time / time_scale) to within the jitter of the machine's real time,
+    # well within one step (0.05 s) of each worker.
+    assert again["lost_seconds"] == pytest.approx(first["lost_seconds"], abs=0.05)
+    assert first["lost_seconds"] >= 2 * (2 * 0.5 + 3 * 0.02 + 2 * 0.05)
+    assert again["goodput"] == pytest.approx(first["goodput"], abs=0.01)
+
+
+# -- slowmo under `continue` ------------------------------------------------------------------
+
+def _slowmo_with_rank2_down(rank, n, base):
+    """SlowMo, 3 workers, τ = 4 (slow steps after steps 3 and 7), β = 0.5, α = 0.5, inner
+    SGD with momentum at lr 0.1, over `base`: rank 2 is down for steps 2-6 and rejoins at 7
+    from rank 0 (which has trained a step since the base's last average). Records the
+    models (or push-sum pairs) around the slow step of step 3, the base's step 5, and the
+    rejoin."""
+    import torch
+    from torch import nn
+
+    from dsgd_cli.api import Comm, WorkerContext, flatten
+    from plugins.aggregators.slowmo import SlowMo
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)  # the same initial model everywhere
+    model = nn.Linear(3, 1).to(torch.float64)
+    ctx = WorkerContext(rank=rank, world_size=n, device=torch.device("cpu"), model=model,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                        comm=Comm(rank, n), metrics=_Interval(), seed=0, compressor=None,
+                        config={"failures": {"restart": 1.0}})
+    aggregator = SlowMo(SlowMo.Options(period=4, slow_momentum=0.5, slow_lr=0.5, base=base))
+    aggregator.setup(ctx)
+    flat = lambda: flatten([p.detach() for p in model.parameters()]).clone()  # noqa: E731
+    push_sum = aggregator.push_sum()
+    pair = lambda: (push_sum.numerator.clone(), push_sum.weight)  # noqa: E731
+    result = {"start": flat()}
+    for step in range(8):
+        if step == 2:
+            aggregator.worker_left(2, step)
+        if step == 7:
+            aggregator.worker_rejoined(2, step, 0)
+            result["rejoined"] = flat()
+            result["inner_state"] = len(ctx.optimizer.state)
+            result["slow_state"] = (aggregator.start.clone(), aggregator.velocity.clone())
+        ctx.up = not (rank == 2 and 2 <= step <= 6)
+        ctx.optimizer.zero_grad(set_to_none=True)
+        aggregator.before_forward(step)
+        if ctx.up:  # the runtime's order; a down step computes nothing
+            for p in model.parameters():
+                p.grad = p.detach() * (1 + rank) + step
+        aggregator.after_backward(step)
+        if ctx.up:
+            ctx.optimizer.step()
+        if step in (3, 5):
+            result[f"before{step}"] = flat()
+            if push_sum is not None:
+                push_sum.apply_update(aggregator.base.vector.read() - aggregator.base.before)
+                aggregator.base.before = aggregator.base.vector.read()
+                result[f"pair{step}"] = pair()
+        aggregator.after_step(step)
+        if step in (3, 5):
+            result[f"after{step}"] = flat()
+            if push_sum is not None:
+                result[f"pair_after{step}"] = pair()
+        if step == 3:
+            result["velocity3"] = aggregator.velocity.clone()
+    return result
+
+
+def _slow_update(start, x_avg, lr=0.1, beta=0.5, alpha=0.5, velocity=0.0):
+    velocity = beta * velocity + (start - x_avg) / lr
+    return start - alpha * lr * velocity, velocity
+
+
+def test_slowmo_over_local_sgd_averages_the_live_workers_and_the_rejoiner_takes_a_peers():
+    from distributed import run_workers
+
+    results = run_workers(_slowmo_with_rank2_down, 3,
+                          {"name": "local_sgd", "period": 2}, preloaded=True)
+    start = results[0]["start"]
+    # The slow step after step 3 averages ranks 0 and 1 (rank 2 is down, its model stale).
+    x_avg = (results[0]["before3"] + results[1]["before3"]) / 2
+    expected, velocity = _slow_update(start, x_avg)
+    for rank in range(3):
+        assert torch_allclose(results[rank]["after3"], expected), rank
+        assert torch_allclose(results[rank]["velocity3"], velocity), rank
+    # The base's average after step 5: ranks 0 and 1 again.
+    live5 = (results[0]["before5"] + results[1]["before5"]) / 2
+    for rank in (0, 1):
+        assert torch_allclose(results[rank]["after5"], live5), rank
+    # The rejoiner takes rank 0's model, holds the same slow momentum state, and starts its
+    # inner optimizer afresh.
+    assert torch_equal(results[2]["rejoined"], results[0]["rejoined"])
+    for got, want in zip(results[2]["slow_state"], results[0]["slow_state"]):
+        assert torch_equal(got, want)
+    assert results[2]["inner_state"] == 0 and results[0]["inner_state"] > 0
+
+
+def test_slowmo_over_sgp_averages_the_surviving_mass():
+    from distributed import run_workers
+
+    base = {"name": "sgp", "topology": "time_varying_exponential", "peers_per_step": 1}
+    results = run_workers(_slowmo_with_rank2_down, 3, base, preloaded=True)
+    # Before the slow step of step 3 rank 2 holds no mass; x_avg is Σ x / Σ w of the rest.
+    assert results[2]["pair3"][1] == 0.0 and not results[2]["pair3"][0].any()
+    x_sum = sum(results[rank]["pair3"][0] for rank in range(3))
+    w_sum = sum(results[rank]["pair3"][1] for rank in range(3))
+    assert 0 < w_sum < 3
+    expected, _ = _slow_update(results[0]["start"], x_sum / w_sum)
+    for rank in (0, 1):  # push-sum restarts from the new model, weight 1, on the live workers
+        numerator, weight = results[rank]["pair_after3"]
+        assert weight == 1.0
+        assert torch_allclose(numerator, expected), rank
+    assert results[2]["pair_after3"][1] == 0.0  # the down worker stays massless
+    # The rejoiner takes half of rank 0's (x, w): rank 0's de-biased model.
+    assert torch_allclose(results[2]["rejoined"], results[0]["rejoined"])
+
+
+# -- evaluation while workers are down --------------------------------------------------------
+
+class _Classifier:
+    """A task for `evaluate`: cross-entropy, correct when the arg-max is the label."""
+
+    reports_perplexity = False
+
+    def loss(self, output, target):
+        import torch.nn.functional as F
+        return F.cross_entropy(output, target)
+
+    def count_correct(self, output, target):
+        return int((output.argmax(1) == target).sum())
+
+
+def _test_set():
+    import torch
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randn(30, 2, generator=generator, dtype=torch.float64),
+            torch.randint(0, 2, (30,), generator=generator))
+
+
+def _evaluate_with_rank2_down(rank, n):
+    """3 workers with different models, rank 2 down for the step just done, evaluate the
+    average model as the runtime does between steps. Returns each model and rank 0's
+    recorded metrics."""
+    import types
+
+    import torch
+    from torch import nn
+
+    from dsgd_cli.api import Comm
+    from dsgd_cli.worker.evaluation import WorkerEvaluation
+
+    torch.manual_seed(rank)  # the workers' models differ
+    model = nn.Linear(2, 2).to(torch.float64)
+    aggregator = types.SimpleNamespace(
+        asynchronous=False, models_identical=False, evaluation_model=lambda: model,
+        ctx=types.SimpleNamespace(up=rank != 2))
+    recorded = {}
+    events = types.SimpleNamespace(
+        metric=lambda name, value, **where: recorded.__setitem__(name, value))
+    config = {"target_accuracy": None, "failures": {"restart": 1.0}}
+    evaluation = WorkerEvaluation(config, _Classifier(), aggregator, Comm(rank, n),
+                                  *_test_set(), events, None, None)
+    evaluation._evaluate(step=4, epoch=0)
+    # Under a budget: the background evaluation of the same snapshot.
+    from dsgd_cli.worker.model_evaluation import BackgroundEvaluation
+    background_metrics = {}
+    background = BackgroundEvaluation(
+        Comm(rank, n), _Classifier(), model, *_test_set(),
+        lambda values, step, epoch: background_metrics.update(values), None, live_only=True)
+    background.snapshot(model, 4, 0, 1.0, evaluation._live())
+    background.close()
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "metrics": recorded, "background": background_metrics}
+
+
+def test_a_down_workers_stale_model_stays_out_of_the_average_model():
+    import torch
+    from torch import nn
+
+    from dsgd_cli.worker.model_evaluation import evaluate
+    from distributed import run_workers
+
+    results = run_workers(_evaluate_with_rank2_down, 3, preloaded=True)
+    metrics = results[0]["metrics"]
+    x, y = _test_set()
+
+    def model_of(state):
+        model = nn.Linear(2, 2).to(torch.float64)
+        model.load_state_dict(state)
+        return model
+    live = [results[rank]["model"] for rank in (0, 1)]
+    average = model_of({k: (live[0][k] + live[1][k]) / 2 for k in live[0]})
+    loss, correct, count = evaluate(_Classifier(), average, x, y)
+    assert metrics["test_loss"] == pytest.approx(loss / count, rel=1e-12)
+    assert metrics["test_accuracy"] == correct / count
+    background = results[0]["background"]
+    assert background["test_loss"] == pytest.approx(loss / count, rel=1e-12)
+    own = [evaluate(_Classifier(), model_of(state), x, y) for state in live]
+    assert metrics["test_loss_workers"] == pytest.approx(
+        (own[0][0] + own[1][0]) / (2 * count), rel=1e-12)
+    flat = lambda state: torch.cat([state["weight"].flatten(), state["bias"]])  # noqa: E731
+    distances = [float((flat(state) - flat(average.state_dict())).norm()) for state in live]
+    assert metrics["consensus_distance"] == pytest.approx(sum(distances) / 2, rel=1e-9)
+
+
+# -- advise ------------------------------------------------------------------------------------
+
+def _recorded_runs(db) -> None:
+    """Synthetic runs, written through the store: allreduce under failures (goodput 0.8) and
+    local SGD without, at 2, 4 and 8 workers; steps of 0.01 s; test accuracy 0.5, then 0.9
+    from step 200 + 1600 / n."""
+    from dsgd_cli.results.store import MetricRow
+
+    store = Store(str(db))
+    for aggregator, failures in (("allreduce", {"restart": 1.0, "mtbf": 10.0}),
+                                 ("local_sgd", None)):
+        for workers in (2, 4, 8):
+            config = {"name": f"{aggregator}-{workers}", "workers": workers, "seed": 0,
+                      "epochs": 1, "batch_size": 32, "task": {"name": "logreg"},
+                      "optimizer": {"name": "sgd", "lr": 0.05},
+                      "aggregator": {"name": aggregator}, "compressor": {"name": "none"},
+                      "failures": failures}
+            run_id = store.create_run(config["name"], config, None, [])
+            target_step = 200 + 1600 // workers
+            rows = [row for step in range(10, target_step + 101, 10) for row in (
+                MetricRow("step_seconds", 0.01, step=step, epoch=0, rank=0,
+                          seconds=step * 0.01),
+                MetricRow("test_accuracy", 0.9 if step >= target_step else 0.5, step=step,
+                          epoch=0, seconds=step * 0.01))]
+            if failures:
+                rows.append(MetricRow("goodput", 0.8))
+            store.add_metrics(run_id, rows)
+            store.finish_run(run_id, "completed")
+
+
+def test_advise_flags_every_number_of_a_group_run_under_failures(tmp_path):
+    import json
+
+    from conftest import dsgd_in_process
+    from dsgd_cli.results.advice import FAILURES_WARNING
+
+    _recorded_runs(tmp_path / "r.db")
+    result = dsgd_in_process("advise", "--db", str(tmp_path / "r.db"), "--target",
+                             "test_accuracy=0.85", "--by", "aggregator", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    flagged = {row["aggregator"] for row in rows if FAILURES_WARNING in (row["warning"] or "")}
+    assert flagged == {"allreduce"}
+    assert all(FAILURES_WARNING in row["warning"] for row in rows
+               if row["aggregator"] == "allreduce" and row["time_to_target"] is not None)
+
+
+def test_failures_plot_draws_goodput_and_time_to_target(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _recorded_runs(tmp_path / "r.db")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "failures.py"
+    output = tmp_path / "failures.png"
+    result = subprocess.run([sys.executable, str(script), "--plot", str(tmp_path / "r.db"),
+                             "--target", "test_accuracy=0.85", "-o", str(output)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert output.read_bytes()[:4] == b"\x89PNG"
+    lines = result.stdout.splitlines()
+    # allreduce-2 reaches 0.9 at step 1000, 10 s of 0.01 s steps; local SGD has no failures
+    assert "allreduce-2  goodput 0.800  test_accuracy=0.85: 10.00 s" in lines[0]
+    assert "local_sgd-2  goodput 1.000" in lines[3]

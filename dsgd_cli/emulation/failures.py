@@ -15,6 +15,7 @@ import copy
 import heapq
 import math
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator
 
@@ -233,18 +234,33 @@ class RestartTimeline:
 
 # -- the runtime --------------------------------------------------------------------------
 
+@contextmanager
+def off_the_clock(clock: Any) -> Iterator[None]:
+    """The emulation's own bookkeeping (taking and restoring snapshots, a rejoiner's state
+    transfer; for agreeing on a boundary's time see `_agreed_time`) is no work of the modeled
+    cluster: the real time it takes does not move the worker's modeled clock, so that a
+    checkpoint costs `checkpoint_seconds` and no more, whatever the machine's load."""
+    modeled = clock.elapsed()
+    try:
+        yield
+    finally:
+        clock.start(modeled)  # elapsed() reads what it read before the bookkeeping
+
+
 class FailureEmulation:
     """`restart` failures in one worker's training loop (training.py calls `after_step` at
     each step boundary). Every worker takes the same decisions: the boundary's time is agreed
     by an all-reduce (max) of the workers' modeled clocks, untracked, so that a failure that
-    strikes close to a boundary is seen on the same side of it by all of them."""
+    strikes close to a boundary is seen on the same side of it by all of them. The
+    agreement and the snapshots are kept off the modeled clock (`_agreed_time`,
+    `off_the_clock`): a checkpoint costs `checkpoint_seconds`, exactly."""
 
     def __init__(self, worker: Any, start: float, step: int = 0, samples: int = 0):
         """`start`: the modeled time training starts at, after `step` steps (a resumed run)."""
         config = worker.config
         self.worker = worker
         self.timeline = RestartTimeline(config["failures"], node_count(config), start, step)
-        self._snapshot = self._take(step, samples)
+        self._snapshot = self._take(step, samples, start)
 
     def before_step(self, step: int) -> bool:
         """Whether this worker computes step `step`: always under `restart`."""
@@ -253,32 +269,33 @@ class FailureEmulation:
     def after_step(self, step: int, samples: int) -> tuple[int, int] | None:
         """Apply what a failure or a checkpoint does after `step` steps; return the (step,
         samples) to go back to after a failure, else None. Logs `up` (0 for a struck step)."""
-        decision = self.timeline.after_step(step, self._agreed_time())
         worker = self.worker
-        worker.interval.log("up", 0.0 if decision.rollback_to is not None else 1.0)
+        back_to = None
+        decision = self.timeline.after_step(step, _agreed_time(worker))
+        with off_the_clock(worker.ctx.clock):
+            if decision.checkpoint:
+                self._snapshot = self._take(step, samples, self.timeline.saved_at)
+            if decision.rollback_to is not None:
+                back_to = self._restore()
+        worker.interval.log("up", 0.0 if back_to is not None else 1.0)
         worker.ctx.clock.skip(decision.skip_seconds)
-        if decision.checkpoint:
-            self._snapshot = self._take(step, samples)
-        if decision.rollback_to is None:
-            return None
-        return self._restore()
+        return back_to
 
     def totals(self) -> dict[str, float]:
         timeline = self.timeline
         return {"failures": timeline.failures, "lost_seconds": timeline.lost_seconds,
                 "lost_steps": timeline.lost_steps, "checkpoints": timeline.checkpoints}
 
-    def _agreed_time(self) -> float:
-        return _agreed_time(self.worker)
-
-    def _take(self, step: int, samples: int) -> dict[str, Any]:
+    def _take(self, step: int, samples: int, seconds: float) -> dict[str, Any]:
+        """The snapshot of this worker after `step` steps; `seconds`: the modeled time its
+        write ends (work from then on is lost by a rollback to it)."""
         from dsgd_cli.worker import checkpoint
 
         worker = self.worker
         # state_dict() waits for the aggregator's communication in flight (DaSGD's delayed
         # average), as a checkpoint does: the snapshot is the state at this boundary.
         return copy.deepcopy({
-            "step": step, "samples": samples, "seconds": worker.ctx.clock.elapsed(),
+            "step": step, "samples": samples, "seconds": seconds,
             "model": worker.model.state_dict(),
             "optimizer": worker.optimizer.state_dict(),
             "aggregator": worker.aggregator.state_dict(),
@@ -340,17 +357,18 @@ class ContinueEmulation:
     down step: the runtime runs no forward, backward or optimizer step, but still calls the
     aggregator's hooks with `ctx.up` False, so that the worker reaches every collective the
     algorithm's structure requires (nothing deadlocks) and the aggregator makes it contribute
-    nothing. Every worker calls `worker_left` and `worker_rejoined` when it sees a rank go
-    down or come back; the rejoiner takes its model, and the state the algorithm needs, from
-    the lowest live rank.
+    nothing. Every worker calls `worker_rejoined` and then `worker_left` when it sees ranks
+    come back or go down; the rejoiner takes its model, and the state the algorithm needs,
+    from the lowest rank that stays up (or, when every such rank fails at that boundary,
+    from the lowest that was up for the step before).
 
     Workers in step agree on each boundary's time, as under `restart` (an untracked
-    all-reduce of their clocks' maximum). Workers that do not run in step (backup) cannot
-    meet at a collective every step; each one reads the seeded schedule, which every worker
-    computes alike, against its own modeled clock. That is consistent because nothing in such
-    an algorithm waits for one given worker: whether a worker's step counts is decided by that
-    worker's own time alone, and two workers of one node see an outage begin within one step
-    of each other.
+    all-reduce of their clocks' maximum; `_agreed_time`); the hooks run off the clock.
+    Workers that do not run in step (backup) cannot meet at a collective every step; each
+    one reads the seeded schedule, which every worker computes alike, against its own
+    modeled clock. That is consistent because nothing in such an algorithm waits for one
+    given worker: whether a worker's step counts is decided by that worker's own time
+    alone, and two workers of one node see an outage begin within one step of each other.
     """
 
     def __init__(self, worker: Any, start: float):
@@ -378,12 +396,19 @@ class ContinueEmulation:
         self._close_down_step(now)
         now = self._wait_while_everyone_is_down(now)
         down = self._down_ranks(now)
-        for rank in sorted(down - self.down_ranks):
-            worker.aggregator.worker_left(rank, step)
-        live = [rank for rank in range(self.workers) if rank not in down]
-        stayed_up = [rank for rank in live if rank not in self.down_ranks] or live
-        for rank in sorted(self.down_ranks - down):
-            worker.aggregator.worker_rejoined(rank, step, stayed_up[0])
+        was_up = [rank for rank in range(self.workers) if rank not in self.down_ranks]
+        stays_up = [rank for rank in was_up if rank not in down]
+        # The source: the lowest rank that stays up, else one up for the step just done that
+        # fails at this boundary. Rejoins come first, so that such a source still holds its
+        # state when it hands it over.
+        source = (stays_up or was_up)[0]
+        back, left = sorted(self.down_ranks - down), sorted(down - self.down_ranks)
+        if back or left:
+            with off_the_clock(worker.ctx.clock):  # a rejoiner's state transfer is free
+                for rank in back:
+                    worker.aggregator.worker_rejoined(rank, step, source)
+                for rank in left:
+                    worker.aggregator.worker_left(rank, step)
         self.down_ranks = down
         up = worker.rank not in down
         worker.ctx.up = up
@@ -434,13 +459,20 @@ class ContinueEmulation:
 
 
 def _agreed_time(worker: Any) -> float:
-    """The maximum of the workers' modeled clocks, by an untracked all-reduce."""
+    """The boundary's modeled time: the maximum of the workers' clocks, by an untracked
+    all-reduce, which every worker's clock then reads. A worker that came first has waited
+    for the others, as it would have at the algorithm's next collective; the all-reduce's
+    own real time is no work of the modeled cluster, and every boundary starts the workers'
+    clocks alike."""
     import torch
 
-    now = torch.tensor([worker.ctx.clock.elapsed()], dtype=torch.float64, device=worker.device)
+    clock = worker.ctx.clock
+    now = torch.tensor([clock.elapsed()], dtype=torch.float64, device=worker.device)
     with worker.comm.untracked():
         worker.comm.all_reduce(now, "max")
-    return float(now.item())
+    agreed = float(now.item())
+    clock.start(agreed)
+    return agreed
 
 
 def emulate_failures(worker: Any, start: float, step: int = 0, samples: int = 0):

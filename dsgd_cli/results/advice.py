@@ -581,6 +581,17 @@ def advise(store: Results, runs: list[RunRecord], target: Target, keys: list[str
     # Which clock a group's seconds are on: modeled (an emulated cluster) or measured.
     clocks = {label: ",".join(sorted({run.clock for run in members}))
               for label, members in groups.items()}
+    failing = {label for label, members in groups.items()
+               if any(run.config.get("failures") for run in members)}
     for row in rows:
-        row["clock"] = clocks[tuple(row[key] for key in keys)]
+        label = tuple(row[key] for key in keys)
+        row["clock"] = clocks[label]
+        if label in failing and row["time_to_target"] is not None:
+            row["warning"] = "; ".join(filter(None, [row["warning"], FAILURES_WARNING]))
     return rows
+
+
+# The models know steps and their times, not failures (docs/failures.md): a group with runs
+# under `failures` is told so on every number.
+FAILURES_WARNING = ("runs under failures: not modeled (restarts, rolled-back and down steps); "
+                    "see their goodput")

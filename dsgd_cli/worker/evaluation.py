@@ -48,12 +48,13 @@ class WorkerEvaluation:
         self.stop_rule, self.length = stop_rule, length
         self.target = config["target_accuracy"]
         self.reached_at: float | None = None
+        self.under_failures = config.get("failures") is not None
         self.points = evaluation_points(config.get("budget"))  # those not yet passed
         self.background = None
         if config.get("budget") is not None:
             self.background = BackgroundEvaluation(
                 comm, task, aggregator.evaluation_model(), test_x, test_y, self._report,
-                self.target)
+                self.target, live_only=self.under_failures)
 
     def _seconds(self) -> float:
         """Modeled seconds of training so far (the loop sets `length.started_at` at the common
@@ -68,7 +69,7 @@ class WorkerEvaluation:
             while self.points and self.points[0] <= progress:
                 self.points.pop(0)
                 self.background.snapshot(self.aggregator.evaluation_model(), step, epoch,
-                                         self._seconds())
+                                         self._seconds(), self._live())
         elif end_of_epoch:
             accuracy = self._evaluate(step, epoch)
             if self.target is not None and self.reached_at is None and accuracy >= self.target:
@@ -121,16 +122,17 @@ class WorkerEvaluation:
         flat = flatten(tensors)
         own_flat = flat.clone()
         with self.comm.untracked():
-            self.comm.all_reduce(flat, "avg")
+            n, live = self._average_of_live_models(flat)
         unflatten_into(flat, tensors)
         # The distance counts parameters only: they come first in `model_tensors`.
         param_count = sum(p.numel() for p in average.parameters())
         distance = float((own_flat[:param_count] - flat[:param_count]).norm())
         loss, correct, avg_count = evaluate(self.task, average, *self._slice())
-        # One all-reduce for all six sums, the own model's too even when unused.
+        # One all-reduce for all six sums, the own model's too even when unused; a down
+        # worker's own model counts in none of them (it helps evaluate the average's slice).
         loss, correct, avg_count, own_loss, own_correct, distance = all_sum(
-            self.comm, [loss, correct, avg_count, own_loss, own_correct, distance])
-        n = self.comm.world_size
+            self.comm, [loss, correct, avg_count, own_loss * live, own_correct * live,
+                        distance * live])
         metrics = {"test_loss": loss / avg_count, "test_accuracy": correct / avg_count,
                    "consensus_distance": distance / n}
         if not self.aggregator.asynchronous:
@@ -138,6 +140,27 @@ class WorkerEvaluation:
             metrics["test_accuracy_workers"] = own_correct / (n * count)
         self._report(metrics, step, epoch)
         return correct / avg_count
+
+    def _live(self) -> float:
+        """1, or 0 for a worker that was down for the step just done (`failures` under
+        `continue`): its model is stale, and stays out of the average model."""
+        return 1.0 if getattr(getattr(self.aggregator, "ctx", None), "up", True) else 0.0
+
+    def _average_of_live_models(self, flat) -> tuple[int, float]:
+        """Replace `flat` (this worker's model) by the average of the live workers' models,
+        every worker's without failures; returns how many models it averaged, and this
+        worker's weight in it (1 or 0)."""
+        if self.under_failures:
+            live = self._live()
+            weighted = torch.cat([flat * live, flat.new_tensor([live])])
+            self.comm.all_reduce(weighted, "sum")
+            count = round(float(weighted[-1]))
+            if count > 0:
+                flat.copy_(weighted[:-1] / count)
+                return count, live
+            # nobody up (workers not in step each judge it alone): every model, as it is
+        self.comm.all_reduce(flat, "avg")
+        return self.comm.world_size, 1.0
 
     def _slice(self):
         """This worker's slice of the test set: every world_size-th example from its rank."""

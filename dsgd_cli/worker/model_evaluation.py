@@ -54,8 +54,12 @@ class BackgroundEvaluation:
     """
 
     def __init__(self, comm: Comm, task, model: nn.Module, test_x, test_y,
-                 write: Callable[[dict, int, int], None], target: float | None):
+                 write: Callable[[dict, int, int], None], target: float | None,
+                 live_only: bool = False):
+        """`live_only` (under `failures`): the average is over the snapshots of workers
+        that were up, not over a down worker's stale model (`snapshot`'s `live`)."""
         self.comm, self.task = comm, task
+        self.live_only = live_only
         self.test_x, self.test_y = test_x, test_y
         self.write, self.target = write, target
         self.average = copy.deepcopy(model)  # only this thread touches it
@@ -66,11 +70,13 @@ class BackgroundEvaluation:
         self._thread = threading.Thread(target=self._run, daemon=True, name="dsgd-evaluation")
         self._thread.start()
 
-    def snapshot(self, model: nn.Module, step: int, epoch: int, train_seconds: float) -> None:
-        """Queue this worker's model as it is now, `train_seconds` after training started."""
+    def snapshot(self, model: nn.Module, step: int, epoch: int, train_seconds: float,
+                 live: float = 1.0) -> None:
+        """Queue this worker's model as it is now, `train_seconds` after training started;
+        `live` 0 for a worker down for the step just done."""
         self._check()
         flat = flatten(model_tensors(model)).to("cpu", copy=True)
-        self._queue.put((flat, step, epoch, train_seconds))
+        self._queue.put((flat, live, step, epoch, train_seconds))
 
     def close(self) -> None:
         """Wait until every queued snapshot is evaluated."""
@@ -90,8 +96,8 @@ class BackgroundEvaluation:
         except BaseException as error:  # raised in the training loop by _check
             self.error = error
 
-    def _evaluate(self, flat, step, epoch, train_seconds) -> None:
-        self.comm.all_reduce(flat, "avg", group=self.group)
+    def _evaluate(self, flat, live, step, epoch, train_seconds) -> None:
+        flat = self._average(flat, live)
         latest = torch.tensor([train_seconds], dtype=torch.float64)
         self.comm.all_reduce(latest, "max", group=self.group)
         if self.comm.rank != 0:
@@ -104,3 +110,14 @@ class BackgroundEvaluation:
         self.write({"test_loss": loss / count, "test_accuracy": accuracy}, step, epoch)
         if self.target is not None and self.reached_at is None and accuracy >= self.target:
             self.reached_at = float(latest)
+
+    def _average(self, flat: torch.Tensor, live: float) -> torch.Tensor:
+        """The average of the workers' snapshots (with `live_only`, of the live ones')."""
+        if self.live_only:
+            weighted = torch.cat([flat * live, flat.new_tensor([live])])
+            self.comm.all_reduce(weighted, "sum", group=self.group)
+            count = round(float(weighted[-1]))
+            if count > 0:
+                return weighted[:-1] / count
+        self.comm.all_reduce(flat, "avg", group=self.group)
+        return flat
