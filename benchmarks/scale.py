@@ -18,7 +18,12 @@ Every row shows `overrun_steps` (the fraction of steps whose real work overran i
 time by more than 5%): a row above 5% does not show the modeled cluster's timing.
 
     python benchmarks/scale.py [--workers 16 32] [--only validation|compare] [-e NAME]...
-                               [--time-scale 8] [--db FILE] [--plot speedup.png]
+                               [--time-scale 8] [--steps N] [--compare-time-scale S]
+                               [--db FILE] [--plot speedup.png]
+
+Every comparison row also shows `comm_overrun` (the fraction of transfers whose real time
+overran the modeled one): at hundreds of workers on a few cores, raise the time scale until
+it is small.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ SPEC = ROOT / "examples" / "scale.yaml"
 T, BATCH, EPOCHS, STEPS_PER_EPOCH = 0.05, 16, 4, 12  # 48 steps per worker
 MLP_PARAMETERS = 40 * 100 + 100 + 100 * 100 + 100 + 100 * 10 + 10  # mnist1d_mlp, hidden 100
 BANDWIDTH, LATENCY = 10e6 / 8, 0.001
+SCALE_BATCH = 32  # examples/scale.yaml's batch_size
 
 
 def dsgd_run(spec: Path, db: Path, *options: str) -> None:
@@ -112,8 +118,17 @@ def backup_steps(db: Path) -> dict[int, int]:
     return {m.rank: m.step for m in store.metric_history(run.id, "step_seconds")}
 
 
-def comparisons(workers: int, db: Path, only: list[str]) -> dict[str, dict]:
+def comparisons(workers: int, db: Path, only: list[str], steps: int | None = None,
+                time_scale: float | None = None) -> dict[str, dict]:
+    """The spec's runs at `workers`; with `steps`, a budget of that many steps per worker
+    (instead of the spec's 51,200 samples, under two steps at 1,024 workers) evaluated twice;
+    with `time_scale`, that `compute.time_scale`."""
     selected = [option for name in only for option in ("-e", name)]
+    if steps is not None:
+        selected += ["--set", f"budget.samples={workers * SCALE_BATCH * steps}",
+                     "--set", "budget.evaluations=2"]
+    if time_scale is not None:
+        selected += ["--set", f"compute.time_scale={time_scale:g}"]
     dsgd_run(SPEC, db, "--workers", str(workers), *selected)
     return finals(db)
 
@@ -130,7 +145,7 @@ def print_comparisons(workers: int, runs: dict[str, dict]) -> dict[str, float]:
     """The table of one worker count; returns each experiment's speed-up over its allreduce."""
     print(f"\n{workers} workers: ratios to the scenario's allreduce")
     print(f"{'experiment':<16} {'samples/s':>10} {'x':>6} {'to target s':>12} {'x':>6} "
-          f"{'accuracy':>9} {'diff':>6} {'overrun':>8}")
+          f"{'accuracy':>9} {'diff':>6} {'overrun':>8} {'comm overrun':>12}")
     speedups = {}
     for name, run in runs.items():
         base = runs.get(name.split("-")[0] + "-allreduce", run)
@@ -142,7 +157,8 @@ def print_comparisons(workers: int, runs: dict[str, dict]) -> dict[str, float]:
         print(f"{name:<16} {rate:>10.0f} {speedups[name]:>6.2f} "
               f"{to_target if to_target else float('nan'):>12.3f} {target_ratio} "
               f"{run['test_accuracy']:>9.3f} {run['test_accuracy'] - base['test_accuracy']:>+6.3f} "
-              f"{run.get('overrun_steps', float('nan')):>8.1%}")
+              f"{run.get('overrun_steps', float('nan')):>8.1%} "
+              f"{run.get('comm_overrun', float('nan')):>12.1%}")
     return speedups
 
 
@@ -176,6 +192,11 @@ def main() -> None:
                         help="experiments of examples/scale.yaml to compare (default: all)")
     parser.add_argument("--time-scale", type=float, default=8,
                         help="the validation runs' compute.time_scale (default 8)")
+    parser.add_argument("--steps", type=int,
+                        help="the comparisons' budget in steps per worker (default: the spec's "
+                             "51,200 samples)")
+    parser.add_argument("--compare-time-scale", type=float,
+                        help="the comparisons' compute.time_scale (default: the spec's 10)")
     parser.add_argument("--db", help="keep the comparisons' runs in this database")
     parser.add_argument("--plot", help="write speed-up against workers to this image")
     args = parser.parse_args()
@@ -189,7 +210,8 @@ def main() -> None:
             rates = {}
             for n in args.workers:
                 db = Path(args.db).with_suffix(f".{n}.db") if args.db else directory / f"{n}.db"
-                runs = comparisons(n, db, args.experiments)
+                runs = comparisons(n, db, args.experiments, args.steps,
+                                   args.compare_time_scale)
                 print_comparisons(n, runs)
                 rates[n] = {name: run["samples_per_second"] for name, run in runs.items()}
             if args.plot:
