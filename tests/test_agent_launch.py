@@ -74,3 +74,22 @@ def test_the_agent_and_torchrun_compute_the_same_runs(tmp_path):
 @pytest.mark.slow
 def test_the_agent_and_torchrun_compute_the_same_runs_at_64_workers(tmp_path):
     _identical(tmp_path, workers=64)
+
+
+def test_a_large_launch_raises_the_open_file_limit_it_needs():
+    """A soft limit of 1,024 open files (common) would stop the fork server at about a
+    thousand connections: the launch raises it, within the hard limit, before the server
+    starts (the server and the workers inherit it)."""
+    import resource
+
+    from dsgd_cli.launch.agent import raise_descriptor_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        raise_descriptor_limit(100)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == min(4 * 100 + 256, hard)
+        raise_descriptor_limit(10)  # never lowered
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == min(4 * 100 + 256, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -88,7 +88,6 @@ class LocalAgent:
         self._watcher: threading.Thread | None = None
         self.store: Any = None
         self.returncode: int | None = None
-        self.pid = os.getpid()  # the launch's processes are this one's helpers
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -97,7 +96,7 @@ class LocalAgent:
         cannot be reached: the launch then fails to start, as when torchrun cannot)."""
         import torch.distributed as dist  # the launcher has imported it to validate the spec
 
-        _raise_descriptor_limit(2 * self.workers + 256)
+        raise_descriptor_limit(self.workers)
         self.store = dist.TCPStore(STORE_HOST, 0, self.workers, is_master=True,
                                    wait_for_workers=False,
                                    timeout=timedelta(seconds=self._store_timeout_s))
@@ -227,9 +226,12 @@ class LocalAgent:
         self.store = None
 
 
-def _raise_descriptor_limit(needed: int) -> None:
-    """The launcher holds a connection per worker, and the store one per worker too: raise
-    the soft limit on open files towards the hard one when it is lower than that."""
+def raise_descriptor_limit(workers: int) -> None:
+    """The launcher holds a connection per worker and its store another, the fork server a
+    connection per worker and, for a moment, each one's three streams: raise this process's
+    soft limit on open files (which the server inherits) towards the hard one when it is
+    lower than that needs."""
+    needed = 4 * workers + 256
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < needed:
         target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)

@@ -227,6 +227,7 @@ class Torchrun:
         launcher validates the spec."""
         if self.log is not None:
             return
+        agent.raise_descriptor_limit(self.shape.local_workers)
         self._env = environment(self.dir)
         if self.shape.local_workers > (os.cpu_count() or 1):
             self._env.setdefault(forkserver.NICENESS_VARIABLE, str(CROWDED_WORKER_NICENESS))
