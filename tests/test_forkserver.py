@@ -33,7 +33,10 @@ PROBE = textwrap.dedent("""
                        "world_size": os.environ.get("WORLD_SIZE"),
                        "master_port": os.environ.get("MASTER_PORT")}, file)
         print("hello from the worker", flush=True)
-        if action == "rank1fails":
+        if action == "rank1fails":  # once ranks 0 and 2 have reported
+            while rank == "1" and not all(os.path.exists(report.replace("RANK", other))
+                                          for other in ("0", "2")):
+                time.sleep(0.05)
             action = "exit3" if rank == "1" else "sleep"
         if action.startswith("exit"):
             sys.exit(int(action[4:]))
