@@ -28,6 +28,22 @@ experiments:
 """
 
 
+def pytest_sessionstart(session):
+    """With an empty numba cache (a fresh clone) compiling the compressors' kernels takes over
+    30 s of CPU: start it in the background now, while pytest collects and runs the first
+    tests (tests/distributed.py's `warm_numba_kernels` waits for it before workers start)."""
+    if not session.config.option.collectonly:
+        import distributed
+
+        distributed.start_compiling_numba_kernels()
+
+
+def pytest_sessionfinish(session):
+    import distributed
+
+    distributed.stop_compiling_numba_kernels()
+
+
 def dsgd(*args: str, env: dict | None = None, cwd: Path | None = None,
          timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `dsgd ARGS` in a subprocess, as a user would."""
@@ -40,8 +56,11 @@ def dsgd(*args: str, env: dict | None = None, cwd: Path | None = None,
 
 
 def dsgd_in_process(*args: str) -> subprocess.CompletedProcess:
-    """`dsgd ARGS` run by `dsgd_cli.cli.main` in this process: much faster than `dsgd` for
-    commands that launch nothing; the same exit code and output."""
+    """`dsgd ARGS` run by `dsgd_cli.cli.main` in this process: the same exit code and output
+    as `dsgd`, without starting a process that imports torch (seconds of CPU). Also for runs
+    whose launch is what a test checks: the launch's own processes are real either way. Use
+    `dsgd` where the command itself must be a process (signals to it, its exit, its
+    environment)."""
     from contextlib import redirect_stderr, redirect_stdout
     from io import StringIO
 

@@ -33,20 +33,84 @@ def preloaded_context():
     return context
 
 
+# The warm-ups of `warm_numba_kernels` (functions of plugins.compressors._common and their
+# arguments) in two groups of about equal compile time, about 17 s of CPU each with an empty
+# cache, so that two processes can compile them side by side. Code widths: 2 bits for
+# TernGrad's codes, 6 for QSGD's at its default 16 levels.
+_WARM_UP_GROUPS = (
+    (("warm_up_sparsification",), ("warm_up_codes", 2), ("warm_up_codes", 6)),
+    (("warm_up_signs",), ("warm_up_quantization",), ("warm_up_terngrad",)),
+)
+_background_compiles: list = []
+
+
+def warm_up_group(index: int) -> None:
+    from plugins.compressors import _common
+
+    for name, *args in _WARM_UP_GROUPS[index]:
+        getattr(_common, name)(*args)
+
+
+def _kernel_cache_is_filled() -> bool:
+    """Whether numba's on-disk cache holds the CPU kernels, written after their sources last
+    changed (a fresh clone has none). A cheap guess, by the files' names and times: when it
+    is wrong, the warm-up compiles what is missing itself."""
+    import os
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parent.parent / "numba_kernels"
+    cache = Path(os.environ["NUMBA_CACHE_DIR"]) if os.environ.get("NUMBA_CACHE_DIR") else package
+    indexes = [path.stat().st_mtime for path in cache.rglob("_cpu.*.nbi")]
+    sources = [path.stat().st_mtime for path in package.glob("*.py")]
+    return bool(indexes) and min(indexes) >= max(sources)
+
+
+def start_compiling_numba_kernels() -> None:
+    """Start filling numba's on-disk cache with the kernels of `warm_numba_kernels` in two
+    background processes, one per group of `_WARM_UP_GROUPS` (the test session calls this
+    when it starts). With an empty cache (a fresh clone) the compilation takes over 30 s of
+    CPU; this way it runs while pytest collects and runs the tests before the first one that
+    starts workers, on both cores, instead of in that test. With a filled cache
+    (`_kernel_cache_is_filled`) none is started: each would only import and load. numba
+    writes its cache files atomically (a temporary file, then a rename), so these processes,
+    the test process and any worker may compile or load the same kernel at once."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if _kernel_cache_is_filled():
+        return
+    tests = Path(__file__).resolve().parent
+    for index in range(len(_WARM_UP_GROUPS)):
+        code = (f"import sys; sys.path[:0] = [{str(tests)!r}, {str(tests.parent)!r}]; "
+                f"import distributed; distributed.warm_up_group({index})")
+        _background_compiles.append(subprocess.Popen(
+            [sys.executable, "-c", code], cwd=tests.parent, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+
+def stop_compiling_numba_kernels() -> None:
+    """End the background compilations still running (a session that never needed them); a
+    kernel whose cache file was not written yet is compiled when next used."""
+    while _background_compiles:
+        process = _background_compiles.pop()
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
 def warm_numba_kernels() -> None:
     """Compile every kernel the built-in compressors use into numba's on-disk cache, once per
     test process, before workers start. Each worker's compressor loads its kernels in
     `setup`; with an empty cache (a fresh clone) every worker of a test would compile the
     same kernels at once: tens of seconds of CPU each, n times over on a 2-core machine.
-    After this they load them from the cache in a fraction of a second."""
-    from plugins.compressors import _common
-
-    _common.warm_up_sparsification()
-    _common.warm_up_signs()
-    _common.warm_up_quantization()
-    _common.warm_up_terngrad()
-    for bits in (2, 6):  # TernGrad's codes; QSGD's at its default 16 levels
-        _common.warm_up_codes(bits)
+    After this they load them from the cache in a fraction of a second. Waits first for the
+    background compilations of `start_compiling_numba_kernels`, if any, then loads what they
+    compiled (what one of them failed to compile is compiled here)."""
+    while _background_compiles:
+        _background_compiles.pop().wait()
+    for index in range(len(_WARM_UP_GROUPS)):
+        warm_up_group(index)
 
 
 def free_port() -> int:

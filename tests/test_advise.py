@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import dsgd, dsgd_in_process, write_spec
+from conftest import dsgd_in_process, write_spec
 from dsgd_cli.results.advice import (Observation, convergence_features, fit_convergence,
                                      fit_relative, fit_system, leave_one_out_error,
                                      leave_one_out_errors, mean_step_seconds, nnls,
@@ -370,7 +370,7 @@ def test_a_real_run_is_read(tmp_path):
             aggregator: {name: allreduce}
         """)
     db = tmp_path / "r.db"
-    result = dsgd("run", str(spec), "--db", str(db))
+    result = dsgd_in_process("run", str(spec), "--db", str(db))
     assert result.returncode == 0, result.stderr
     rows = advise(db, "--target", "test_accuracy=0.01", "--workers", "2,4")
     assert [(row["aggregator"], row["workers"], row["advice"]) for row in rows] == [

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import dsgd, dsgd_in_process, write_spec
+from conftest import dsgd_in_process, write_spec
 from dsgd_cli.api import RunLength
 from dsgd_cli.commands.run import _stats
 from dsgd_cli.launch.run_events import Progress as BarState, _take_progress, _update_progress
@@ -154,7 +154,8 @@ def test_the_launcher_shows_the_workers_progress_not_the_metrics_step():
     assert _stats(bar).startswith("samples, 71 updates  loss")
 
 
-def test_a_launched_run_stops_where_it_said_and_backups_bar_counts_updates(tmp_path):
+def test_a_launched_run_stops_where_it_said_and_backups_bar_counts_updates(tmp_path,
+                                                                          monkeypatch):
     """2 workers on MNIST-1D: 8,000 samples of batch 32 are 126 steps (each epoch's last batch
     holds 16), not ceil(8000 / 64) = 125, and cosine reaches final_lr at the last one. backup
     with a slow rank 0 (whose progress is shown): its bar ends at the run's 12 updates."""
@@ -179,7 +180,8 @@ def test_a_launched_run_stops_where_it_said_and_backups_bar_counts_updates(tmp_p
             compute: {step_seconds: 0.005, time_scale: 4}
     """)
     db = tmp_path / "runs.db"
-    result = dsgd("run", str(spec), "--db", str(db), env={"COLUMNS": "200"}, timeout=300)
+    monkeypatch.setenv("COLUMNS", "200")  # room for the bars' text
+    result = dsgd_in_process("run", str(spec), "--db", str(db))
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"budget .* 126/126 ", result.stdout), result.stdout
     assert re.search(r"backup .* 12/12 +updates ", result.stdout), result.stdout

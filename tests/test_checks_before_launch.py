@@ -7,11 +7,12 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from conftest import TINY_SPEC, dsgd, write_spec
+from conftest import TINY_SPEC, dsgd, dsgd_in_process, write_spec
 from dsgd_cli.worker import checkpoint
 from dsgd_cli.errors import DsgdError, SpecError
 from dsgd_cli.spec.experiments import load_spec
@@ -29,13 +30,22 @@ def processes_mentioning(text: str) -> list[str]:
     return found
 
 
-def run_refused(tmp_path: Path, spec: Path, *args: str) -> str:
-    """`dsgd run SPEC ARGS`, which must be refused before anything launches: its message."""
+def run_refused(tmp_path: Path, spec: Path, *args: str, in_process: bool = True) -> str:
+    """`dsgd run SPEC ARGS`, which must be refused before anything launches: its message.
+    Run by `dsgd_in_process` (what the run starts early, before validating the spec, is then
+    this process's child), or with `in_process` False as a `dsgd` process of its own."""
     temporary = tmp_path / "tmp"
     temporary.mkdir(exist_ok=True)
     db = tmp_path / "r.db"
-    result = dsgd("run", str(spec), "--db", str(db), *args, env={"TMPDIR": str(temporary)},
-                  cwd=tmp_path)
+    if in_process:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("TMPDIR", str(temporary))
+            patch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR anew
+            patch.chdir(tmp_path)
+            result = dsgd_in_process("run", str(spec), "--db", str(db), *args)
+    else:
+        result = dsgd("run", str(spec), "--db", str(db), *args, env={"TMPDIR": str(temporary)},
+                      cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
     assert not db.exists()
@@ -86,7 +96,9 @@ def test_float_options_beyond_float32_are_spec_errors(tmp_path, section, expecte
 
 def test_an_overflowing_learning_rate_is_refused_before_launch(tmp_path):
     spec = write_spec(tmp_path, TINY_SPEC + "    optimizer: {name: sgd, lr: 1e300}\n")
-    assert run_refused(tmp_path, spec) == (
+    # In a `dsgd` process of its own: the one real-process check here that what the run
+    # started early is stopped and leaves no launch directory (exit code 2, one line).
+    assert run_refused(tmp_path, spec, in_process=False) == (
         f"dsgd: error: {spec}: experiments[0].optimizer.lr: expected a number between -3.403e+38 "
         "and 3.403e+38 (float32, which training computes in), got 1e+300")
 

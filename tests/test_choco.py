@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import compare_json, dsgd, dsgd_in_process, write_spec
+from conftest import compare_json, dsgd_in_process, write_spec
 from distributed import run_scenarios
 from dsgd_cli.api import Comm, WorkerContext, flatten
 from dsgd_cli.errors import SpecError
@@ -595,7 +595,8 @@ def test_torchrun_choco_and_dcd_converge_resume_bit_for_bit_and_count_payload_by
                                                                            unbiased: false}}}}}}
     """)
     db = tmp_path / "r.db"
-    result = dsgd("run", str(spec), "--db", str(db), "--checkpoint-dir", str(tmp_path / "ck"))
+    result = dsgd_in_process("run", str(spec), "--db", str(db), "--checkpoint-dir",
+                             str(tmp_path / "ck"))
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {row["experiment"]: row for row in compare_json(db)}
     steps = rows["dpsgd"]["total_bytes_sent"] / (4 * 2 * 10 * 4)  # 10 float32 per model
@@ -619,7 +620,7 @@ def test_torchrun_choco_and_dcd_converge_resume_bit_for_bit_and_count_payload_by
         if run.experiment == "dpsgd":
             continue
         store.finish_run(run.id, "failed", "recorded as failed by the test")
-        result = dsgd("run", "--resume", str(run.id), "--db", str(db))
+        result = dsgd_in_process("run", "--resume", str(run.id), "--db", str(db))
         assert result.returncode == 0, result.stdout + result.stderr
         assert [entry["step"] for entry in store.resumes(run.id)] == [40]
         for rank in range(4):

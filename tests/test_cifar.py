@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import dsgd, dsgd_in_process, write_spec
+from conftest import dsgd_in_process, write_spec
 from dsgd_cli.spec.experiments import build_plugin, load_spec
 from dsgd_cli.results.store import Store
 from dsgd_cli.worker.data import augmentation_generator
@@ -174,7 +174,7 @@ def test_resnet20_trains_on_two_workers(cifar10, tmp_path):
     """)
     assert load_spec(spec)[0].config["task"]["data_dir"] == str(directory.resolve())
     assert load_spec(spec)[1].config["task"]["augment"] is False
-    result = dsgd("run", str(spec), "--db", str(tmp_path / "r.db"))
+    result = dsgd_in_process("run", str(spec), "--db", str(tmp_path / "r.db"))
     assert result.returncode == 0, result.stdout + result.stderr
     store = Store(str(tmp_path / "r.db"))
     runs = {r.experiment: r for r in store.runs()}

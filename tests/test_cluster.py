@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cluster_helpers import emulated_seconds, halving_doubling_seconds
-from conftest import compare_json, dsgd, dsgd_in_process, write_spec
+from conftest import compare_json, dsgd_in_process, write_spec
 from distributed import run_workers
 from dsgd_cli.comm.cluster import LEVELS, Cluster, Link
 from dsgd_cli.commands.cluster_picture import cluster_picture
@@ -498,7 +498,7 @@ def ledger_runs(tmp_path_factory):
           - {name: sgp, aggregator: {name: sgp}}
     """)
     db = tmp / "results.db"
-    result = dsgd("run", str(spec), "--db", str(db), timeout=600)
+    result = dsgd_in_process("run", str(spec), "--db", str(db))
     assert result.returncode == 0, result.stdout + result.stderr
     store = Store(str(db))
     return {run.experiment: run for run in store.runs()}, store, db
@@ -629,7 +629,7 @@ def slow_node_runs(tmp_path_factory):
           - {name: backup, aggregator: {name: backup, backups: 2}}
     """)
     db = tmp / "results.db"
-    result = dsgd("run", str(spec), "--db", str(db), timeout=600)
+    result = dsgd_in_process("run", str(spec), "--db", str(db))
     assert result.returncode == 0, result.stdout + result.stderr
     store = Store(str(db))
     return {run.experiment: run for run in store.runs()}, store

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import compare_json, dsgd, write_spec
+from conftest import compare_json, dsgd_in_process, write_spec
 from distributed import run_workers
 from dsgd_cli.spec import registry
 from dsgd_cli.api import ErrorFeedback
@@ -289,7 +289,7 @@ experiments:
   - {{name: randomk, aggregator: {{name: allreduce, error_feedback: true, compressor: {{name: randomk, ratio: 0.3, unbiased: false}}}}}}
 """)
     db = tmp_path / "r.db"
-    result = dsgd("run", str(spec), "--db", str(db), timeout=600)
+    result = dsgd_in_process("run", str(spec), "--db", str(db))
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {r["experiment"]: r for r in compare_json(db)}
     for name, row in rows.items():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import dsgd, dsgd_in_process, write_spec
+from conftest import dsgd_in_process, write_spec
 from dsgd_cli.results.store import Store
 from dsgd_cli.spec.sharding import Shard
 
@@ -75,7 +75,7 @@ def test_a_real_run_trains_each_worker_on_its_own_classes(tmp_path):
           - {name: shuffled}
     """)
     db = tmp_path / "r.db"
-    result = dsgd("run", str(spec), "--db", str(db))
+    result = dsgd_in_process("run", str(spec), "--db", str(db))
     assert result.returncode == 0, result.stdout + result.stderr
     store = Store(str(db))
     losses = {}

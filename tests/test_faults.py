@@ -333,7 +333,7 @@ def test_a_real_worker_that_diverges_keeps_the_steps_before(tmp_path):
           - {name: good, steps_per_epoch: 2}
     """)
     db = tmp_path / "r.db"
-    result = dsgd("run", str(spec), "--db", str(db))
+    result = dsgd_in_process("run", str(spec), "--db", str(db))
     assert result.returncode == 1, result.stdout + result.stderr
     store = Store(str(db))
     bad, good = store.runs()
@@ -562,7 +562,7 @@ runtime.main(sys.argv[1:])
 
 @pytest.mark.parametrize("how, reason", [
     # Slow: the same failure records as "exit code"; a worker killed by a signal is named so
-    # by test_a_worker_killed_by_a_signal_is_named_with_the_signal[allreduce] (real torchrun)
+    # by test_a_worker_killed_by_a_signal_is_named_with_the_signal[allreduce] (a real run)
     # and test_the_killed_rank_is_blamed_not_the_survivor (torchrun's records of a SIGKILL).
     pytest.param("os.kill(os.getpid(), signal.SIGKILL)", "rank 1: killed by SIGKILL",
                  marks=pytest.mark.slow),

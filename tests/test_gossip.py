@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import compare_json, dsgd, dsgd_in_process, write_spec
+from conftest import compare_json, dsgd_in_process, write_spec
 from distributed import run_scenarios
 from dsgd_cli.api import Comm, WorkerContext, flatten
 from dsgd_cli.errors import SpecError
@@ -712,7 +712,7 @@ def gossip_runs(tmp_path_factory):
             aggregator: {{name: adpsgd}}
     """)
     db = tmp / "results.db"
-    result = dsgd("run", str(spec), "--db", str(db), timeout=600)
+    result = dsgd_in_process("run", str(spec), "--db", str(db))
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {r["experiment"]: r for r in compare_json(db)}
     return db, tmp / "models", rows

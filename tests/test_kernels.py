@@ -606,3 +606,38 @@ def test_the_test_helpers_warm_the_kernels_up_before_starting_workers(monkeypatc
     with pytest.raises(_Stopped):
         distributed.run_scenarios("test_kernels", 2, tmp_path, timeout=1)
     assert events == ["warm-up", "workers start"] * 2
+
+
+def test_the_warm_up_waits_for_the_background_compilations(monkeypatch):
+    """The test session starts compiling the kernels in background processes
+    (`distributed.start_compiling_numba_kernels`); `warm_numba_kernels` loads them only once
+    those have written numba's cache, instead of compiling them a second time beside them."""
+    import distributed
+
+    events = []
+
+    class Compiling:
+        def wait(self):
+            events.append("compiled")
+
+    monkeypatch.setattr(distributed, "_background_compiles", [Compiling(), Compiling()])
+    monkeypatch.setattr(distributed, "warm_up_group", lambda index: events.append(f"load {index}"))
+    distributed.warm_numba_kernels()
+    assert events == ["compiled", "compiled", "load 0", "load 1"]
+    assert distributed._background_compiles == []
+
+
+def test_the_background_compilation_starts_only_where_the_cache_is_not_filled(monkeypatch,
+                                                                              tmp_path):
+    import os
+
+    import distributed
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    assert not distributed._kernel_cache_is_filled()  # a fresh clone's: empty
+    index = tmp_path / "numba_kernels_0" / "_cpu.topk-1.py311.nbi"
+    index.parent.mkdir()
+    index.touch()
+    assert distributed._kernel_cache_is_filled()
+    os.utime(index, (0, 0))  # written before the kernels' sources last changed
+    assert not distributed._kernel_cache_is_filled()

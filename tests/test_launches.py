@@ -135,7 +135,7 @@ def test_the_first_experiment_of_a_launch_is_timed_as_the_others(tmp_path):
           - {name: second}
     """)
     db = tmp_path / "r.db"
-    result = dsgd("run", str(spec), "--db", str(db))
+    result = dsgd_in_process("run", str(spec), "--db", str(db))
     assert result.returncode == 0, result.stdout + result.stderr
     store = Store(str(db))
     runs = {run.experiment: run for run in store.runs()}

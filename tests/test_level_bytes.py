@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from conftest import compare_json, dsgd, write_spec
+from conftest import compare_json, dsgd_in_process, write_spec
 from dsgd_cli.comm.cluster import LEVELS
 from dsgd_cli.results.store import Store
 from test_step_bytes import LOG_INTERVAL, STEPS, builtin_aggregators
@@ -37,7 +37,7 @@ def runs(tmp_path_factory):
             grid: {{aggregator.name: [{", ".join(names)}]}}
     """)
     db = tmp / "results.db"
-    result = dsgd("run", str(spec), "--db", str(db), timeout=600)
+    result = dsgd_in_process("run", str(spec), "--db", str(db))
     assert result.returncode == 0, result.stdout + result.stderr
     store = Store(str(db))
     return {run.config["aggregator"]["name"]: run for run in store.runs()}, store, names, db

@@ -4,13 +4,22 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import dsgd, write_spec
 
 
-def test_plugins_lists_builtins_and_third_party(plugin_env):
+@pytest.fixture(scope="module")
+def checked_rows(plugin_env) -> dict:
+    """`dsgd plugins --check --json` with the test package installed (it imports every
+    plugin: run once for the tests that read it), by (group, name)."""
     result = dsgd("plugins", "--check", "--json", env=plugin_env)
     assert result.returncode == 0, result.stderr
-    rows = {(r["group"], r["name"]): r for r in json.loads(result.stdout)}
+    return {(r["group"], r["name"]): r for r in json.loads(result.stdout)}
+
+
+def test_plugins_lists_builtins_and_third_party(checked_rows):
+    rows = checked_rows
     builtin = rows[("dsgd.aggregators", "allreduce")]
     assert (builtin["distribution"], builtin["status"]) == ("dsgd", "ok")
     for group, name in [("dsgd.aggregators", "local_sgd"), ("dsgd.compressors", "none"),
@@ -79,12 +88,10 @@ def test_broken_plugins_do_not_break_a_spec_that_does_not_use_them(plugin_env, t
     assert "aggregator options: error_feedback=False, sync_buffers=True, every=2" in result.stdout
 
 
-def test_plugin_option_defaults_obey_their_own_declaration(plugin_env, tmp_path):
+def test_plugin_option_defaults_obey_their_own_declaration(checked_rows, plugin_env, tmp_path):
     """A default below the option's minimum, or of the wrong type, is a broken plugin: in
     `plugins --check`, and as bad input (exit 2) in a spec that uses it."""
-    result = dsgd("plugins", "--check", "--json", env=plugin_env)
-    assert result.returncode == 0, result.stderr
-    rows = {(r["group"], r["name"]): r for r in json.loads(result.stdout)}
+    rows = checked_rows
     bound = ("broken: aggregator plugin 'bad_default_bound' (dsgd_testplugins.misbehave:BadBound, "
              "from dsgd-testplugins 1.2.3): the default of option 'period' is invalid: "
              "expected a value >= 1, got -3")

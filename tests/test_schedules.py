@@ -127,7 +127,7 @@ def test_a_resumed_run_continues_the_schedule(runs):
     before = lr_by_rank(db, run_id)
     store = Store(str(db))
     store.finish_run(run_id, "failed", "recorded as failed by the test")
-    result = dsgd("run", "--resume", str(run_id), "--db", str(db))
+    result = dsgd_in_process("run", "--resume", str(run_id), "--db", str(db))
     assert result.returncode == 0, result.stdout + result.stderr
     assert [entry["step"] for entry in store.resumes(run_id)] == [10]
     after = lr_by_rank(db, run_id)

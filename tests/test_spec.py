@@ -369,7 +369,7 @@ def test_huge_grid_is_announced_and_dry_run_completes(tmp_path):
         aggregator: {{name: local_sgd, period: 2}}
         grid: {{optimizer.lr: {lrs}, seed: {list(range(100))}}}
     """)
-    result = dsgd("run", str(spec), "--dry-run", "--db", str(tmp_path / "r.db"))
+    result = dsgd_in_process("run", str(spec), "--dry-run", "--db", str(tmp_path / "r.db"))
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines()[0] == f"dsgd: 100000 experiments in {spec}"
     assert result.stdout.count(" workers, task logreg, aggregator local_sgd") == 100_000

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import pytest
 
-from conftest import dsgd, write_spec
+from conftest import dsgd_in_process, write_spec
 from dsgd_cli.results.store import Store
 from dsgd_cli.spec import registry
 
@@ -40,7 +40,7 @@ def runs(tmp_path_factory):
             grid: {{aggregator.name: [{", ".join(names)}]}}
     """)
     db = tmp / "results.db"
-    result = dsgd("run", str(spec), "--db", str(db), timeout=600)
+    result = dsgd_in_process("run", str(spec), "--db", str(db))
     assert result.returncode == 0, result.stdout + result.stderr
     store = Store(str(db))
     return {run.config["aggregator"]["name"]: run for run in store.runs()}, store, names

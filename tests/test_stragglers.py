@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import dsgd, dsgd_in_process, write_spec
+from conftest import dsgd_in_process, write_spec
 from distributed import run_workers
 from dsgd_cli.api import Comm, RunLength, WorkerContext, flatten
 from dsgd_cli.errors import SpecError
@@ -896,7 +896,7 @@ def launched(tmp_path_factory):
             aggregator: {{name: local_sgd, period: 3}}
     """)
     db = tmp / "results.db"
-    result = dsgd("run", str(spec), "--db", str(db), timeout=600)
+    result = dsgd_in_process("run", str(spec), "--db", str(db))
     assert result.returncode == 0, result.stdout + result.stderr
     store = Store(str(db))
     runs = {run.experiment: run for run in store.runs()}

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import dsgd, dsgd_in_process, write_spec
+from conftest import dsgd_in_process, write_spec
 from dsgd_cli.spec.experiments import build_plugin, load_spec
 from dsgd_cli.results.store import Store
 from plugins.tasks.text_lm import lm_params
@@ -124,7 +124,7 @@ def test_text_lm_and_synthetic_train_in_real_runs(tmp_path):
             task: {{name: synthetic, params: 20k, samples: 256}}
             aggregator: {{name: local_sgd, period: 2}}
     """)
-    result = dsgd("run", str(spec), "--db", str(tmp_path / "r.db"))
+    result = dsgd_in_process("run", str(spec), "--db", str(tmp_path / "r.db"))
     assert result.returncode == 0, result.stdout + result.stderr
     store = Store(str(tmp_path / "r.db"))
     runs = {run.experiment: run for run in store.runs()}

@@ -4,6 +4,7 @@ operation and the peer, instead of hanging."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -15,12 +16,14 @@ from dsgd_cli.results.store import Store
 TIMEOUT_S = 1.0
 
 
-def _rank_0_waits_for_a_silent_peer(rank: int, world_size: int) -> list[str]:
+def _rank_0_waits_for_a_silent_peer(rank: int, world_size: int, done: str) -> list[str]:
     comm = Comm(rank, world_size, timeout_s=TIMEOUT_S)
     # A timeout closes the links it used: each operation gets a group of its own.
     groups = [comm.new_group(range(world_size)) for _ in range(4)]
-    if rank == 1:  # alive, but never takes part
-        time.sleep(6 * TIMEOUT_S)
+    if rank == 1:  # alive, but never takes part, until rank 0 has tried every operation
+        deadline = time.monotonic() + 60
+        while not Path(done).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return []
     operations = [
         lambda: comm.all_reduce(torch.zeros(4), group=groups[0]),
@@ -35,11 +38,13 @@ def _rank_0_waits_for_a_silent_peer(rank: int, world_size: int) -> list[str]:
             messages.append("completed")
         except CommTimeout as error:
             messages.append(str(error))
+    Path(done).touch()
     return messages
 
 
-def test_operations_that_make_no_progress_fail_naming_operation_and_peer():
-    messages, _ = run_workers(_rank_0_waits_for_a_silent_peer, 2, timeout=60)
+def test_operations_that_make_no_progress_fail_naming_operation_and_peer(tmp_path):
+    messages, _ = run_workers(_rank_0_waits_for_a_silent_peer, 2, str(tmp_path / "done"),
+                              timeout=90, preloaded=True)
     assert messages == [
         "all_reduce over all 2 workers: no progress for 1 s (the spec's timeout); "
         "ranks behind: 1",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import compare_json, dsgd, write_spec
+from conftest import compare_json, dsgd, dsgd_in_process, write_spec
 from dsgd_cli.results.store import Store
 from plugins.tasks.logreg import LogisticRegression
 
@@ -234,6 +234,6 @@ def test_mnist1d_cnn_reaches_80_percent(tmp_path):
             aggregator: {name: allreduce}
     """)
     db = tmp_path / "r.db"
-    result = dsgd("run", str(spec), "--db", str(db), timeout=900)
+    result = dsgd_in_process("run", str(spec), "--db", str(db))
     assert result.returncode == 0, result.stderr
     assert compare_json(db)[0]["test_accuracy"] >= 0.80
