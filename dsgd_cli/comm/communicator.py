@@ -190,7 +190,7 @@ class Handle:
     def __init__(self, comm: "Comm", works: Sequence[Any], issued_at: float, emulated_s: float,
                  result: Any = None, on_complete: Callable[[], Any] | None = None,
                  blocking: bool = False, operation: str = "communication",
-                 entered: Entered | None = None):
+                 entered: Entered | None = None, done_at: float | None = None):
         self._comm = comm
         self._operation = operation  # what failed, in an error: "recv from rank 2"
         self._entered = entered  # a collective's, to name who never entered it
@@ -202,6 +202,7 @@ class Handle:
         self._done = False
         self._tracked = comm._tracking() and comm._counting_seconds()
         self._modeled = comm._tracking() and emulated_s > 0  # its time is the model's
+        self._done_at = done_at  # when its transfer ended, if it ended as it was issued
         self._blocking = blocking  # the caller has been blocked since the operation was issued
 
     def is_completed(self) -> bool:
@@ -221,7 +222,7 @@ class Handle:
         except RuntimeError as error:
             raise self._comm._failure(self._operation, error, self._entered) from error
         if self._modeled:
-            real = time.perf_counter() - self._issued_at
+            real = (self._done_at or time.perf_counter()) - self._issued_at
             self._comm._note_modeled(real > self._emulated_s * (1 + COMM_OVERRUN_TOLERANCE))
         _sleep_until(self._issued_at + self._emulated_s)
         if self._on_complete is not None:
@@ -370,8 +371,14 @@ class Comm:
         except RuntimeError as error:
             raise self._failure(operation, error, entered) from error
         works = list(work) if isinstance(work, (list, tuple)) else [work]  # several messages
+        done_at = None
+        if all(work is None for work in works):  # moved as it was issued (by_messages.py)
+            done_at = time.perf_counter()
+            if async_op and tracked and self._counting_seconds():
+                self._add(seconds=done_at - issued_at)  # the caller was blocked meanwhile
         handle = Handle(self, works, issued_at, emulated_s, result, on_complete,
-                        blocking=not async_op, operation=operation, entered=entered)
+                        blocking=not async_op, operation=operation, entered=entered,
+                        done_at=done_at)
         return handle if async_op else handle.wait()
 
     def _failure(self, operation: str, error: RuntimeError,
