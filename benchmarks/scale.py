@@ -18,7 +18,7 @@ Every row shows `overrun_steps` (the fraction of steps whose real work overran i
 time by more than 5%): a row above 5% does not show the modeled cluster's timing.
 
     python benchmarks/scale.py [--workers 16 32] [--only validation|compare] [-e NAME]...
-                               [--time-scale 8] [--steps N] [--compare-time-scale S]
+                               [--time-scale 8] [--steps N [--batch B]] [--compare-time-scale S]
                                [--db FILE] [--plot speedup.png]
 
 Every comparison row also shows `comm_overrun` (the fraction of transfers whose real time
@@ -119,14 +119,18 @@ def backup_steps(db: Path) -> dict[int, int]:
 
 
 def comparisons(workers: int, db: Path, only: list[str], steps: int | None = None,
-                time_scale: float | None = None) -> dict[str, dict]:
-    """The spec's runs at `workers`; with `steps`, a budget of that many steps per worker
-    (instead of the spec's 51,200 samples, under two steps at 1,024 workers) evaluated twice;
-    with `time_scale`, that `compute.time_scale`."""
+                time_scale: float | None = None, batch: int | None = None) -> dict[str, dict]:
+    """The spec's runs at `workers`; with `steps`, that many steps per worker of batch
+    `batch` (instead of the spec's budget of 51,200 samples: under two steps at 1,024
+    workers) on a data set just large enough, evaluated at the end; with `time_scale`, that
+    `compute.time_scale`."""
     selected = [option for name in only for option in ("-e", name)]
     if steps is not None:
-        selected += ["--set", f"budget.samples={workers * SCALE_BATCH * steps}",
-                     "--set", "budget.evaluations=2"]
+        batch = batch or SCALE_BATCH
+        samples = -(-workers * batch * steps * 5 // 4)  # mnist1d trains on 80%
+        selected += ["--set", "budget=null", "--set", "epochs=1",
+                     "--set", f"steps_per_epoch={steps}", "--set", f"batch_size={batch}",
+                     "--set", f"task.num_samples={samples}"]
     if time_scale is not None:
         selected += ["--set", f"compute.time_scale={time_scale:g}"]
     dsgd_run(SPEC, db, "--workers", str(workers), *selected)
@@ -195,6 +199,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int,
                         help="the comparisons' budget in steps per worker (default: the spec's "
                              "51,200 samples)")
+    parser.add_argument("--batch", type=int,
+                        help="with --steps, the comparisons' batch per worker (default 32)")
     parser.add_argument("--compare-time-scale", type=float,
                         help="the comparisons' compute.time_scale (default: the spec's 10)")
     parser.add_argument("--db", help="keep the comparisons' runs in this database")
@@ -211,7 +217,7 @@ def main() -> None:
             for n in args.workers:
                 db = Path(args.db).with_suffix(f".{n}.db") if args.db else directory / f"{n}.db"
                 runs = comparisons(n, db, args.experiments, args.steps,
-                                   args.compare_time_scale)
+                                   args.compare_time_scale, args.batch)
                 print_comparisons(n, runs)
                 rates[n] = {name: run["samples_per_second"] for name, run in runs.items()}
             if args.plot:

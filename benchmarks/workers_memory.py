@@ -125,20 +125,34 @@ def first_step_at(db: Path) -> float | None:
     return time.time() if row and row[0] else None
 
 
+# The task option that sizes its training set, and the training set's share of it.
+DATA_SIZE = {"logreg": ("samples", 1.0), "mnist1d_mlp": ("num_samples", 0.8)}
+
+
+def task_section(task: str, workers: int, steps: int) -> str:
+    """The task, with a training set large enough for `steps` steps of batch 16 on every
+    worker (a task's default data set gives each of 1,024 workers a few examples: one step)."""
+    if task not in DATA_SIZE:
+        return f"{{name: {task}}}"
+    key, train_share = DATA_SIZE[task]
+    return f"{{name: {task}, {key}: {int(workers * 16 * steps / train_share) + 1}}}"
+
+
 def measure(workers: int, task: str, directory: Path, steps: int = 6,
-            aggregator: str = "allreduce", env: dict[str, str] | None = None) -> dict:
+            aggregator: str = "allreduce", env: dict[str, str] | None = None,
+            time_scale: float = 20) -> dict:
     spec = directory / f"workers{workers}.yaml"
     spec.write_text(textwrap.dedent(f"""
         experiments:
           - name: workers-{workers}
-            task: {{name: {task}}}
+            task: {task_section(task, workers, steps)}
             workers: {workers}
             epochs: 1
             steps_per_epoch: {steps}
             aggregator: {aggregator}
             batch_size: 16
             log_interval: 1
-            compute: {{step_seconds: 0.05, time_scale: 20}}
+            compute: {{step_seconds: 0.05, time_scale: {time_scale:g}}}
     """))
     db = directory / f"workers{workers}.db"
     started = time.time()
@@ -184,6 +198,9 @@ def main() -> None:
     parser.add_argument("--task", default="mnist1d_mlp")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--aggregator", default="allreduce")
+    parser.add_argument("--time-scale", type=float, default=20,
+                        help="compute.time_scale: steps of 0.05 modeled seconds last 0.05 × this "
+                             "in real time (a larger one leaves longer to sample every worker)")
     parser.add_argument("--torchrun", action="store_true",
                         help="torchrun with a relay per rank (DSGD_LAUNCHER=torchrun), as before "
                              "dsgd's own agent")
@@ -194,7 +211,8 @@ def main() -> None:
           f"{'overrun':>7} {'run s':>6}")
     with tempfile.TemporaryDirectory() as tmp:
         for workers in args.workers:
-            row = measure(workers, args.task, Path(tmp), args.steps, args.aggregator, env)
+            row = measure(workers, args.task, Path(tmp), args.steps, args.aggregator, env,
+                          args.time_scale)
             overrun = "-" if row["overrun"] is None else f"{row['overrun']:.3f}"
             print(f"{row['workers']:>7} {row['startup_s']:>10.1f} {row['uss_median_mib']:>14.1f} "
                   f"{row['uss_max_mib']:>11.1f} {row['uss_total_gib']:>13.2f} {row['others_gib']:>10.2f} "
