@@ -525,14 +525,7 @@ def _diloco_with_rank2_down_at_step2(rank, n):
             aggregator.worker_left(2, step)
         if step == 3:
             aggregator.worker_rejoined(2, step, 0)
-        ctx.optimizer.zero_grad(set_to_none=True)
-        aggregator.before_forward(step)
-        if ctx.up:  # the runtime's order; a down step computes nothing
-            for p in model.parameters():
-                p.grad = p.detach() * (1 + rank) + step
-        aggregator.after_backward(step)
-        if ctx.up:
-            ctx.optimizer.step()
+        _forward_backward_step(ctx, aggregator, model, rank, step)
         if step == 3:
             result["before"] = flat()
         aggregator.after_step(step)
@@ -558,6 +551,19 @@ def test_diloco_round_averages_only_the_workers_up_all_round():
 def torch_equal(a, b) -> bool:
     import torch
     return torch.equal(a, b)
+
+
+def _forward_backward_step(ctx, aggregator, model, rank: int, step: int) -> None:
+    """A training step up to the optimizer's, in the runtime's order, with a made-up gradient;
+    a down worker computes nothing (the aggregator's `after_step` is the caller's)."""
+    ctx.optimizer.zero_grad(set_to_none=True)
+    aggregator.before_forward(step)
+    if ctx.up:
+        for p in model.parameters():
+            p.grad = p.detach() * (1 + rank) + step
+    aggregator.after_backward(step)
+    if ctx.up:
+        ctx.optimizer.step()
 
 
 def torch_allclose(a, b) -> bool:
@@ -996,14 +1002,7 @@ def _slowmo_with_rank2_down(rank, n, base):
             result["inner_state"] = len(ctx.optimizer.state)
             result["slow_state"] = (aggregator.start.clone(), aggregator.velocity.clone())
         ctx.up = not (rank == 2 and 2 <= step <= 6)
-        ctx.optimizer.zero_grad(set_to_none=True)
-        aggregator.before_forward(step)
-        if ctx.up:  # the runtime's order; a down step computes nothing
-            for p in model.parameters():
-                p.grad = p.detach() * (1 + rank) + step
-        aggregator.after_backward(step)
-        if ctx.up:
-            ctx.optimizer.step()
+        _forward_backward_step(ctx, aggregator, model, rank, step)
         if step in (3, 5):
             result[f"before{step}"] = flat()
             if push_sum is not None:
