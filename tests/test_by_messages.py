@@ -96,3 +96,42 @@ def test_small_groups_keep_gloos_ring():
     assert not by_messages.wanted(by_messages.GLOO_RING_MAX, torch.ones(1))
     assert by_messages.wanted(by_messages.GLOO_RING_MAX + 1, torch.ones(1))
     assert by_messages.GLOO_RING_MAX == 64  # bit for bit with earlier dsgd up to 64 workers
+
+
+def _two_groups_of_everyone_at_once(rank: int, world_size: int) -> list[list[float]]:
+    import random
+    import threading
+    import time
+
+    from dsgd_cli.comm.communicator import Comm
+
+    comm = Comm(rank, world_size)
+    _by_messages_from(world_size)
+    everyone = comm.new_group(range(world_size))  # the same members as the world
+    totals: dict[str, list[float]] = {"world": [], "group": []}
+    jitter = random.Random(rank)
+
+    def reduce(name, group):
+        for round_index in range(6):
+            time.sleep(jitter.random() * 0.02)  # each rank enters the two in its own order
+            tensor = torch.full((5,), float(rank + round_index))
+            comm.all_reduce(tensor, "sum", group=group)
+            totals[name].append(tensor[0].item())
+
+    threads = [threading.Thread(target=reduce, args=("world", None)),
+               threading.Thread(target=reduce, args=("group", everyone))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    comm.close()
+    return [totals["world"], totals["group"]]
+
+
+def test_groups_of_the_same_members_keep_their_collectives_apart():
+    """A plugin's group of everyone beside the world (as WAGMA's): when threads all-reduce on
+    both at once, each rank may enter them in another order; each group's messages must still
+    meet their own."""
+    results = run_workers(_two_groups_of_everyone_at_once, 3, preloaded=True, timeout=90)
+    expected = [float(sum(rank + r for rank in range(3))) for r in range(6)]
+    assert results == [[expected, expected]] * 3

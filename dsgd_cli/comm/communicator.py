@@ -268,7 +268,7 @@ class Comm:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._collectives = CollectiveCounts(rank, namespace)
-        self._by_messages: dict[tuple[int, ...], int] = {}  # collectives by messages, per group
+        self._by_messages: dict[Any, int] = {}  # collectives by messages, per group
         # Operations with a modeled duration, and those whose real transfer overran it: their
         # recorded time is then the machine's, not the model's (see `comm_overrun`).
         self.modeled_operations = self.overran_operations = 0
@@ -551,9 +551,12 @@ class Comm:
         """How to start an all-reduce of a large group (by_messages.py). It completes before
         `start()` returns: an `async_op` caller gets the result early, never late."""
         ranks = (group or self.world).ranks
+        # Counted per group, not per member set: groups of the same members (a plugin's
+        # own group of everyone beside the world) each have their own order of collectives.
+        key = self._group_name(group or self.world) or ranks
         with self._lock:
-            count = self._by_messages.get(ranks, 0)
-            self._by_messages[ranks] = count + 1
+            count = self._by_messages.get(key, 0)
+            self._by_messages[key] = count + 1
         return lambda: by_messages.all_reduce(tensor, op, ranks, self.rank, self._pg(group),
                                               by_messages.tag(count))
 
