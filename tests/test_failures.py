@@ -795,14 +795,7 @@ def _streaming_with_rank2_down_at_step4(rank, n):
             aggregator.worker_left(2, step)
         if step == 5:
             aggregator.worker_rejoined(2, step, 0)
-        ctx.optimizer.zero_grad(set_to_none=True)
-        aggregator.before_forward(step)
-        if ctx.up:
-            for p in model.parameters():
-                p.grad = p.detach() * (1 + rank) + step
-        aggregator.after_backward(step)
-        if ctx.up:
-            ctx.optimizer.step()
+        _forward_backward_step(ctx, aggregator, model, rank, step)
         for f, applied_at in ((0, 5), (1, 3)):
             if step == applied_at:
                 result[f"local{f}"] = fragment(f, "params")
