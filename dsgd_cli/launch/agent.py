@@ -189,7 +189,7 @@ class LocalAgent:
             try:
                 os.kill(worker.pid, sig)
             except ProcessLookupError:
-                pass
+                pass  # it has just ended: its exit is on its way
 
     # -- what subprocess.Popen offers ------------------------------------------------------------
 
