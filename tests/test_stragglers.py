@@ -198,6 +198,7 @@ def _scenario_wagma_replay(rank, n, group_size):
     straggler = rank == WAGMA_STRAGGLER
     aggregator = WAGMA(WAGMA.Options(group_size=group_size, tau=WAGMA_TAU,
                                      patience=0.0 if straggler else PATIENT))
+    peers = _record_peers(ctx.comm)
     aggregator.setup(ctx)
     name = f"wagma-replay-{n}-{group_size}"
     # settled: rounds the straggler has prepared; held: DURING steps out; fast_done: fast steps
@@ -235,7 +236,23 @@ def _scenario_wagma_replay(rank, n, group_size):
     traffic = ctx.comm.take_traffic()
     return {"initial": initial, "models": models, "final": _flat(ctx.model),
             "metrics": ctx.metrics.values, "sent": traffic.bytes_sent,
-            "received": traffic.bytes_received}
+            "received": traffic.bytes_received, "peers": peers}
+
+
+def _record_peers(comm: Comm) -> dict[str, set]:
+    """The ranks `comm`'s point-to-point calls name from now on (None: any member)."""
+    peers = {"sent to": set(), "received from": set()}
+    isend, irecv = comm.isend, comm.irecv
+
+    def recording_isend(tensor, dst, group=None):
+        peers["sent to"].add(dst)
+        return isend(tensor, dst, group)
+
+    def recording_irecv(tensor, src=None, group=None, length=None):
+        peers["received from"].add(src)
+        return irecv(tensor, src, group, length)
+    comm.isend, comm.irecv = recording_isend, recording_irecv
+    return peers
 
 
 def _wagma_replays_on_8(rank, n):
@@ -568,7 +585,7 @@ def test_wagma_group_rounds_send_2_s_minus_1_over_s_of_a_model(spawned, spawned_
     """Per member and round: 2(S - 1)/S of the model (8 float64 values), plus a header of 4
     values on each of its 2 log2 S messages; a global round is the same with S = n. Besides,
     each worker took part in one all-reduce of its step count (finish) and sent one goodbye
-    (a header)."""
+    (a header) to each of its log2 n partners."""
     runs = _wagma_runs(spawned, spawned_8, n, group_size)
     value = 8
 
@@ -577,10 +594,23 @@ def test_wagma_group_rounds_send_2_s_minus_1_over_s_of_a_model(spawned, spawned_
         return payload + 2 * int(math.log2(size)) * 4 * value
     global_rounds = WAGMA_ROUNDS // WAGMA_TAU
     expected = ((WAGMA_ROUNDS - global_rounds) * round_bytes(group_size)
-                + global_rounds * round_bytes(n) + 2 * (n - 1) * value // n + 4 * value)
+                + global_rounds * round_bytes(n) + 2 * (n - 1) * value // n
+                + int(math.log2(n)) * 4 * value)
     for rank, run in enumerate(runs):
         assert run["sent"] == expected, rank
         assert run["received"] == expected, rank
+
+
+@pytest.mark.parametrize("n,group_size", [(4, 4), (8, 4), (8, 8)])
+def test_wagma_exchanges_only_with_its_log2_n_partners(spawned, spawned_8, n, group_size):
+    """Every message goes to, and every receive names, a rank one bit away: gloo then
+    connects each worker to log2 n others, where a receive from any member of the group
+    connects it to all n - 1 (at 1,024 workers, half a million connections)."""
+    runs = _wagma_runs(spawned, spawned_8, n, group_size)
+    for rank, run in enumerate(runs):
+        one_bit_away = {rank ^ (1 << bit) for bit in range(int(math.log2(n)))}
+        assert run["peers"]["sent to"] == one_bit_away, rank
+        assert run["peers"]["received from"] == one_bit_away, rank
 
 
 # -- lsgd -----------------------------------------------------------------------------------

@@ -91,6 +91,11 @@ def group_of(rank: int, round_index: int, world_size: int, group_size: int) -> t
     return tuple(sorted(members))
 
 
+def partners(rank: int, world_size: int) -> list[int]:
+    """The ranks `rank` exchanges with in some round: those differing from it in one bit."""
+    return [rank ^ (1 << bit) for bit in range(world_size.bit_length() - 1)]
+
+
 def _is_power_of_two(value: int) -> bool:
     return value >= 1 and value & (value - 1) == 0
 
@@ -167,7 +172,7 @@ class WAGMA(Aggregator):
             # Round `steps - 1` is this iteration's: started with the model just published,
             # or already over (drawn in earlier), when its result is taken as it is.
             while self.rounds_completed < self.steps and self.error is None:
-                self.lock.wait(timeout=0.1)
+                self.lock.wait()  # notified by the round thread, also when it fails
             self._sync_locked()
             staleness, rounds = self.max_staleness, self.rounds_completed - self.rounds_reported
             self.max_staleness, self.rounds_reported = 0, self.rounds_completed
@@ -193,7 +198,7 @@ class WAGMA(Aggregator):
             self.last_round = int(steps.item()) - 1
             self.lock.notify_all()
         while self.thread.is_alive():
-            self.thread.join(timeout=0.1)
+            self.thread.join(timeout=1.0)
             self._check()
         self._check()
         with self.lock:
@@ -228,8 +233,13 @@ class WAGMA(Aggregator):
 
 
 class _Rounds:
-    """The rounds of one worker, in order, on its background thread; a second thread receives
-    the peers' models (gloo can wait for a receive from any rank, not poll it)."""
+    """The rounds of one worker, in order, on its background thread; one more thread per
+    partner receives that partner's messages (gloo can wait for a receive, not poll it).
+
+    Every message comes from a partner: a rank that differs from this one in one bit, in a
+    butterfly group's recursive halving and doubling as in the group of all. A receive named
+    by its source keeps gloo's connections to these log2 n partners: a receive from any member
+    of the group would connect every pair of the n workers."""
 
     def __init__(self, wagma: WAGMA):
         self.wagma = wagma
@@ -238,9 +248,11 @@ class _Rounds:
         # round -> (sender, exchange) -> part of a model
         self.inbox: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
         self.latest_round_seen = -1  # in a peer's message: rounds up to it are the run's
-        self.receiver = threading.Thread(target=self._receive, daemon=True,
-                                         name=f"wagma-receiver-{self.rank}")
-        self.receiver.start()
+        self.receivers = [threading.Thread(target=self._receive, args=(partner,), daemon=True,
+                                           name=f"wagma-receiver-{self.rank}-from-{partner}")
+                          for partner in partners(self.rank, self.n)]
+        for receiver in self.receivers:
+            receiver.start()
 
     def run(self) -> None:
         """Rounds in order, from the iteration the run starts at to its last one."""
@@ -257,14 +269,14 @@ class _Rounds:
     def _is_global(self, round_index: int) -> bool:
         return (round_index + 1) % self.wagma.options.tau == 0
 
-    def _receive(self) -> None:
-        """Stash every peer's model by round until the goodbye from rank - 1."""
+    def _receive(self, partner: int) -> None:
+        """Stash every part `partner` sends, by round, until its goodbye."""
         wagma = self.wagma
         try:
             with self.comm.background():
                 while True:
                     buffer = wagma.vector.empty(HEADER, device="cpu")
-                    self.comm.irecv(buffer, None, wagma.peers_group,
+                    self.comm.irecv(buffer, partner, wagma.peers_group,
                                     length=lambda message: HEADER + int(message[3])).wait()
                     round_index, sender, exchange, length = (int(v) for v in buffer[:HEADER])
                     if round_index < 0:
@@ -395,8 +407,12 @@ class _Rounds:
 
     def _goodbye(self) -> None:
         """Once every worker is past the run's last round no round message is in flight:
-        each sends one goodbye to rank + 1, which ends that rank's receiver."""
+        each sends one goodbye to each partner, which ends that partner's receiver of it."""
         self.comm.barrier(group=self.wagma.global_group)
         bye = torch.tensor([-1, self.rank, 0, 0], dtype=self.wagma.vector.dtype)
-        self.comm.isend(bye, (self.rank + 1) % self.n, self.wagma.peers_group).wait()
-        self.receiver.join()
+        sends = [self.comm.isend(bye, partner, self.wagma.peers_group)
+                 for partner in partners(self.rank, self.n)]
+        for handle in sends:
+            handle.wait()
+        for receiver in self.receivers:
+            receiver.join()
