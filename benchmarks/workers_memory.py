@@ -140,7 +140,7 @@ def task_section(task: str, workers: int, steps: int) -> str:
 
 def measure(workers: int, task: str, directory: Path, steps: int = 6,
             aggregator: str = "allreduce", env: dict[str, str] | None = None,
-            time_scale: float = 20) -> dict:
+            time_scale: float = 20, timeout: float = 600) -> dict:
     spec = directory / f"workers{workers}.yaml"
     spec.write_text(textwrap.dedent(f"""
         experiments:
@@ -153,6 +153,7 @@ def measure(workers: int, task: str, directory: Path, steps: int = 6,
             batch_size: 16
             log_interval: 1
             compute: {{step_seconds: 0.05, time_scale: {time_scale:g}}}
+            timeout: {timeout:g}
     """))
     db = directory / f"workers{workers}.db"
     started = time.time()
@@ -201,6 +202,9 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=20,
                         help="compute.time_scale: steps of 0.05 modeled seconds last 0.05 × this "
                              "in real time (a larger one leaves longer to sample every worker)")
+    parser.add_argument("--timeout", type=float, default=600,
+                        help="the spec's timeout: seconds a worker waits in one collective, "
+                             "the start's barrier included")
     parser.add_argument("--torchrun", action="store_true",
                         help="torchrun with a relay per rank (DSGD_LAUNCHER=torchrun), as before "
                              "dsgd's own agent")
@@ -212,7 +216,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for workers in args.workers:
             row = measure(workers, args.task, Path(tmp), args.steps, args.aggregator, env,
-                          args.time_scale)
+                          args.time_scale, args.timeout)
             overrun = "-" if row["overrun"] is None else f"{row['overrun']:.3f}"
             print(f"{row['workers']:>7} {row['startup_s']:>10.1f} {row['uss_median_mib']:>14.1f} "
                   f"{row['uss_max_mib']:>11.1f} {row['uss_total_gib']:>13.2f} {row['others_gib']:>10.2f} "
