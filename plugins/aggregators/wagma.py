@@ -136,10 +136,11 @@ class WAGMA(Aggregator):
         self.thread = None
         if n == 1:
             return
-        # The rounds' messages, the agreement on the last round and the goodbye barrier, apart
-        # from the training loop's collectives on the world. One group: each gloo group runs a
-        # thread that wakes every 10 ms, which at 1,024 workers on two cores counts.
-        self.group = ctx.comm.new_group(range(n), backend="gloo")
+        # The rounds' messages go on the world, beside the training loop's collectives (gloo
+        # keeps messages and collectives apart), and the thread takes part in no collective:
+        # no group of its own, since each gloo group runs a thread that wakes every 10 ms
+        # (at 1,024 workers on two cores, a group of everyone costs half a core doing nothing).
+        self.rounds = _Rounds(self)
         self.thread = threading.Thread(target=self._serve, daemon=True,
                                        name=f"wagma-{ctx.rank}")
         self.thread.start()
@@ -195,7 +196,7 @@ class WAGMA(Aggregator):
         # The run's last round is the last iteration of the worker that took the most steps;
         # meanwhile the thread takes part in the rounds of workers still training.
         steps = torch.tensor([float(self.steps)], dtype=torch.float64)
-        self.ctx.comm.all_reduce(steps, "max", group=self.group)
+        self.ctx.comm.all_reduce(steps, "max")
         with self.lock:
             self.last_round = int(steps.item()) - 1
             self.lock.notify_all()
@@ -203,6 +204,8 @@ class WAGMA(Aggregator):
             self.thread.join(timeout=1.0)
             self._check()
         self._check()
+        with self.ctx.comm.background():
+            self.rounds.goodbye()
         with self.lock:
             self._sync_locked()
 
@@ -227,7 +230,7 @@ class WAGMA(Aggregator):
     def _serve(self) -> None:
         try:
             with self.ctx.comm.background():
-                _Rounds(self).run()
+                self.rounds.run()
         except BaseException as error:  # raised in the training loop by _check
             with self.lock:
                 self.error = error
@@ -266,7 +269,6 @@ class _Rounds:
             mine = self._contribute(round_index)
             average = self._group_average(round_index, members, to_wire(mine))
             self._complete(mine, average.to(mine.device))
-        self._goodbye()
 
     def _is_global(self, round_index: int) -> bool:
         return (round_index + 1) % self.wagma.options.tau == 0
@@ -278,7 +280,7 @@ class _Rounds:
             with self.comm.background():
                 while True:
                     buffer = wagma.vector.empty(HEADER, device="cpu")
-                    self.comm.irecv(buffer, partner, wagma.group,
+                    self.comm.irecv(buffer, partner,
                                     length=lambda message: HEADER + int(message[3])).wait()
                     round_index, sender, exchange, length = (int(v) for v in buffer[:HEADER])
                     if round_index < 0:
@@ -381,7 +383,7 @@ class _Rounds:
         message = torch.empty(HEADER + part.numel(), dtype=part.dtype)
         message[:HEADER] = torch.tensor([round_index, self.rank, exchange, part.numel()])
         message[HEADER:] = part
-        return self.comm.isend(message, peer, self.wagma.group)
+        return self.comm.isend(message, peer)
 
     def _receive_part(self, round_index: int, exchange: int, peer: int) -> torch.Tensor:
         wagma = self.wagma
@@ -407,12 +409,13 @@ class _Rounds:
             wagma.rounds_completed += 1
             wagma.lock.notify_all()
 
-    def _goodbye(self) -> None:
-        """Once every worker is past the run's last round no round message is in flight:
-        each sends one goodbye to each partner, which ends that partner's receiver of it."""
-        self.comm.barrier(group=self.wagma.group)
+    def goodbye(self) -> None:
+        """From the training loop, once this worker's rounds are over: when every worker is
+        past the run's last round no round message is in flight, and each sends one goodbye
+        to each partner, which ends that partner's receiver of it."""
+        self.comm.barrier()
         bye = torch.tensor([-1, self.rank, 0, 0], dtype=self.wagma.vector.dtype)
-        sends = [self.comm.isend(bye, partner, self.wagma.group)
+        sends = [self.comm.isend(bye, partner)
                  for partner in partners(self.rank, self.n)]
         for handle in sends:
             handle.wait()
