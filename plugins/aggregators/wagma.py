@@ -139,7 +139,7 @@ class WAGMA(Aggregator):
         # The rounds' messages go on the world, beside the training loop's collectives (gloo
         # keeps messages and collectives apart), and the thread takes part in no collective:
         # no group of its own, since each gloo group runs a thread that wakes every 10 ms
-        # (at 1,024 workers on two cores, a group of everyone costs half a core doing nothing).
+        # (at 1,024 workers, a group of everyone costs two thirds of a core doing nothing).
         self.rounds = _Rounds(self)
         self.thread = threading.Thread(target=self._serve, daemon=True,
                                        name=f"wagma-{ctx.rank}")
