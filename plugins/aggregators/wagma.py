@@ -253,9 +253,10 @@ class _Rounds:
         # round -> (sender, exchange) -> part of a model
         self.inbox: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
         self.latest_round_seen = -1  # in a peer's message: rounds up to it are the run's
+        self.partners = partners(self.rank, self.n)
         self.receivers = [threading.Thread(target=self._receive, args=(partner,), daemon=True,
                                            name=f"wagma-receiver-{self.rank}-from-{partner}")
-                          for partner in partners(self.rank, self.n)]
+                          for partner in self.partners]
         for receiver in self.receivers:
             receiver.start()
 
@@ -415,8 +416,7 @@ class _Rounds:
         to each partner, which ends that partner's receiver of it."""
         self.comm.barrier()
         bye = torch.tensor([-1, self.rank, 0, 0], dtype=self.wagma.vector.dtype)
-        sends = [self.comm.isend(bye, partner)
-                 for partner in partners(self.rank, self.n)]
+        sends = [self.comm.isend(bye, partner) for partner in self.partners]
         for handle in sends:
             handle.wait()
         for receiver in self.receivers:
