@@ -501,11 +501,14 @@ def test_wagma_fast_workers_do_not_wait_for_the_straggler(spawned):
 
 def test_wagma_workers_that_stopped_take_part_in_every_later_round(spawned):
     """Over the run every worker takes part in one round per iteration of the longest
-    worker, those that stopped early with their final model; in their own steps, one each."""
+    worker, those that stopped early with their final model; in their own steps, one per
+    step (a worker drawn into round t + 1 by its partner before its loop wakes from round t
+    counts two in one step and none in the next, as the straggler test says)."""
     for rank, r in enumerate(spawned):
         run = r["wagma_uneven"]
         assert run["rounds"] == 20, rank
-        assert run["metrics"]["rounds"] == [1.0] * run["steps"], rank
+        rounds = run["metrics"]["rounds"]
+        assert len(rounds) == run["steps"] and sum(rounds) == run["steps"], rank
 
 
 def _wagma_reference(n: int, group_size: int, initial: list[torch.Tensor]):
