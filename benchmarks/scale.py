@@ -19,7 +19,7 @@ time by more than 5%): a row above 5% does not show the modeled cluster's timing
 
     python benchmarks/scale.py [--workers 16 32] [--only validation|compare] [-e NAME]...
                                [--time-scale 8] [--steps N [--batch B]] [--compare-time-scale S]
-                               [--db FILE] [--plot speedup.png]
+                               [--ring-max M] [--timeout S] [--db FILE] [--plot speedup.png]
 
 Every comparison row also shows `comm_overrun` (the fraction of transfers whose real time
 overran the modeled one): at hundreds of workers on a few cores, raise the time scale until
@@ -119,11 +119,13 @@ def backup_steps(db: Path) -> dict[int, int]:
 
 
 def comparisons(workers: int, db: Path, only: list[str], steps: int | None = None,
-                time_scale: float | None = None, batch: int | None = None) -> dict[str, dict]:
+                time_scale: float | None = None, batch: int | None = None,
+                ring_max: int | None = None, timeout: float | None = None) -> dict[str, dict]:
     """The spec's runs at `workers`; with `steps`, that many steps per worker of batch
     `batch` (instead of the spec's budget of 51,200 samples: under two steps at 1,024
     workers) on a data set just large enough, evaluated at the end; with `time_scale`, that
-    `compute.time_scale`."""
+    `compute.time_scale`; with `ring_max` and `timeout`, those `compute.ring_max` and
+    `timeout`."""
     selected = [option for name in only for option in ("-e", name)]
     if steps is not None:
         batch = batch or SCALE_BATCH
@@ -133,6 +135,10 @@ def comparisons(workers: int, db: Path, only: list[str], steps: int | None = Non
                      "--set", f"task.num_samples={samples}"]
     if time_scale is not None:
         selected += ["--set", f"compute.time_scale={time_scale:g}"]
+    if ring_max is not None:
+        selected += ["--set", f"compute.ring_max={ring_max}"]
+    if timeout is not None:
+        selected += ["--set", f"timeout={timeout:g}"]
     dsgd_run(SPEC, db, "--workers", str(workers), *selected)
     return finals(db)
 
@@ -203,6 +209,11 @@ def main() -> None:
                         help="with --steps, the comparisons' batch per worker (default 32)")
     parser.add_argument("--compare-time-scale", type=float,
                         help="the comparisons' compute.time_scale (default: the spec's 10)")
+    parser.add_argument("--ring-max", type=int,
+                        help="the comparisons' compute.ring_max (default 64): lower it when "
+                             "comm_overrun is high")
+    parser.add_argument("--timeout", type=float,
+                        help="the comparisons' timeout in seconds (default: the spec's 600)")
     parser.add_argument("--db", help="keep the comparisons' runs in this database")
     parser.add_argument("--plot", help="write speed-up against workers to this image")
     args = parser.parse_args()
@@ -217,7 +228,8 @@ def main() -> None:
             for n in args.workers:
                 db = Path(args.db).with_suffix(f".{n}.db") if args.db else directory / f"{n}.db"
                 runs = comparisons(n, db, args.experiments, args.steps,
-                                   args.compare_time_scale, args.batch)
+                                   args.compare_time_scale, args.batch, args.ring_max,
+                                   args.timeout)
                 print_comparisons(n, runs)
                 rates[n] = {name: run["samples_per_second"] for name, run in runs.items()}
             if args.plot:

@@ -1,28 +1,23 @@
 """All-reduce of large groups by point-to-point messages (dsgd_cli/comm/by_messages.py):
 the same result as gloo's ring, the same bits on every member, the ring's accounting, and
 never a plugin's message taken for one of its own. The tests lower the size above which a
-group goes by messages, so that three real gloo workers take that path (three: one of them
-folds into a partner, as a group whose size is not a power of two does)."""
+group goes by messages (a spec's `compute.ring_max`), so that three real gloo workers take
+that path (three: one of them folds into a partner, as a group whose size is not a power of
+two does)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from conftest import dsgd, write_spec
 from distributed import run_workers
-
-
-def _by_messages_from(size: int) -> None:
-    from dsgd_cli.comm import by_messages
-
-    by_messages.GLOO_RING_MAX = size - 1
 
 
 def _sums_like_gloo(rank: int, world_size: int) -> dict:
     from dsgd_cli.comm.communicator import Comm
 
-    comm = Comm(rank, world_size)
-    _by_messages_from(world_size)
+    comm = Comm(rank, world_size, ring_max=world_size - 1)  # the world goes by messages
     exact = torch.arange(10, dtype=torch.float64) * (rank + 1)  # integers: every order exact
     by_ring = exact.clone()
     dist.all_reduce(by_ring)
@@ -67,8 +62,7 @@ def test_an_all_reduce_by_messages_sums_like_gloo_and_counts_like_a_ring():
 def _beside_a_plugins_message(rank: int, world_size: int) -> list[float]:
     from dsgd_cli.comm.communicator import Comm
 
-    comm = Comm(rank, world_size)
-    _by_messages_from(world_size)
+    comm = Comm(rank, world_size, ring_max=world_size - 1)  # the world goes by messages
     # Rank 1 sends a plugin's message to rank 0 first; rank 0 receives it only after an
     # all-reduce in which it also receives from rank 1.
     if rank == 1:
@@ -96,6 +90,8 @@ def test_small_groups_keep_gloos_ring():
     assert not by_messages.wanted(by_messages.GLOO_RING_MAX, torch.ones(1))
     assert by_messages.wanted(by_messages.GLOO_RING_MAX + 1, torch.ones(1))
     assert by_messages.GLOO_RING_MAX == 64  # bit for bit with earlier dsgd up to 64 workers
+    assert by_messages.wanted(3, torch.ones(1), ring_max=2)  # a spec's lower compute.ring_max
+    assert not by_messages.wanted(3, torch.ones(1), ring_max=3)
 
 
 def _two_groups_of_everyone_at_once(rank: int, world_size: int) -> list[list[float]]:
@@ -105,8 +101,7 @@ def _two_groups_of_everyone_at_once(rank: int, world_size: int) -> list[list[flo
 
     from dsgd_cli.comm.communicator import Comm
 
-    comm = Comm(rank, world_size)
-    _by_messages_from(world_size)
+    comm = Comm(rank, world_size, ring_max=world_size - 1)  # the world goes by messages
     everyone = comm.new_group(range(world_size))  # the same members as the world
     totals: dict[str, list[float]] = {"world": [], "group": []}
     jitter = random.Random(rank)
@@ -135,3 +130,36 @@ def test_groups_of_the_same_members_keep_their_collectives_apart():
     results = run_workers(_two_groups_of_everyone_at_once, 3, preloaded=True, timeout=90)
     expected = [float(sum(rank + r for rank in range(3))) for r in range(6)]
     assert results == [[expected, expected]] * 3
+
+
+RING_MAX_SPEC = """
+defaults:
+  task: {{name: logreg, samples: 512}}
+  workers: 3
+  epochs: 1
+  steps_per_epoch: 4
+  batch_size: 8
+  save_dir: {save_dir}
+  aggregator: allreduce
+experiments:
+  - {{name: ring, compute: {{step_seconds: 0.001}}}}
+  - {{name: messages, compute: {{step_seconds: 0.001, ring_max: 2}}}}
+"""
+
+
+def test_a_specs_ring_max_sends_its_workers_all_reduces_by_messages(tmp_path):
+    """`compute.ring_max: 2` at 3 workers: the run all-reduces by recursive doubling. Its
+    sums are added in another order than the ring's, so its parameters match the ring's run
+    to rounding but not bit for bit; within the run every worker holds the same bits."""
+    spec = write_spec(tmp_path, RING_MAX_SPEC.format(save_dir=tmp_path / "models"))
+    result = dsgd("run", str(spec), "--db", str(tmp_path / "r.db"))
+    assert result.returncode == 0, result.stderr
+    models = {name: [torch.load(tmp_path / "models" / name / f"rank{rank}.pt",
+                                weights_only=True) for rank in range(3)]
+              for name in ("ring", "messages")}
+    for ranks in models.values():
+        for state in ranks[1:]:
+            assert all(torch.equal(state[key], ranks[0][key]) for key in state)
+    ring, messages = models["ring"][0], models["messages"][0]
+    assert all(torch.allclose(ring[key], messages[key], atol=1e-6) for key in ring)
+    assert not all(torch.equal(ring[key], messages[key]) for key in ring)

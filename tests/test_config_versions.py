@@ -42,13 +42,22 @@ OLDEST = {"name": "old", "task": {"name": "logreg", "samples": 64, "features": 3
           "network": {"bytes_per_second": float("inf"), "latency_s": 0.001}}
 
 
+def as_version_3(stored: dict) -> dict:
+    """A fixture configuration (stored before the version) with what version 3 added: its
+    compute section's `ring_max`, 64 (how all-reduces moved before the key)."""
+    config = copy.deepcopy(stored)
+    if config["compute"] is not None:
+        config["compute"]["ring_max"] = 64
+    return config
+
+
 def test_todays_specs_resolve_to_the_configurations_stored_before_the_version(tmp_path):
     """The layout of a configuration is what main stored before `config_version` (the
     fixture), plus the version."""
     spec = tmp_path / "spec.yaml"
     spec.write_text(FIXTURE["spec"])
     resolved = {experiment.name: experiment.config for experiment in load_spec(spec)}
-    assert resolved == {name: {**stored, "config_version": CONFIG_VERSION}
+    assert resolved == {name: {**as_version_3(stored), "config_version": CONFIG_VERSION}
                         for name, stored in FIXTURE["configs"].items()}
     for name, stored in FIXTURE["configs"].items():  # and in the same order
         assert list(resolved[name]) == ["config_version", *stored]
@@ -57,7 +66,15 @@ def test_todays_specs_resolve_to_the_configurations_stored_before_the_version(tm
 @pytest.mark.parametrize("name", sorted(FIXTURE["configs"]))
 def test_a_configuration_stored_by_yesterdays_main_upgrades_to_itself(name):
     stored = FIXTURE["configs"][name]
-    assert upgrade_config(stored) == {**stored, "config_version": CONFIG_VERSION}
+    assert upgrade_config(stored) == {**as_version_3(stored), "config_version": CONFIG_VERSION}
+
+
+def test_a_version_2_compute_section_gets_the_ring_it_all_reduced_by():
+    stored = {**FIXTURE["configs"]["today-network"], "config_version": 2}
+    upgraded = upgrade_config(stored)
+    assert upgraded["compute"] == {"step_seconds": 0.01, "variation": None, "time_scale": 2.0,
+                                   "ring_max": 64}
+    assert "ring_max" not in stored["compute"]  # the stored one is left as it was
 
 
 def test_an_older_configuration_gets_what_each_missing_key_meant():

@@ -85,7 +85,7 @@ def test_compute_is_recorded_in_the_config(tmp_path):
     """)
     (experiment,) = load_spec(spec)
     assert experiment.config["compute"] == {
-        "step_seconds": 0.05, "time_scale": 1.0,
+        "step_seconds": 0.05, "time_scale": 1.0, "ring_max": 64,
         "variation": {"distribution": "shifted_exponential", "tail": 0.5}}
 
 

@@ -11,9 +11,11 @@ seconds at 256 members, 8 at 1,024 (benchmarks/RESULTS.md).
 
 The emulated network still charges what the model says a ring costs (`Comm` counts the
 bytes and the modeled time apart from how the bytes move); only the real transport differs.
-Groups of at most GLOO_RING_MAX members keep gloo's ring, so their results are bit for bit
-those of earlier dsgd and of torch DDP; above it the sums are added in another order, which
-changes the last bits of a result (every member still gets the same bits).
+Groups of at most GLOO_RING_MAX members (the spec's `compute.ring_max`) keep gloo's ring, so
+their results are bit for bit those of earlier dsgd and of torch DDP; above it the sums are
+added in another order, which changes the last bits of a result (every member still gets the
+same bits). A smaller `ring_max` trades those bits for a real all-reduce that fits a smaller
+time scale (docs/cluster.md, "Limits").
 
 Steps, for members 0..n-1 of the group and p the largest power of two ≤ n: member p+i
 (i < n-p) first sends its tensor to member i, which adds it; then for d = 1, 2, 4, ... < p
@@ -28,7 +30,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-GLOO_RING_MAX = 64  # larger groups (of CPU tensors) all-reduce by messages
+from dsgd_cli.emulation.network import GLOO_RING_MAX  # by default: larger groups go by messages
+
 # Tags of these messages: apart from a plugin's own point-to-point messages (tag 0), and one
 # per collective on a group, so two in flight on one group cannot take each other's.
 TAGS_FROM = 1 << 24
@@ -37,9 +40,10 @@ TAG_SPACE = 1 << 24
 COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
-def wanted(group_size: int, tensor: torch.Tensor) -> bool:
-    """Whether an all-reduce of `tensor` over a group of this size goes by messages."""
-    return group_size > GLOO_RING_MAX and tensor.device.type == "cpu"
+def wanted(group_size: int, tensor: torch.Tensor, ring_max: int = GLOO_RING_MAX) -> bool:
+    """Whether an all-reduce of `tensor` over a group of this size goes by messages: groups
+    of more than `ring_max` members (the spec's `compute.ring_max`) do."""
+    return group_size > ring_max and tensor.device.type == "cpu"
 
 
 def tag(count: int) -> int:

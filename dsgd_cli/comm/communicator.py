@@ -215,6 +215,9 @@ class Handle:
         if self._done:
             return self._result
         started = self._issued_at if self._blocking else time.perf_counter()
+        # Since when the caller has been held up by this transfer: its issue when it blocked
+        # (or moved as it was issued), else this wait.
+        waited_from = self._issued_at if self._done_at is not None else started
         try:
             for work in self._works:
                 if work is not None:
@@ -222,8 +225,13 @@ class Handle:
         except RuntimeError as error:
             raise self._comm._failure(self._operation, error, self._entered) from error
         if self._modeled:
-            real = (self._done_at or time.perf_counter()) - self._issued_at
-            self._comm._note_modeled(real > self._emulated_s * (1 + COMM_OVERRUN_TOLERANCE))
+            # Overran: the real transfer kept the caller waiting past the modeled end. A
+            # transfer waited for late (a send waited at the end of a round) had all the time
+            # until the wait; when it was done by then, the model's time is what was recorded.
+            real_end = self._done_at or time.perf_counter()
+            allowed_end = (max(self._issued_at + self._emulated_s, waited_from)
+                           + self._emulated_s * COMM_OVERRUN_TOLERANCE)
+            self._comm._note_modeled(real_end > allowed_end)
         _sleep_until(self._issued_at + self._emulated_s)
         if self._on_complete is not None:
             self._result = self._on_complete()
@@ -248,8 +256,11 @@ class Comm:
 
     def __init__(self, rank: int, world_size: int, network: NetworkModel | None = None,
                  device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 namespace: str = "", cluster: Cluster | None = None):
+                 namespace: str = "", cluster: Cluster | None = None,
+                 ring_max: int = by_messages.GLOO_RING_MAX):
         self.rank = rank
+        # Groups of more members all-reduce by messages in real (by_messages.py).
+        self.ring_max = ring_max
         # Experiments that share a launch keep their counters apart (see `counter`).
         self.namespace = namespace
         self._groups: list[Any] = []  # process groups made by new_group, for close()
@@ -466,7 +477,7 @@ class Comm:
             def finish():
                 tensor.div_(n)
                 return tensor
-        if by_messages.wanted(n, tensor):  # a large group: see by_messages.py
+        if by_messages.wanted(n, tensor, self.ring_max):  # a large group: by_messages.py
             start = self._all_reduce_by_messages(tensor, "sum" if op == "avg" else op, group)
         else:
             def start():
@@ -563,7 +574,7 @@ class Comm:
     def barrier(self, group: Group | None = None) -> None:
         nccl = (group or self.world).backend == "nccl"
         marker = torch.zeros(1, device=self.device if nccl else "cpu")
-        if by_messages.wanted(self._size(group), marker):
+        if by_messages.wanted(self._size(group), marker, self.ring_max):
             # gloo's barrier, like its ring, sends messages quadratic in the group's size
             start = self._all_reduce_by_messages(marker, "sum", group)
         else:

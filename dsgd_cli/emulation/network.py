@@ -17,6 +17,11 @@ from dsgd_cli.emulation.clock import Clock
 if TYPE_CHECKING:  # comm imports this module: the emulation sits below it
     from dsgd_cli.comm.cluster import Cluster
 
+# How the real bytes of an all-reduce move (`compute.ring_max`): groups of at most this many
+# members by gloo's ring, larger ones by messages (comm/by_messages.py). The modeled time is a
+# ring's either way.
+GLOO_RING_MAX = 64
+
 
 @dataclass(frozen=True)
 class NetworkModel:

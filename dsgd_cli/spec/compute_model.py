@@ -7,6 +7,7 @@ The spec's `compute` section:
       step_seconds: 0.05                                # modeled forward+backward of one step
       variation: {distribution: lognormal, sigma: 0.3}  # optional per-step random factor
       time_scale: 4                                     # real seconds per modeled second
+      ring_max: 64                                      # how the real all-reduce moves (below)
 
 Here: the section's parsing and validation, and the advice to a user whose recorded run did
 not fit its modeled time. What the model does at run time (each step padded to its modeled
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from dsgd_cli.emulation.network import GLOO_RING_MAX
 from dsgd_cli.emulation.compute import (  # noqa: F401  (their former home)
     STEP_OVERRUN_TOLERANCE, PaddedCompute, mean_factor, time_scale, variation_factor)
 from dsgd_cli.emulation.network import real_network  # noqa: F401
@@ -28,6 +30,7 @@ from dsgd_cli.options import as_float, option, show
 
 MAX_STEP_SECONDS = 24 * 3600.0
 MAX_TIME_SCALE = 100_000.0
+MAX_RING = 1 << 20
 # A run where more than OVERRUN_ADVICE_STEPS of all steps overran (by more than
 # STEP_OVERRUN_TOLERANCE) gets the advice to raise the time scale.
 OVERRUN_ADVICE_STEPS = 0.05
@@ -58,6 +61,11 @@ class ComputeOptions:
     time_scale: float = option(
         1.0, min=1, max=MAX_TIME_SCALE, expect=f"a number >= 1 and <= {MAX_TIME_SCALE:g}",
         help="real seconds per modeled second")
+    # Only the real transport: the modeled network charges a ring all-reduce either way.
+    ring_max: int = option(
+        GLOO_RING_MAX, min=1, max=MAX_RING, expect=f"an integer between 1 and {MAX_RING}",
+        help="the largest group whose real all-reduce is gloo's ring; larger groups go by "
+             "recursive doubling (far fewer messages; lower it when comm_overrun is high)")
 
     def __post_init__(self):
         object.__setattr__(self, "variation", parse_variation(self.variation, "variation"))

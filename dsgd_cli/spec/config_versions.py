@@ -22,7 +22,8 @@ from dsgd_cli.errors import DsgdError
 # `config_version`), including those from before `lr_schedule`, `lr_scaling`, `data_split`,
 # `timeout`, `stragglers`, `compute`, `budget`, `cluster` and `checkpoint_every` existed.
 # Version 2: every experiment key is there, and an unlimited bandwidth is null.
-CONFIG_VERSION = 2
+# Version 3: a compute section has `ring_max` (how the real all-reduce moves).
+CONFIG_VERSION = 3
 
 # The value a key had before it existed: what the runtime did without it.
 _ADDED_KEYS: dict[str, Any] = {
@@ -58,9 +59,16 @@ def _to_version_2(config: dict[str, Any]) -> None:
             link["bytes_per_second"] = None
 
 
+def _to_version_3(config: dict[str, Any]) -> None:
+    """Runs before `compute.ring_max` all-reduced by gloo's ring up to 64 members."""
+    if isinstance(config["compute"], dict):
+        config["compute"].setdefault("ring_max", 64)
+
+
 # version -> the step from it to the next
 UPGRADES: dict[int, Callable[[dict[str, Any]], None]] = {
     1: _to_version_2,
+    2: _to_version_3,
 }
 
 

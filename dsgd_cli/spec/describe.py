@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from dsgd_cli.emulation.network import GLOO_RING_MAX
 from dsgd_cli.spec import registry
 from dsgd_cli.spec.registry import build as build_plugin
 from dsgd_cli.spec.learning_rate import total_steps
@@ -75,7 +76,10 @@ def compute(section: dict[str, Any] | None) -> str:
     if variation is not None:
         options = ", ".join(f"{k} {v:g}" for k, v in variation.items() if k != "distribution")
         text += f", {variation['distribution']} variation ({options})"
-    return text + f", time scale {section['time_scale']:g} (real seconds per modeled second)"
+    text += f", time scale {section['time_scale']:g} (real seconds per modeled second)"
+    if section["ring_max"] != GLOO_RING_MAX:
+        text += f", real all-reduce by messages above {section['ring_max']} members"
+    return text
 
 
 def network(section: dict[str, Any] | None) -> str:

@@ -31,6 +31,7 @@ class Compute:
     step_seconds: float
     variation: dict[str, Any] | None  # {distribution: name, <its option>: value}
     time_scale: float
+    ring_max: int  # groups above it all-reduce by messages in real (comm/by_messages.py)
 
 
 @dataclass(frozen=True)

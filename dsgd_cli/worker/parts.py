@@ -10,6 +10,7 @@ from torch import nn
 
 from dsgd_cli.worker import checkpoint
 from dsgd_cli.api import Aggregator, Task, WorkerContext
+from dsgd_cli.emulation.network import GLOO_RING_MAX
 from dsgd_cli.comm.communicator import Comm
 from dsgd_cli.emulation.compute import PaddedCompute
 from dsgd_cli.emulation.network import real_cluster, real_network
@@ -84,7 +85,9 @@ def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
     network = real_network(network_model(config), clock)  # links in real time
     comm = Comm(rank, world_size, network, device,
                 timeout_s=experiment.timeout, namespace=namespace,
-                cluster=real_cluster(cluster_model(config), clock))
+                cluster=real_cluster(cluster_model(config), clock),
+                ring_max=(GLOO_RING_MAX if experiment.compute is None
+                          else experiment.compute.ring_max))
     interval = IntervalMetrics()
     shard = Shard(len(train_y), rank, world_size, seed, experiment.data_split, data.train_y)
     per_epoch = steps_per_epoch(shard, batch_size, experiment.steps_per_epoch)
