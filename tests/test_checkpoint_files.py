@@ -104,6 +104,10 @@ def content(db: Path) -> list[str]:
         return list(connection.iterdump())
 
 
+# slow: end to end. In process (default): the fallback, test_a_damaged_latest_step_falls_back_to_
+# the_one_before and test_a_file_without_its_sum_is_damaged; moved checkpoints,
+# test_checkpoints_are_located_where_they_were_moved. A real --resume: test_resume's [ar].
+@pytest.mark.slow
 def test_resume_verifies_checkpoints_and_finds_moved_ones(tmp_path):
     spec = write_spec(tmp_path, SPEC)
     db, temporary = tmp_path / "r.db", tmp_path / "tmp"

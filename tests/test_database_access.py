@@ -153,7 +153,10 @@ def test_another_programs_runs_table_is_refused_and_left_alone(tmp_path):
     assert tables == [("runs",)]
 
 
-@pytest.mark.parametrize("run_id", ["99999999999999999999999", "0", "-5", "7"])
+@pytest.mark.parametrize("run_id", [
+    "99999999999999999999999",
+    # slow: [-5] (default) takes the same path, an id that no run has, through a real process
+    pytest.param("0", marks=pytest.mark.slow), "-5", pytest.param("7", marks=pytest.mark.slow)])
 def test_show_of_a_run_that_cannot_exist(tmp_path, run_id):
     db = recorded_db(tmp_path / "r.db")
     result = dsgd("show", "--db", str(db), "--", run_id)

@@ -1014,6 +1014,12 @@ def launched(tmp_path_factory, plugin_env):
     return runs, weights
 
 
+# slow (with its siblings on `launched`, so the module's launch leaves the default suite): the
+# definitions are checked in worker processes by test_diloco_equals_its_definition,
+# test_streaming_diloco_equals_its_definition and test_slowmo_equals_its_definition, the outer
+# optimizer's resolution by test_outer_optimizer_*, and test_level_bytes launches diloco,
+# streaming_diloco and slowmo (all default)
+@pytest.mark.slow
 def test_launched_diloco_with_plain_outer_sgd_is_local_sgd(launched):
     """Outer SGD with lr 1 and no momentum makes θ_global − mean Δ = the mean model: local
     SGD with the same period, also through a third party's optimizer (lr 2 × scale 0.5), and
@@ -1027,6 +1033,8 @@ def test_launched_diloco_with_plain_outer_sgd_is_local_sgd(launched):
     assert not torch.allclose(weights("diloco-paper", 0), weights("local-4", 0))
 
 
+# slow: see test_launched_diloco_with_plain_outer_sgd_is_local_sgd
+@pytest.mark.slow
 def test_launched_diloco_records_its_outer_optimizer(launched):
     runs, _ = launched
     assert runs["diloco-paper"].config["aggregator"]["outer_optimizer"] == PAPER_OUTER
@@ -1099,6 +1107,8 @@ def _replayed_diloco(config: dict) -> list[torch.Tensor]:
     return [model.weight.detach() for model in models]
 
 
+# slow: see test_launched_diloco_with_plain_outer_sgd_is_local_sgd
+@pytest.mark.slow
 def test_launched_diloco_equals_its_definition_replayed(launched):
     """Inner AdamW, the paper's outer SGD with Nesterov momentum, H = 4, 2 workers, 8 steps."""
     runs, weights = launched

@@ -365,6 +365,11 @@ def check_everything_written(url: str) -> None:
         assert [p.name for p in run.plugins] == ["allreduce"]
 
 
+# [sqlite] slow: test_many_processes_open_a_schema_1_database_at_once[sqlite] (default) runs the
+# same writers at once on SQLite; test_store's test_processes_creating_one_database_at_once
+# (default) creates one SQLite database from 8 processes at once, 20 times
+@pytest.mark.parametrize("db_url", [pytest.param("sqlite", marks=pytest.mark.slow), "postgresql"],
+                         indirect=True)
 def test_many_processes_write_at_once(db_url, tmp_path):
     run_writers(db_url, tmp_path)
     check_everything_written(db_url)

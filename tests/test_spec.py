@@ -158,6 +158,10 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, label, tex
     check_bad_input(tmp_path, text, expected, dsgd_in_process)
 
 
+# slow: test_bad_input_exits_2_with_one_line_and_writes_nothing[yaml syntax] (default) checks the
+# same input in process; a bad spec's exit 2 and one line from a real `dsgd` process:
+# test_checks_before_launch and test_early_start (default)
+@pytest.mark.slow
 def test_bad_input_exits_2_from_a_real_process(tmp_path):
     label, text, expected = BAD[0]
     check_bad_input(tmp_path, text, expected, dsgd)

@@ -94,6 +94,10 @@ def test_db_from_environment(tmp_path):
     assert result.returncode == 0 and "sweep[optimizer.lr=0.1]" in result.stdout
 
 
+# slow: test_show's test_show_reads_as_people_write_numbers_and_bests_only_where_they_mean_something
+# (default) prints a run's configuration, status and metrics; test_database_access's
+# test_show_of_a_run_that_cannot_exist[-5] (default) refuses an unknown id from a real process
+@pytest.mark.slow
 def test_show_prints_configuration_and_metrics(tmp_path):
     db = tmp_path / "r.db"
     fill(db)
