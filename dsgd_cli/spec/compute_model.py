@@ -21,10 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dsgd_cli.emulation.network import GLOO_RING_MAX
 from dsgd_cli.emulation.compute import (  # noqa: F401  (their former home)
     STEP_OVERRUN_TOLERANCE, PaddedCompute, mean_factor, time_scale, variation_factor)
-from dsgd_cli.emulation.network import real_network  # noqa: F401
+from dsgd_cli.emulation.network import GLOO_RING_MAX, real_network  # noqa: F401
 from dsgd_cli.errors import SpecError
 from dsgd_cli.options import as_float, option, show
 
