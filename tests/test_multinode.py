@@ -36,7 +36,8 @@ def _start(spec, db, node_rank: int, *args: str) -> subprocess.Popen:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
 
 
-@pytest.mark.slow  # end to end; the launch's node split is checked without torchrun in test_early_start and test_spec
+# In the default suite (about 10 s): the only guard of the path users take when they outgrow one
+# machine. A plan that lost the run id hung both launchers here until their timeout.
 def test_two_nodes_record_one_run_with_every_ranks_metrics(tmp_path):
     spec = write_spec(tmp_path, SPEC.format(port=_free_port(), timeout=120))
     db = tmp_path / "r.db"

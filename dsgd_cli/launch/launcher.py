@@ -17,7 +17,7 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +31,7 @@ from dsgd_cli.results.database import one_line, sqlite_path
 from dsgd_cli.errors import DsgdError
 from dsgd_cli.spec.directories import make_experiment_directory
 from dsgd_cli.spec.experiments import PLUGIN_SECTIONS, Experiment
+from dsgd_cli.spec.run_plan import plan_entry
 from dsgd_cli.results.store import RunDeleted, Store
 from dsgd_cli.launch.outcome import (RunResult, launch_dir_full, last_lines, left_early,
                                      rendezvous_failure, run_result)
@@ -294,9 +295,12 @@ class _Launcher:
         self.running = None
 
     def _write_plan(self) -> None:
-        configs = [experiment.worker_config() for experiment in self.experiments]
-        configs[0]["run_id"] = self.running.run_id  # other machines' workers learn it from these
-        self.torchrun.write_plan({"device": self.device.kind, "experiments": configs})
+        entries = [experiment.worker_config() for experiment in self.experiments]
+        # The workers of the first experiment learn its run id from the plan; those on node rank
+        # 0 pass it to the other machines' workers through the rendezvous store.
+        first = self.experiments[0]
+        entries[0] = plan_entry(first.config, replace(first.run_plan, run_id=self.running.run_id))
+        self.torchrun.write_plan({"device": self.device.kind, "experiments": entries})
 
     def _start_torchrun(self) -> bool:
         """Start torchrun; False (and the running experiment recorded as failed) if it cannot."""
