@@ -31,7 +31,8 @@ PROBE = textwrap.dedent("""
                        "name": open("/proc/self/comm").read().strip(),
                        "niceness": os.nice(0), "rank": rank,
                        "world_size": os.environ.get("WORLD_SIZE"),
-                       "master_port": os.environ.get("MASTER_PORT")}, file)
+                       "master_port": os.environ.get("MASTER_PORT"),
+                       "store": os.environ.get("DSGD_STORE_SOCKET")}, file)
         print("hello from the worker", flush=True)
         if action == "rank1fails":  # once ranks 0 and 2 have reported
             while rank == "1" and not all(os.path.exists(report.replace("RANK", other))
@@ -311,7 +312,7 @@ def test_a_crowded_launch_runs_its_workers_nicer_than_its_launcher():
 
 def test_the_agent_starts_every_rank_and_stops_the_others_when_one_fails(server, tmp_path):
     """dsgd's agent in torchrun's place: each rank forked with torchrun's variables and the
-    store's port; when rank 1 fails, the others are stopped (SIGTERM) and only rank 1 is
+    launch's store (a socket in the launch's directory, no TCP port); when rank 1 fails, the others are stopped (SIGTERM) and only rank 1 is
     reported as failed by itself."""
     from dsgd_cli.launch.agent import LocalAgent
     from dsgd_cli.launch.outcome import WorkerExit
@@ -323,13 +324,41 @@ def test_the_agent_starts_every_rank_and_stops_the_others_when_one_fails(server,
     try:
         agent.start()
         os.close(write_end)
+        # The store is in this process, on no TCP port (torchrun's TCPStore was on *:PORT)
+        assert _listening_tcp_inodes() & _own_socket_inodes() == set()
         reports = [_report(tmp_path, f"{rank}.json") for rank in range(3)]
         assert agent.wait(timeout=60) == 1
         assert agent.failures() == [WorkerExit(1, 3)]
         assert agent.not_zero() == {0, 1, 2}  # 0 and 2 stopped by the agent
-        assert [(r["rank"], r["world_size"], r["master_port"]) for r in reports] == [
-            (str(rank), "3", str(agent.store.port)) for rank in range(3)]
+        assert [(r["rank"], r["world_size"], r["master_port"], r["store"]) for r in reports] == [
+            (str(rank), "3", None, str(directory / "store.sock")) for rank in range(3)]
         with open(read_end) as output:
             assert output.read().count("hello from the worker") == 3
     finally:
         agent.close()
+
+
+def _own_socket_inodes() -> set[int]:
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def _listening_tcp_inodes() -> set[int]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                inodes.add(int(fields[9]))
+    return inodes

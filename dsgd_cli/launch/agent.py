@@ -8,7 +8,10 @@ others and reports which failed first. At a thousand workers the relays alone co
 server (forkserver.py) for each rank's worker directly, over one connection per rank, with
 the environment torchrun would have given it; the server reports each worker's pid and exit
 on that connection, as it does to a relay. The rendezvous store lives in the launcher's
-process (`dist.TCPStore`), where torchrun's agent keeps it, so it outlives any worker.
+process, where torchrun's agent keeps it, so it outlives any worker; unlike torchrun's TCP
+store it listens on a Unix socket in the launch's 0700 directory (local_store.py), out of
+every other user's reach. Before the agent sends a worker's environment to the fork server
+it checks that the server's socket is its own user's.
 
 `LocalAgent` stands where torchrun's `subprocess.Popen` stood for the launcher: `poll()`,
 `wait()` and `returncode` (0 when every worker exited with 0, else 1), and it tells which
@@ -28,16 +31,15 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from dsgd_cli.launch import forkserver
+from dsgd_cli.launch.local_store import STORE_VARIABLE, StoreServer, store_path
 from dsgd_cli.launch.outcome import WorkerExit
 
 LAUNCHER_VARIABLE = "DSGD_LAUNCHER"  # "torchrun": torchrun on one machine too
 TERMINATE_WAIT_S = 5.0  # after SIGTERM to the others of a failed worker, before SIGKILL
-STORE_HOST = "127.0.0.1"
 
 
 def wanted() -> bool:
@@ -45,17 +47,17 @@ def wanted() -> bool:
     return os.environ.get(LAUNCHER_VARIABLE, "").strip().lower() != "torchrun"
 
 
-def worker_environment(base: dict[str, str], rank: int, workers: int, port: int) -> dict[str, str]:
-    """What torchrun --standalone puts in a rank's environment, less its own bookkeeping."""
+def worker_environment(base: dict[str, str], rank: int, workers: int,
+                       store: Path) -> dict[str, str]:
+    """What torchrun --standalone puts in a rank's environment, less its own bookkeeping, and
+    with the launch's store (a socket path) where torchrun puts a TCP address and port."""
     env = dict(base)
     env.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
         "ROLE_NAME": "default", "WORLD_SIZE": str(workers), "LOCAL_WORLD_SIZE": str(workers),
         "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(workers),
-        "MASTER_ADDR": STORE_HOST, "MASTER_PORT": str(port),
-        # The workers connect to the store as clients: it is this process's.
-        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
+        STORE_VARIABLE: str(store),
+        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
     })
     return env
 
@@ -76,11 +78,10 @@ class LocalAgent:
     standard output and error on `output` (a file descriptor), its input /dev/null."""
 
     def __init__(self, workers: int, module: str, args: list[str], env: dict[str, str],
-                 output: int, server: Path, store_timeout_s: float = 600.0):
+                 output: int, server: Path):
         self.workers = workers
         self._module, self._args, self._env = module, args, env
         self._output, self._server = output, server
-        self._store_timeout_s = store_timeout_s
         self._ranks: list[_Worker] = []
         self._order: list[int] = []  # ranks that exited with a code other than 0, in that order
         self._lock = threading.Lock()
@@ -94,12 +95,8 @@ class LocalAgent:
     def start(self) -> None:
         """Host the store, then ask the server for every rank's worker (OSError if the server
         cannot be reached: the launch then fails to start, as when torchrun cannot)."""
-        import torch.distributed as dist  # the launcher has imported it to validate the spec
-
         raise_descriptor_limit(self.workers)
-        self.store = dist.TCPStore(STORE_HOST, 0, self.workers, is_master=True,
-                                   wait_for_workers=False,
-                                   timeout=timedelta(seconds=self._store_timeout_s))
+        self.store = StoreServer(store_path(self._server.parent))
         stdin = os.open(os.devnull, os.O_RDONLY)
         try:
             for rank in range(self.workers):
@@ -116,7 +113,8 @@ class LocalAgent:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             connection.connect(str(self._server))
-            env = worker_environment(self._env, rank, self.workers, self.store.port)
+            check_owner(connection, self._server)
+            env = worker_environment(self._env, rank, self.workers, self.store.path)
             forkserver.send_request(connection, self._module, self._args, env=env,
                                     streams=streams)
         except OSError:
@@ -223,7 +221,16 @@ class LocalAgent:
             worker.connection.close()
         if self._watcher is not None:
             self._watcher.join(TERMINATE_WAIT_S)
-        self.store = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+def check_owner(connection: socket.socket, path: Path) -> None:
+    """Refuse (OSError) a fork server that is not this user's: nothing of a launch, least of
+    all its environment, goes to a socket another user made."""
+    if forkserver.peer_uid(connection) != os.getuid():
+        raise PermissionError(f"the fork server's socket {path} is not this user's")
 
 
 def raise_descriptor_limit(workers: int) -> None:

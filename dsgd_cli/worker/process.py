@@ -28,6 +28,8 @@ from dsgd_cli.emulation.clock import Clock
 from dsgd_cli.emulation.compute import time_scale
 from dsgd_cli.spec.directories import UntrustedDirectory, make_experiment_directory
 from dsgd_cli.comm.events import EventWriter, events_path, experiment_dir, launcher_gone, stop_path
+from dsgd_cli.launch.local_store import STORE_VARIABLE
+from dsgd_cli.worker.store_client import LocalStore
 from dsgd_cli.worker.training import Diverged, Stopped, StopRequest, Totals, TrainingLoop
 from dsgd_cli.worker.parts import Worker, build_worker
 from dsgd_cli.spec.run_plan import NO_RUN, RunPlan, read_plan_entry
@@ -84,8 +86,9 @@ def run_experiment(config: dict, events: EventWriter, rank: int, world_size: int
         device, backend = device_and_backend(local_rank, device_kind)
         if not dist.is_initialized():
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(
-                seconds=config.get("timeout", DEFAULT_TIMEOUT_S)))
+            timeout = timedelta(seconds=config.get("timeout", DEFAULT_TIMEOUT_S))
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                    store=launch_store(timeout))
         if config.get("nnodes", 1) > 1:
             events.write("run", run_id=_shared_run_id(run, namespace))
         worker = build_worker(config, events, rank, world_size, device, namespace, run)
@@ -219,6 +222,21 @@ def write_model(state: dict, directory: Path, rank: int) -> Path:
     finally:
         os.close(folder)
     return target
+
+
+def launch_store(timeout: timedelta) -> dist.Store | None:
+    """The store of the launch on one machine (dsgd's agent: a Unix socket only this user
+    reaches); None under torchrun, whose environment names its TCP store (env://)."""
+    global _STORE
+    path = os.environ.get(STORE_VARIABLE)
+    if path is not None and _STORE is None:
+        _STORE = LocalStore(path, timeout)
+    return _STORE
+
+
+# torch keeps only the C++ half of a store written in Python: the Python object must stay
+# alive for as long as the process group uses it, or its methods are lost ("pure virtual").
+_STORE: LocalStore | None = None
 
 
 def device_and_backend(local_rank: int, kind: str | None = None) -> tuple[torch.device, str]:
