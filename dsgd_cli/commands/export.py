@@ -4,8 +4,12 @@ pandas, polars or a spreadsheet."""
 from __future__ import annotations
 
 import csv
+import os
+import secrets
 import sys
-from typing import TYPE_CHECKING, Annotated, Iterator, Optional
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Annotated, Iterator, Optional
 
 import typer
 
@@ -70,13 +74,16 @@ def export(
         for line in trackers.write(fmt, output, chosen, rows):
             typer.echo(line)
         return
+    if output is not None:
+        _check_file_name(output)
     try:
-        if fmt == "parquet":
-            _write_parquet(rows, columns, output)
-        elif output is None:
+        if output is None:
             _write_text(rows, columns, fmt, sys.stdout)
+        elif fmt == "parquet":
+            with _replacing(output, "wb") as file:
+                _write_parquet(rows, columns, file)
         else:
-            with open(output, "w", newline="") as file:
+            with _replacing(output, "w") as file:
                 _write_text(rows, columns, fmt, file)
     except BrokenPipeError:
         raise  # stdout's reader left (`| head`): click ends quietly
@@ -128,7 +135,7 @@ def _write_text(rows: Iterator[list], columns: list[str], fmt: str, file) -> Non
     file.write("\n]\n")
 
 
-def _write_parquet(rows: Iterator[list], columns: list[str], output: str) -> None:
+def _write_parquet(rows: Iterator[list], columns: list[str], output: IO[bytes]) -> None:
     try:
         import pyarrow
         import pyarrow.parquet
@@ -137,3 +144,28 @@ def _write_parquet(rows: Iterator[list], columns: list[str], output: str) -> Non
     table = list(zip(*rows)) or [[] for _ in columns]
     arrays = {name: pyarrow.array(list(values)) for name, values in zip(columns, table)}
     pyarrow.parquet.write_table(pyarrow.table(arrays), output)
+
+
+def _check_file_name(output: str) -> None:
+    """--output names a file to write, not a directory (`-o ''` is the current one)."""
+    if Path(output).is_dir():
+        raise DsgdError(f"--output {output}: is a directory; name the file to write")
+
+
+@contextmanager
+def _replacing(output: str, mode: str) -> Iterator[IO]:
+    """A file to write that becomes `output` once whole: a new file beside it, renamed over
+    it. A rename replaces whatever is at `output`, a link another user planted there included,
+    and never writes through it; on an error `output` is left as it was."""
+    path = Path(output)
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    # O_EXCL: a file made now, never one (or a link) already there; 0o666 less the umask, as
+    # any file the user writes.
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    try:
+        with os.fdopen(descriptor, mode, **({} if "b" in mode else {"newline": ""})) as file:
+            yield file
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise

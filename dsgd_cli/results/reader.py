@@ -12,8 +12,8 @@ it wrote through a `ResultsReader` over its own engine.
 
 from __future__ import annotations
 
-import json
 import sqlite3
+import sys
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,6 +22,7 @@ from functools import cached_property
 from typing import Any, Iterable, Iterator, NamedTuple
 
 from dsgd_cli.errors import DsgdError, StoreError
+from dsgd_cli.results import strictjson
 from dsgd_cli.results.database import (missing_driver_error, one_line, read_only_uri, resolve_url,
                                        shown_db, sqlite_path)
 from dsgd_cli.results.schema import (CHECKPOINTS, MAX_ID, META, METRICS, PARAMS, PLUGIN_VERSIONS,
@@ -87,7 +88,9 @@ class ParamRecord(NamedTuple):
 @dataclass(eq=False)  # compared and hashed by identity: `query` caches per run object
 class RunRecord:
     """One run of an experiment with its tags (sorted names); read with `details`, also its
-    parameters, plugin versions and metric summaries (each sorted by name)."""
+    parameters, plugin versions and metric summaries (each sorted by name). `config` is the
+    run's whole configuration in the current version's layout, whatever version of dsgd stored
+    it (`config_versions.upgrade_config`)."""
 
     id: int
     experiment: str
@@ -100,7 +103,7 @@ class RunRecord:
     compressor: str
     optimizer: str
     workers: int
-    config_json: str | dict  # as stored: SQLite gives the text, PostgreSQL's driver a dict
+    config: dict
     dsgd_version: str
     host: str
     started_at: datetime
@@ -109,16 +112,6 @@ class RunRecord:
     params: list[ParamRecord] = field(default_factory=list)
     plugins: list[PluginRecord] = field(default_factory=list)
     summaries: list[SummaryRecord] = field(default_factory=list)
-
-    @cached_property
-    def config(self) -> dict:
-        """The run's whole configuration, decoded when first asked for (a table of thousands
-        of runs that shows no configuration key never decodes it), in the current version's
-        layout whatever version of dsgd stored it (`config_versions.upgrade_config`)."""
-        try:
-            return upgrade_config(_json(self.config_json))
-        except DsgdError as error:
-            raise DsgdError(f"run {self.id}: {error}") from None
 
     @property
     def clock(self) -> str:
@@ -133,13 +126,16 @@ class RunRecord:
 class ResultsReader:
     """The results database, read. The database must exist and hold dsgd's tables; it is
     opened read-only and never changed, not even upgraded: what an older schema lacks reads as
-    empty (a schema-1 database has no tags)."""
+    empty (a schema-1 database has no tags). A run whose row cannot be read (written by another
+    program, or edited by hand) is left out of every list of runs, and said on stderr once:
+    one bad row must not hide the others."""
 
     def __init__(self, db: str | None = None, writer_engine=None):
         """`writer_engine`: read through the engine of a `ResultsWriter` that has just created
         or upgraded the schema (so nothing is left to check), rather than open `db` read-only."""
         self.url = resolve_url(db)
         self.shown_url = shown_db(db)  # for messages
+        self._skipped: set[int] = set()  # the ids of the unreadable runs left out so far
         if writer_engine is not None:
             self.engine = writer_engine  # (in place of the read-only engine made on first use)
             self._sql = EngineReader(writer_engine, self.shown_url)
@@ -189,7 +185,37 @@ class ResultsReader:
         """Runs, oldest first; `last` keeps the newest N; `experiments` filters by name (a
         grid's base name matches all its points); `ids` by run id. Each run comes with its
         tags. `details`: also each run's summaries, plugins and parameters; without them
-        thousands of runs load much faster (`finals` gives their metrics)."""
+        thousands of runs load much faster (`finals` gives their metrics). An unreadable run is
+        skipped (see `_skip`)."""
+        runs = []
+        for row in self._run_rows(experiments, last, ids):
+            try:
+                runs.append(self._read_run(row))
+            except UnreadableRun as unreadable:
+                self._skip(unreadable)
+        self._attach(runs, details)
+        return runs
+
+    def get_run(self, run_id: int) -> RunRecord | None:
+        """The run with its details, or None (also for an id no database integer can hold);
+        UnreadableRun for a run whose row cannot be read."""
+        rows = self._run_rows(ids=[run_id])
+        if not rows:
+            return None
+        run = self._read_run(rows[0])
+        self._attach([run], details=True)
+        return run
+
+    def _skip(self, unreadable: UnreadableRun) -> None:
+        """Leave out an unreadable run, saying so on stderr the first time (a command may
+        read the runs more than once)."""
+        if unreadable.run_id not in self._skipped:
+            self._skipped.add(unreadable.run_id)
+            print(f"dsgd: {unreadable}: skipped", file=sys.stderr)
+
+    def _run_rows(self, experiments: list[str] | None = None, last: int | None = None,
+                  ids: list[int] | None = None) -> list[tuple]:
+        """The rows of `runs` that `runs()` asks for, oldest first."""
         conditions, params = [], {}
         if ids is not None:
             ids = [i for i in ids if 0 < i <= MAX_ID]
@@ -209,14 +235,20 @@ class ResultsReader:
         if last:
             sql += " LIMIT :last"
             params["last"] = last
-        runs = [_run(row) for row in reversed(self._sql.rows(sql, params))]
-        self._attach(runs, details)
-        return runs
+        return list(reversed(self._sql.rows(sql, params)))
 
-    def get_run(self, run_id: int) -> RunRecord | None:
-        """The run with its details, or None (also for an id no database integer can hold)."""
-        found = self.runs(ids=[run_id])
-        return found[0] if found else None
+    def _read_run(self, row: tuple) -> RunRecord:
+        """The run of a row of `runs`; UnreadableRun, naming it, where a value cannot be read."""
+        run_id = row[RUN_FIELDS.index("id")]
+        try:
+            return _run(row)
+        except BadValue as bad:
+            raise self._unreadable(run_id, f"{RUNS}.{bad}") from None
+        except DsgdError as error:  # a configuration stored by a newer dsgd
+            raise UnreadableRun(run_id, f"run {run_id}: {error}") from None
+
+    def _unreadable(self, run_id: int, problem: str) -> UnreadableRun:
+        return UnreadableRun(run_id, f"run {run_id} in {self.shown_url} is unreadable ({problem})")
 
     def _attach(self, runs: list[RunRecord], details: bool) -> None:
         """Give each run its tags and, with `details`, its parameters, plugins and summaries."""
@@ -274,7 +306,12 @@ class ResultsReader:
             return []
         rows = self._sql.rows(CHECKPOINTS.select("resumes") + " WHERE run_id = :run_id",
                               {"run_id": run_id})
-        return (_json(rows[0][0]) or []) if rows else []
+        if not rows:
+            return []
+        try:
+            return _resumes(rows[0][0])
+        except BadValue as bad:
+            raise self._unreadable(run_id, f"{CHECKPOINTS}.{bad}") from None
 
     def metric_history(self, run_id: int, name: str) -> list[Record]:
         """A metric's records for the run, in the order they were recorded."""
@@ -374,11 +411,87 @@ def schema_version(value: str | None, shown_url: str) -> int | None:
 
 
 def _run(row: tuple) -> RunRecord:
+    """The run of a row of `runs`: BadValue where a value cannot be read, DsgdError for a
+    configuration stored by a newer dsgd."""
     values = dict(zip(RUN_FIELDS, row))
-    values["config_json"] = values.pop("config")
-    values["started_at"] = _utc(values["started_at"])
-    values["ended_at"] = _utc(values["ended_at"])
+    values["config"] = _config(values["config"])
+    values["started_at"] = _time(values["started_at"], "started_at")
+    if values["ended_at"] is not None:
+        values["ended_at"] = _time(values["ended_at"], "ended_at")
     return RunRecord(**values)
+
+
+class BadValue(Exception):
+    """A stored value that cannot be read: `column: reason`."""
+
+    def __init__(self, column: str, reason: str):
+        super().__init__(f"{column}: {reason}")
+
+
+class UnreadableRun(StoreError):
+    """A run whose records cannot be read; the message names the run."""
+
+    def __init__(self, run_id: int, message: str):
+        super().__init__(message)
+        self.run_id = run_id
+
+
+MAX_CONFIG_NESTING = 64  # a configuration dsgd writes nests a few levels; Python's recursion ~1000
+
+
+def _config(stored: Any) -> dict:
+    """A stored configuration, decoded, in the current version's layout."""
+    try:
+        config = _json(stored)
+    except strictjson.NotJson as error:
+        raise BadValue("config", str(error)) from None
+    if not isinstance(config, dict):
+        raise BadValue("config", "not a JSON object")
+    # Deeper, copying, flattening or showing it would end in a RecursionError.
+    if _nesting(config) > MAX_CONFIG_NESTING:
+        raise BadValue("config", "JSON nested too deep")
+    try:
+        return upgrade_config(config)
+    except (AttributeError, TypeError):  # a section of another shape than dsgd writes
+        raise BadValue("config", "not a configuration dsgd wrote") from None
+
+
+def _nesting(value: Any) -> int:
+    """How deep objects and lists nest in `value` (0: neither), counted without recursion."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in item)
+    return deepest
+
+
+def _resumes(stored: Any) -> list[dict]:
+    """A run's stored resumes: a list of {"at": ISO time, "step": step}."""
+    try:
+        resumes = _json(stored) or []
+    except strictjson.NotJson as error:
+        raise BadValue("resumes", str(error)) from None
+    if not (isinstance(resumes, list)
+            and all(isinstance(r, dict) and {"at", "step"} <= r.keys() for r in resumes)):
+        raise BadValue("resumes", "not a list of resumes")
+    return resumes
+
+
+def _time(stored: Any, column: str) -> datetime:
+    """A stored time as an aware UTC datetime. SQLite holds the UTC time as text without an
+    offset; PostgreSQL's driver gives a datetime in its session's time zone."""
+    try:
+        value = datetime.fromisoformat(stored) if isinstance(stored, str) else stored
+        if isinstance(value, datetime):
+            return (value.replace(tzinfo=timezone.utc) if value.tzinfo is None
+                    else value.astimezone(timezone.utc))
+    except (ValueError, OverflowError):  # (OverflowError: before year 1 once in UTC)
+        pass
+    raise BadValue(column, "not a time")
 
 
 def _in_list(column: str, values: list, params: dict[str, Any]) -> str:
@@ -390,18 +503,9 @@ def _in_list(column: str, values: list, params: dict[str, Any]) -> str:
 
 
 def _json(value: Any) -> Any:
-    """A JSON column's value: SQLite gives its text, PostgreSQL's driver the decoded value."""
-    return json.loads(value) if isinstance(value, str) else value
-
-
-def _utc(value: datetime | str | None) -> datetime | None:
-    """A stored time as an aware UTC datetime. SQLite holds the UTC time as text without an
-    offset; PostgreSQL's driver gives a datetime in its session's time zone."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = datetime.fromisoformat(value)
-    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+    """A JSON column's value: SQLite gives its text, PostgreSQL's driver the decoded value;
+    strictjson.NotJson for text that is not JSON."""
+    return strictjson.loads(value) if isinstance(value, (str, bytes)) else value
 
 
 # -- the two ways in -----------------------------------------------------------------------------

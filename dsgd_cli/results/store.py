@@ -497,7 +497,9 @@ class ResultsWriter:
         them away (those it lacks are ignored). Returns the run's tags afterwards, sorted."""
         tags = sorted(set(check_tag(tag) for tag in tags))
         with Session(self.engine) as session, session.begin():
-            if not (0 < run_id <= MAX_ID and session.get(Run, run_id)):
+            # Only its id: a run whose other values cannot be read can still be tagged.
+            if not (0 < run_id <= MAX_ID
+                    and session.scalar(select(Run.id).where(Run.id == run_id))):
                 raise StoreError(f"no run with id {run_id}")
             if remove:
                 session.execute(delete(Tag).where(Tag.run_id == run_id, Tag.tag.in_(tags)))

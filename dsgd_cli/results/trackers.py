@@ -17,6 +17,7 @@ import yaml
 
 from dsgd_cli.errors import DsgdError, Interrupted
 from dsgd_cli.results.reader import flatten_config
+from dsgd_cli.spec.directories import refuse_shared, refuse_untrusted
 
 if TYPE_CHECKING:
     from dsgd_cli.results.reader import RunRecord
@@ -28,6 +29,7 @@ MLFLOW_STATUS = {"completed": "FINISHED", "failed": "FAILED", "diverged": "FAILE
 TENSORBOARD_STATUS = {"completed": "STATUS_SUCCESS", "failed": "STATUS_FAILURE",
                       "diverged": "STATUS_FAILURE", "running": "STATUS_RUNNING"}
 DEFAULT_MLFLOW_EXPERIMENT = "dsgd"
+RUN_DIRECTORY = "--output: the run's directory"  # what a TensorBoard run's directory is called
 
 
 class Value(NamedTuple):
@@ -52,7 +54,7 @@ def write(fmt: str, target: str, runs: list[RunRecord], rows: Iterable[list]) ->
     time; yields a line to tell the user after each."""
     histories = _histories(runs, rows)
     if fmt == "tensorboard":
-        return _write_tensorboard(Path(target), histories)
+        return _write_tensorboard(Path(target), runs, histories)
     return _write_mlflow(target, histories)
 
 
@@ -102,7 +104,7 @@ def run_directory_name(run: RunRecord) -> str:
     return f"run-{run.id}-" + re.sub(r"[^\w.,=+\-\[\]]", "_", run.experiment)
 
 
-def _write_tensorboard(directory: Path, histories) -> Iterator[str]:
+def _write_tensorboard(directory: Path, runs: list[RunRecord], histories) -> Iterator[str]:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # torch's writer needs the tensorboard package
@@ -110,8 +112,15 @@ def _write_tensorboard(directory: Path, histories) -> Iterator[str]:
     if directory.exists() and not directory.is_dir():
         raise DsgdError(f"--output {directory}: not a directory (--format tensorboard writes "
                         "a directory per run in it)")
+    for run_dir in (directory / run_directory_name(run) for run in runs):
+        if os.path.lexists(run_dir):  # refused before any run is written
+            refuse_untrusted(run_dir, RUN_DIRECTORY)
     for run, values in histories:
         run_dir = directory / run_directory_name(run)
+        try:
+            _make_run_directory(run_dir)
+        except OSError as error:
+            raise DsgdError(f"--output {directory}: {error.strerror}") from None
         if any(run_dir.glob("events.out.tfevents.*")):
             yield f"skipped run {run.id}: {run_dir} already has event files"
             continue
@@ -122,6 +131,20 @@ def _write_tensorboard(directory: Path, histories) -> Iterator[str]:
         with writer:
             _write_tensorboard_run(writer, run, values)
         yield f"wrote {run_dir}"
+
+
+def _make_run_directory(run_dir: Path) -> None:
+    """Make a run's directory in the export's, or take the one already there, as `save_dir`'s
+    experiment directories are: refused (UntrustedDirectory) when the export's directory lets
+    other users swap what is in it, or the run's directory is a link or another user's (the
+    event files would go wherever it points)."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    refuse_shared(run_dir.parent, "--output")
+    try:
+        os.mkdir(run_dir)
+    except FileExistsError:
+        pass  # an earlier export's, or planted: `refuse_untrusted` tells
+    refuse_untrusted(run_dir, RUN_DIRECTORY)
 
 
 def _write_tensorboard_run(writer, run: RunRecord, values: list[Value]) -> None:
