@@ -13,7 +13,10 @@ with `slow_momentum` β and `slow_lr` α, and γ per parameter: its param group'
 slow step the exact average replaces the base's exchange of that step (local SGD's average,
 SGP's push-sum round), as in the authors' implementation: the model travels once. Over `sgp`
 the exact average is that of the push-sum numerators, (1/n) Σ x_i (Σ w_i = n, so it is what
-push-sum converges to), and every worker restarts push-sum from the new x with weight 1. The
+push-sum converges to), and every worker restarts push-sum from the new x with weight 1. A
+skipped round does not skip its graph: SGP's time-varying graph advances by rounds run, so the
+round after a slow step takes the graph the skipped round would have had, as in fairscale,
+whose gossiper moves to the next graph inside each round (`SGP.skip_round`). The
 defaults are those of the authors' own implementation (fairscale's SlowMo: τ = 48, β = 0.5,
 α = 1, local SGD averaging every 3).
 
@@ -90,10 +93,10 @@ class SlowMo(Aggregator):
             return
         # The slow step's exact average replaces the base's exchange of this step. Local SGD's
         # after_step is only its average; SGP's is the optimizer's update of the numerator,
-        # kept, then a push-sum round, skipped: a round keeps Σ x_i, so x_avg is unchanged.
-        push_sum = self.push_sum()
-        if push_sum is not None:
-            push_sum.apply_update(self.base.vector.read() - self.base.before)
+        # kept, then a push-sum round, skipped (a round keeps Σ x_i, so x_avg is unchanged),
+        # and the next round takes this one's graph.
+        if self.push_sum() is not None:
+            self.base.skip_round(step)
         self.slow_momentum_step(step)
 
     def finish(self):

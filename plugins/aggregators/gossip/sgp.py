@@ -7,7 +7,13 @@ model the worker computes with, and reports, is the de-biased z_i = x_i / w_i. E
 2. the step updates the numerator: x_i += Δz_i, the optimizer's change of z_i (plain SGD:
    x_i -= η g(z_i), the paper's Algorithm 1; see `PushSum.apply_update`);
 3. one synchronous push-sum round with the column-stochastic shares `push_weights` of the
-   topology at this step; then z_i = x_i / w_i goes back into the model.
+   topology's graph for this round; then z_i = x_i / w_i goes back into the model.
+
+A time-varying graph advances by push-sum round, not by step: round r (the r-th round run)
+uses the topology's graph r. Alone, sgp runs a round every step, so round r is step r. A
+wrapper that replaces some step's round by an exchange of its own (`slowmo`'s slow step) calls
+`skip_round` instead of `after_step`; the next round then takes the graph the skipped one
+would have had, as the authors' gossiper does (it moves to the next graph inside each round).
 
 Under `failures` (failure_mode "continue", docs/failures.md): the mass (x_i, w_i) a failed
 node held is lost with it (its pair becomes (0, 0)); a worker keeps the share it would have
@@ -66,6 +72,9 @@ class SGP(Aggregator):
         self.inbox: dict[int, torch.Tensor] = {}
         self.before: torch.Tensor | None = None
         self.down: set[int] = set()  # ranks down (failures, continue)
+        # Steps whose round a wrapper replaced (`skip_round`); saved in checkpoints. Counting
+        # these, not the rounds run, keeps round = step for sgp alone, from any checkpoint.
+        self.rounds_skipped = 0
 
     def before_forward(self, step):
         self.before = self.vector.read()
@@ -76,6 +85,18 @@ class SGP(Aggregator):
             self.gossip(step)
         if self.rank not in self.down:  # a down worker holds no mass: nothing to de-bias
             self.vector.write(self.state.debiased())
+
+    def skip_round(self, step):
+        """`after_step` without the push-sum round, for a wrapper whose own exchange replaces
+        this step's round: the optimizer's update of the numerator is kept, and the next round
+        takes the graph this one would have had. The wrapper writes the model back itself."""
+        self.state.apply_update(self.vector.read() - self.before)
+        self.rounds_skipped += 1
+
+    def round_at(self, step: int) -> int:
+        """The index of the round of `step`: the rounds run before it, one per step except
+        the skipped ones (every worker skips the same steps, so all agree on it)."""
+        return step - self.rounds_skipped
 
     def worker_left(self, rank, step):
         self.down.add(rank)
@@ -94,25 +115,28 @@ class SGP(Aggregator):
             self.state.absorb(self.ctx.comm.recv(buffer, source, self.group))
             self.vector.write(self.state.debiased())
 
-    def live_shares(self, step: int) -> dict[int, float]:
-        """The topology's shares at `step`, with those of down peers kept by this worker."""
-        shares = dict(push_weights(self.topology, self.rank, step))
+    def live_shares(self, round_index: int) -> dict[int, float]:
+        """The topology's shares in round `round_index`, with those of down peers kept by this
+        worker."""
+        shares = dict(push_weights(self.topology, self.rank, round_index))
         for peer in self.down & shares.keys() - {self.rank}:
             shares[self.rank] += shares[peer]
             shares[peer] = 0.0
         return shares
 
     def gossip(self, step: int) -> None:
-        """One synchronous push-sum round on the graph of `step`."""
+        """The synchronous push-sum round of `step`, on the topology's graph of that round."""
         comm, rank, state = self.ctx.comm, self.rank, self.state
+        round_index = self.round_at(step)
+        in_peers = self.topology.in_peers(rank, round_index)
         receives = []
-        for peer in self.topology.in_peers(rank, step):
+        for peer in in_peers:
             buffer = self.inbox.setdefault(
                 peer, message_buffer(state.numerator.numel(), state.numerator.dtype))
             receives.append(comm.irecv(buffer, peer, self.group))
-        messages = state.emit(self.live_shares(step), rank, step, step)
+        messages = state.emit(self.live_shares(round_index), rank, round_index, step)
         sends = [comm.isend(message, peer, self.group) for peer, message in messages.items()]
         for handle in receives + sends:
             handle.wait()
-        for peer in self.topology.in_peers(rank, step):
+        for peer in in_peers:
             state.absorb(self.inbox[peer])
