@@ -95,10 +95,11 @@ def test_set_changes_every_experiment_and_wins_over_spec_and_grid(tmp_path):
 
 
 @pytest.mark.parametrize("sets, expected", [
-    (["optimizer.lrr=0.1"], "spec.yaml: experiments[0].optimizer.lrr: unknown option 'lrr'"),
-    (["epochs=-1"], "spec.yaml: experiments[0].epochs: expected an integer between 1"),
-    (["epochs"], "--set 'epochs': expected KEY=VALUE, e.g. optimizer.lr=0.1"),
-    (["epochs=[1"], "--set 'epochs=[1': the value is not YAML"),
+    # errors in a --set value name the --set key, not the spec (tests/test_set_values.py)
+    (["optimizer.lrr=0.1"], "dsgd: error: --set optimizer.lrr: unknown option 'lrr'"),
+    (["epochs=-1"], "dsgd: error: --set epochs: expected an integer between 1"),
+    (["epochs"], "dsgd: error: --set: expected KEY=VALUE, e.g. optimizer.lr=0.1, got 'epochs'"),
+    (["epochs=[1"], "dsgd: error: --set epochs: invalid YAML: line 1, column 3: "),
     (["name=x"], "--set name: --set key must name an experiment key, a plugin option"),
 ])
 def test_a_bad_set_is_one_line_exit_2_and_runs_nothing(tmp_path, sets, expected):
@@ -198,10 +199,21 @@ def test_dry_run_prints_plan_and_commands(tmp_path):
     result = dsgd_in_process("run", str(spec), "--dry-run", "--db", str(tmp_path / "r.db"))
     assert result.returncode == 0, result.stderr
     assert "plain: 2 workers, task logreg, aggregator allreduce" in result.stdout
-    assert "torch.distributed.run --standalone --nproc-per-node=2" in result.stdout
-    # One line per experiment, one torchrun command per launch: `plain` and `other-optimizer`
-    # share one; the grid's worker counts alternate (1, 2, 1, 2), so each point has its own.
+    # On one machine dsgd's agent starts the workers: no torchrun command is shown
+    assert "2 workers forked by dsgd's agent" in result.stdout
+    assert "torch.distributed.run" not in result.stdout
+    # One line per experiment, one starter per launch: `plain` and `other-optimizer` share
+    # one; the grid's worker counts alternate (1, 2, 1, 2), so each point has its own.
     assert result.stdout.count(" workers, task logreg, ") == 6
+    assert result.stdout.count("forked by dsgd's agent") == 5
+
+
+def test_dry_run_shows_torchrun_where_torchrun_starts_the_workers(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSGD_LAUNCHER", "torchrun")
+    spec = write_spec(tmp_path, GOOD)
+    result = dsgd_in_process("run", str(spec), "--dry-run", "--db", str(tmp_path / "r.db"))
+    assert result.returncode == 0, result.stderr
+    assert "torch.distributed.run --standalone --nproc-per-node=2" in result.stdout
     assert result.stdout.count("dsgd_cli.worker.process") == 5
     assert not (tmp_path / "r.db").exists()
     assert "experiments in" not in result.stderr  # small plans are not announced

@@ -52,6 +52,7 @@ def run(
                                  "with --resume, where the run's checkpoints are now")] = None,
 ) -> None:
     """Run every experiment in SPEC (default ./experiments.yaml) and record it in the database."""
+    from dsgd_cli.launch.launch_dirs import launch_root, remove_stale
     from dsgd_cli.launch.torchrun import early_start
 
     launch = {"nnodes": nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint,
@@ -61,6 +62,9 @@ def run(
     from dsgd_cli.spec.specfile import parse_set
 
     overrides = [parse_set(text) for text in sets or []]
+    if not dry_run:
+        launch_root()  # a TMPDIR another user could swap launches in is refused (exit 2)
+        remove_stale()  # the launch directories of this user's `dsgd run`s that were killed
     early = (None if dry_run or resume is not None
              else early_start(spec, experiment, workers, launch, overrides))
     try:
@@ -183,9 +187,19 @@ def _stats(p: RunProgress) -> str:
     return "  ".join(parts)
 
 
+def _starter(shape) -> str:
+    """What will start the launch's workers: dsgd's agent on one machine, else torchrun."""
+    from dsgd_cli.launch import agent
+    from dsgd_cli.launch.torchrun import command
+
+    if shape.nodes is None and agent.wanted():
+        return (f"{shape.workers} worker{'s' if shape.workers != 1 else ''} forked by dsgd's "
+                f"agent (DSGD_LAUNCHER=torchrun: one torchrun instead)")
+    return shlex.join(command(shape, "<experiments.json>", "<launch-dir>"))
+
+
 def _print_plan(launches) -> None:
     from dsgd_cli.launch.launcher import launch_shape
-    from dsgd_cli.launch.torchrun import command
     from dsgd_cli.spec.describe import Describer
 
     describer = Describer()
@@ -199,8 +213,7 @@ def _print_plan(launches) -> None:
                      f"{first.nodes.node_rank} of {first.nodes.nnodes})")
         lines.append(f"launch {number}: {count} experiment{'s' if count > 1 else ''} on "
                      f"{first.workers} workers{where} ({planned.device.kind})")
-        lines.append("  " + shlex.join(command(launch_shape(first), "<experiments.json>",
-                                               "<launch-dir>")))
+        lines.append("  " + _starter(launch_shape(first)))
         for exp in planned.experiments:
             c = exp.config
             lines.append(f"  {exp.name}: {c['workers']} workers, task {c['task']['name']}, "

@@ -18,7 +18,7 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dsgd_cli.launch import agent, forkserver
+from dsgd_cli.launch.launch_dirs import RUN_MARKER, make_launch_dir
 from dsgd_cli.launch.agent import LocalAgent
 from dsgd_cli.launch.outcome import WorkerExit, listed_ranks, torchrun_failures
 from dsgd_cli.spec import specfile
@@ -33,7 +34,6 @@ from dsgd_cli.errors import SpecError
 from dsgd_cli.comm.events import LAUNCHER_PID
 from dsgd_cli.spec.nodes import NodePlan, check_split, local_workers
 
-RUN_MARKER = "DSGD_RUN_DIR"  # set in the environment of a launch's processes
 TERMINATE_WAIT_S = 5.0  # after SIGTERM, before SIGKILL
 # glibc: allocations under 64 MiB come from the heap, which keeps up to 256 MiB free.
 MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(64 * 2**20),
@@ -203,8 +203,7 @@ class Torchrun:
 
     def __init__(self, shape: Shape):
         self.shape = shape
-        self._directory = tempfile.TemporaryDirectory(prefix="dsgd-launch-")
-        self.dir = Path(self._directory.name)
+        self.dir = make_launch_dir()
         self.plan_path = self.dir / "experiments.json"
         self.log_path = self.dir / "torchrun.log"
         # torchrun's process, or the agent that stands in its place (agent.LocalAgent)
@@ -349,7 +348,7 @@ class Torchrun:
         if self.fork_server is not None:
             self.fork_server.kill()  # nothing happens if stop() ended it
             self.fork_server.wait()
-        self._directory.cleanup()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def early_start(spec: str | Path, only: list[str] | None, workers: int | None,
