@@ -241,6 +241,8 @@ class _Launcher:
         launch's shape."""
         self.torchrun = _torchrun_for(launch_shape(self.experiments[0]), early)
         with _Interrupts() as interrupts:
+            # A write waiting for a busy database gives up once a signal is noted.
+            self.store.interrupted = lambda: bool(interrupts.caught)
             try:
                 self.begin(0)
                 self._write_plan()
@@ -258,6 +260,7 @@ class _Launcher:
                 raise
             finally:
                 self.torchrun.close()
+                self.store.interrupted = lambda: False
         return self.results
 
     def begin(self, index: int) -> None:

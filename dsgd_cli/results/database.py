@@ -19,7 +19,9 @@ from dsgd_cli.errors import StoreError
 from dsgd_cli.results import strictjson
 
 DEFAULT_DB = "dsgd.db"
-SQLITE_BUSY_TIMEOUT = 30  # seconds a writer waits for another's lock
+# Seconds a writer waits for another's lock before SQLite says "database is locked"; the
+# results store's writes then try again (busy.py).
+SQLITE_BUSY_TIMEOUT = 5
 
 # A URL starts with its scheme (`postgresql+psycopg://`, `sqlite://`); anything else is a path.
 _URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -96,7 +98,7 @@ def make_engine(url: str, readonly: bool):
         engine = create_engine("sqlite://", creator=lambda: sqlite3.connect(uri, uri=True))
         event.listen(engine, "connect", _sqlite_pragmas(journal=False))
         return engine
-    # A writer waits up to 30 s for another's lock instead of failing at once.
+    # A writer waits for another's lock instead of failing at once.
     engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT},
                            json_serializer=strictjson.dumps)
     event.listen(engine, "connect", _sqlite_pragmas(journal=not readonly))

@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from sqlalchemy import (JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, or_,
                         delete, insert, inspect, select, text, update)
@@ -31,6 +31,7 @@ from sqlalchemy.types import TypeDecorator
 from dsgd_cli import __version__
 from dsgd_cli.errors import StoreError
 from dsgd_cli.results import strictjson
+from dsgd_cli.results.busy import while_busy
 from dsgd_cli.results.database import (make_engine, missing_driver_error, one_line, resolve_url,
                                        shown_db, sqlite_path)
 from dsgd_cli.results.reader import (EngineReader, ResultsReader, Unreadable, check_schema,
@@ -334,6 +335,9 @@ class ResultsWriter:
         one without dsgd's tables, and creates nothing."""
         self.url = resolve_url(db)
         self.shown_url = shown_db(db)  # for messages
+        # Whether to stop waiting for a busy database (busy.py); the launcher sets it while it
+        # notes signals instead of raising them.
+        self.interrupted: Callable[[], bool] = lambda: False
         path = sqlite_path(self.url)
         if not create and path is not None and not Path(path).is_file():
             raise StoreError(f"no results database at {path} (`dsgd run` creates one)")
@@ -365,6 +369,7 @@ class ResultsWriter:
     resumes = _Read()
     connect = _Read()
 
+    @while_busy
     def _migrate(self) -> None:
         """Create the schema of a new database, or upgrade an older one one version at a time,
         then probe that the database can be written. One transaction, holding the database's
@@ -400,6 +405,7 @@ class ResultsWriter:
 
     # -- writing ------------------------------------------------------------------------------
 
+    @while_busy
     def create_run(self, experiment: str, config: dict[str, Any], spec_file: str | None,
                    plugins: Iterable[tuple[str, str, str, str]],
                    checkpoint_dir: str | None = None) -> int:
@@ -420,6 +426,7 @@ class ResultsWriter:
                 session.add(Checkpoints(run_id=run.id, directory=checkpoint_dir, resumes=[]))
             return run.id
 
+    @while_busy
     def resume_run(self, run_id: int, step: int, directory: str | None = None) -> None:
         """Reopen an interrupted or failed run at its checkpoint of `step`: the metrics recorded
         after that step (and the run-level ones, written at its end) go, as the resumed
@@ -437,6 +444,7 @@ class ResultsWriter:
             if directory is not None:
                 record.directory = directory
 
+    @while_busy
     def add_metrics(self, run_id: int, rows: list[MetricRow]) -> None:
         """Store `rows`, dropping any whose value is not a finite number (NaN is no value)."""
         rows = [row for row in rows if finite_number(row.value)]
@@ -455,6 +463,7 @@ class ResultsWriter:
             if session.get(Run, run_id) is None:
                 raise RunDeleted(run_id) from None
 
+    @while_busy
     def finish_run(self, run_id: int, status: str, reason: str | None = None,
                    failed_rank: int | None = None) -> None:
         """Close a run and write its summaries from the metric history."""
@@ -466,12 +475,14 @@ class ResultsWriter:
             run.ended_at = datetime.now(timezone.utc)
             _write_summaries(session, run_id)
 
+    @while_busy
     def refresh_summaries(self, run_id: int) -> None:
         """Write a run's summaries again from its metric history, changing nothing else (a
         node of a run over several machines whose last metrics came after the run ended)."""
         with Session(self.engine) as session, session.begin():
             _write_summaries(session, run_id)
 
+    @while_busy
     def delete_runs(self, run_ids: Iterable[int], force: bool = False) -> list[int]:
         """Delete runs with everything of theirs (metrics, summaries, parameters, plugin
         versions, tags), all or, when an id is unknown or (without `force`) a run is still
@@ -492,6 +503,7 @@ class ResultsWriter:
             session.execute(delete(Run).where(Run.id.in_(ids)))
         return ids
 
+    @while_busy
     def tag_run(self, run_id: int, tags: Iterable[str], remove: bool = False) -> list[str]:
         """Add `tags` to a run (those it has already are kept once), or with `remove` take
         them away (those it lacks are ignored). Returns the run's tags afterwards, sorted."""
