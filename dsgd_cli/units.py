@@ -28,3 +28,16 @@ def parse_duration(value: Any, path: str, *, positive: bool = False) -> float:
         bound = "> 0" if positive else ">= 0"
         raise SpecError(f"expected {DURATION_EXAMPLES} ({bound}), got {show(value)}", path=path)
     return seconds
+
+
+_READABLE_UNITS = (("days", 86400.0), ("h", 3600.0), ("min", 60.0), ("s", 1.0), ("ms", 1e-3),
+                   ("µs", 1e-6))
+
+
+def readable_duration(seconds: float) -> str:
+    """`seconds` in the largest unit that keeps it at least 1, to 3 significant digits, for
+    messages: `3.2 days`, `20 s`, `500 µs`."""
+    for unit, scale in _READABLE_UNITS:
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds:.3g} s"

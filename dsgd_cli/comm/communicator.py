@@ -31,6 +31,7 @@ from dsgd_cli.comm import by_messages
 from dsgd_cli.comm.cluster import LEVELS, Cluster
 # The emulated link, in real time (`emulation.network.real_network`); imported from here too.
 from dsgd_cli.emulation.network import NetworkModel
+from dsgd_cli.units import readable_duration
 
 
 DEFAULT_TIMEOUT_S = 600.0  # the spec's `timeout` when it has none
@@ -232,13 +233,25 @@ class Handle:
             allowed_end = (max(self._issued_at + self._emulated_s, waited_from)
                            + self._emulated_s * COMM_OVERRUN_TOLERANCE)
             self._comm._note_modeled(real_end > allowed_end)
-        _sleep_until(self._issued_at + self._emulated_s)
+        self._wait_for_modeled_end()
         if self._on_complete is not None:
             self._result = self._on_complete()
         self._done = True
         if self._tracked:
             self._comm._add(seconds=time.perf_counter() - started)
         return self._result
+
+    def _wait_for_modeled_end(self) -> None:
+        """Sleep until the modeled transfer ends. That wait is real and no real wait may last
+        the run's `timeout`: a transfer modeled that long (a link of a few bits per second)
+        fails now, as a real one would once the timeout is up, instead of sleeping for days
+        outside any collective, where no backend's timeout can end it."""
+        timeout = self._comm.timeout_s
+        if self._emulated_s >= timeout:
+            raise CommTimeout(f"{self._operation}: its modeled transfer lasts "
+                              f"{readable_duration(self._emulated_s)} of real time, not less "
+                              f"than the spec's timeout ({timeout:g} s)")
+        _sleep_until(self._issued_at + self._emulated_s)
 
 
 def _sleep_until(deadline: float) -> None:

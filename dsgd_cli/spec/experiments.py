@@ -29,6 +29,7 @@ from dsgd_cli.options import options_to_dict, parse_options, show
 from dsgd_cli.spec.specfile import one_line, selected
 from dsgd_cli.topology import TOPOLOGY_KINDS
 from dsgd_cli.spec.sharding import Shard, steps_per_epoch
+from dsgd_cli.spec.transfer_time import check_model_crosses_in_time, model_bytes, needs_model_size
 
 # The sections of a resolved config that name a plugin, each a registry kind.
 PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor", "lr_schedule")
@@ -80,14 +81,27 @@ def load_spec(path: str | Path, *, only: list[str] | None = None,
             experiments = resolve_document(document, workers_override=workers,
                                            launch_override=launch, overrides=overrides)
         except RecursionError:  # a YAML alias inside itself (`&a [*a]`), or absurd nesting
-            raise SpecError("nested too deeply, or a YAML alias contains itself") from None
+            raise SpecError(specfile.TOO_DEEP) from None
         for experiment in experiments:
             experiment.spec_text = text
         return select(experiments, only)
     except SpecError as error:
-        # One line whatever the spec holds: a key may contain a line break.
-        raise SpecError(one_line(error.detail), file=one_line(file),
-                        path=one_line(error.path) if error.path else None) from None
+        raise _located(error, file, [key for key, _ in overrides]) from None
+
+
+def _located(error: SpecError, file: str, set_keys: list[str]) -> SpecError:
+    """`error` naming where the bad value was written: the `--set KEY` whose value holds its
+    key path, else the spec file. One line whatever the spec holds: a key may contain a line
+    break."""
+    path = error.path
+    where = error.file  # set already where a --set key itself is wrong
+    set_key = specfile.set_key_holding(path, set_keys)
+    if set_key is not None:
+        where = specfile.set_origin(set_key)
+        inside = path.split(".", 1)[1]  # the key path within the experiment
+        path = None if inside == set_key else inside
+    return SpecError(one_line(error.detail), file=one_line(where or file),
+                     path=one_line(path) if path else None)
 
 
 def resolve_document(document: Any, workers_override: int | None = None,
@@ -171,6 +185,8 @@ def validate_experiment(raw: dict, path: str, name: str,
     cache.check_world(config["aggregator"], aggregator_key, keys.workers, keys.seed,
                       f"{path}.aggregator")
     check_failures(config, aggregator_cls, f"{path}.failures")
+    nbytes = cache.model_bytes(config["task"], task_key) if needs_model_size(config) else None
+    check_model_crosses_in_time(config, nbytes, path)
     config["aggregator"] = cache.resolve(aggregator_cls, config, aggregator_key,
                                          compressor_key, task_key, f"{path}.aggregator")
     return config
@@ -292,6 +308,7 @@ class _Cache:
     keys: dict = field(default_factory=dict)      # (kind, id(raw)) -> (raw, key); raw kept alive
     sections: dict = field(default_factory=dict)  # key -> (resolved section, flat?)
     examples: dict = field(default_factory=dict)  # task key -> train_examples()
+    sizes: dict = field(default_factory=dict)     # task key -> its model's parameter bytes
     worlds: set = field(default_factory=set)      # (aggregator key, workers, seed or None)
     schedules: set = field(default_factory=set)   # (schedule key, total steps, steps per epoch)
     compressors: set = field(default_factory=set)  # (aggregator key, compressor key)
@@ -327,6 +344,13 @@ class _Cache:
         if key not in self.examples:
             self.examples[key] = _train_examples(task, path)
         return self.examples[key]
+
+    def model_bytes(self, task: dict[str, Any], key: Any) -> int | None:
+        if key is None:
+            return model_bytes(task)
+        if key not in self.sizes:
+            self.sizes[key] = model_bytes(task)
+        return self.sizes[key]
 
     def check_compressor(self, cls: type, aggregator: dict[str, Any], aggregator_key: Any,
                          compressor: dict[str, Any], compressor_key: Any, path: str) -> None:

@@ -21,6 +21,7 @@ from dsgd_cli.options import check_finite
 from dsgd_cli.spec.experiment_options import EXPERIMENT_DEFAULTS  # every key, with its default
 
 TOP_LEVEL_KEYS = ("defaults", "experiments", "launch")
+TOO_DEEP = "nested too deeply, or a YAML alias contains itself"
 
 class SpecLoader(yaml.SafeLoader):
     """YAML 1.1 as PyYAML reads it, but `1e-3`, `1E6` or `-2.5e+4` are floats as in YAML 1.2,
@@ -37,14 +38,21 @@ SpecLoader.add_implicit_resolver(
 def read_document(path: Path) -> tuple[str, Any]:
     """The spec's text and its YAML; a SpecError (naming no file) if either is unreadable."""
     text = _read_text(path)
+    return text, load_yaml(text)
+
+
+def load_yaml(text: str) -> Any:
+    """`text` read as the spec reads YAML: `SpecLoader`'s numbers, a key given twice refused,
+    nesting too deep refused; a SpecError (naming no file) saying what is wrong and where
+    (line and column in `text`)."""
     try:
         loader = SpecLoader(text)
         try:
             node = loader.get_single_node()
             if node is None:  # an empty file
-                return text, None
+                return None
             check_unique_keys(node, "")
-            return text, loader.construct_document(node)
+            return loader.construct_document(node)
         finally:
             loader.dispose()
     except yaml.YAMLError as error:
@@ -140,16 +148,45 @@ def sections(document: Any, launch_override: dict[str, Any] | None = None
 
 
 def parse_set(text: str) -> tuple[str, Any]:
-    """`--set KEY=VALUE`: a dotted experiment key and a value read as YAML (`0.1`, `true`,
-    `[1, 2]`, `{name: sgd, lr: 0.1}`)."""
-    key, equals, value = text.partition("=")
+    """`--set KEY=VALUE`: a dotted experiment key and a value read as the spec file reads
+    YAML (`0.1`, `1e-3`, `true`, `[1, 2]`, `{name: sgd, lr: 0.1}`), under the same rules (no
+    key twice, no NaN or infinity, bounded nesting). Its errors name `--set KEY`."""
+    key, equals, raw = text.partition("=")
     key = key.strip()
     if not equals or not key:
-        raise SpecError(f"--set {text!r}: expected KEY=VALUE, e.g. optimizer.lr=0.1")
+        raise SpecError(f"expected KEY=VALUE, e.g. optimizer.lr=0.1, got {one_line(repr(text))}",
+                        file="--set")
     try:
-        return key, yaml.safe_load(value) if value.strip() else None
-    except yaml.YAMLError as error:
-        raise SpecError(f"--set {text!r}: the value is not YAML ({one_line(str(error))})") from None
+        value = load_yaml(raw) if raw.strip() else None
+        check_finite(value, "")
+    except SpecError as error:
+        raise SpecError(one_line(error.detail), file=set_origin(key),
+                        path=one_line(error.path) if error.path else None) from None
+    except RecursionError:  # `&a [*a]`: a value that contains itself
+        raise SpecError(TOO_DEEP, file=set_origin(key)) from None
+    return key, value
+
+
+def set_origin(key: str) -> str:
+    """How an error names the `--set KEY` its value came from."""
+    return one_line(f"--set {key}")
+
+
+_IN_AN_EXPERIMENT = re.compile(r"experiments\[\d+\]\.(.+)", re.DOTALL)
+
+
+def set_key_holding(path: str | None, keys: list[str]) -> str | None:
+    """The `--set` key (of `keys`) whose value holds the key path `path` of an error met in
+    an experiment (`experiments[0].optimizer.lr`), or None. A `--set` value replaces its key
+    whole in every experiment, so whatever lies under that key came from the command line."""
+    match = _IN_AN_EXPERIMENT.fullmatch(path or "")
+    if match is None:
+        return None
+    inside = match.group(1)
+    for key in reversed(keys):  # of two --set of one key, the last one is set
+        if inside == key or inside.startswith((key + ".", key + "[")):
+            return key
+    return None
 
 
 def points(defaults: dict, entries: list, workers_override: int | None = None,
@@ -169,7 +206,10 @@ def points(defaults: dict, entries: list, workers_override: int | None = None,
             if workers_override is not None:  # the command line wins over spec and grid
                 point["workers"] = workers_override
             for key, value in overrides:
-                _set_dotted(point, key, value, f"--set {key}", "--set key")
+                try:
+                    _set_dotted(point, key, value, "", "--set key")
+                except SpecError as error:
+                    raise SpecError(error.detail, file=set_origin(key)) from None
             yield Point(path, name, point)
 
 

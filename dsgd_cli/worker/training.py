@@ -146,7 +146,9 @@ class TrainingLoop:
         done = worker.stop_rule.after_resume(step) if resumed is not None else False
         failures = None
         if config.get("failures") is not None:
-            failures = emulate_failures(worker, clock.elapsed(), step, samples)
+            # From the run's start as the clock was set, not `clock.elapsed()`, which is
+            # already past it: a failure at time 0 (or at a resumed run's start) would be lost.
+            failures = emulate_failures(worker, seconds_before, step, samples)
         order_epoch = None
         augments = type(worker.task).augment is not Task.augment  # else no generator per step
         while not done:

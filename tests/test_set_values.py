@@ -1,0 +1,79 @@
+"""`dsgd run --set KEY=VALUE` reads VALUE as the spec file reads YAML (its numbers, no key
+twice, bounded nesting, no NaN) and every error about it names `--set KEY`, on one line,
+exit 2 (dsgd_cli/spec/specfile.py `parse_set`, experiments.py `load_spec`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import TINY_SPEC, dsgd_in_process, write_spec
+from dsgd_cli.spec.experiments import load_spec
+from dsgd_cli.spec.specfile import parse_set
+
+
+@pytest.fixture
+def spec(tmp_path):
+    return write_spec(tmp_path, TINY_SPEC)
+
+
+def _refused(spec, *sets: str) -> str:
+    """The one line of `dsgd run SPEC --dry-run --set ...`'s refusal."""
+    args = [arg for value in sets for arg in ("--set", value)]
+    result = dsgd_in_process("run", str(spec), "--dry-run", *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    return result.stderr.strip()
+
+
+def test_a_number_the_spec_file_accepts_is_accepted(spec):
+    result = dsgd_in_process("run", str(spec), "--dry-run", "--set", "optimizer.lr=1e-3")
+    assert result.returncode == 0, result.stderr
+    assert "optimizer options: lr=0.001," in result.stdout
+    (experiment,) = load_spec(spec, overrides=[parse_set("optimizer.lr=1e-3")])
+    assert experiment.config["optimizer"]["lr"] == 0.001
+
+
+def test_a_key_given_twice_in_a_value_is_refused(spec):
+    assert _refused(spec, "optimizer={name: sgd, lr: 1, lr: 2}") == (
+        "dsgd: error: --set optimizer: lr: key 'lr' given twice, on lines 1 and 1")
+
+
+@pytest.mark.parametrize("value", ["[" * 20_000, "[" * 600 + "]" * 600, "&a [*a]"])
+def test_a_value_nested_too_deeply_is_one_line(spec, value):
+    line = _refused(spec, f"optimizer.lr={value}")
+    assert line.startswith("dsgd: error: --set optimizer.lr: ")
+    assert "nested too deeply" in line
+
+
+def test_a_value_that_is_not_yaml_names_its_position_in_the_value(spec):
+    assert _refused(spec, "optimizer.lr=[1") == (
+        "dsgd: error: --set optimizer.lr: invalid YAML: line 1, column 3: expected ',' or "
+        "']', but got '<stream end>'")
+
+
+def test_nan_is_refused_as_in_the_spec_file(spec):
+    assert _refused(spec, "optimizer.lr=.nan") == (
+        "dsgd: error: --set optimizer.lr: expected a finite number, got nan")
+
+
+@pytest.mark.parametrize("value, message", [
+    ("optimizer.lr=abc", "--set optimizer.lr: expected a number, got 'abc'"),
+    # within a section set whole: the key path inside the experiment follows
+    ("optimizer={name: sgd, lr: x}", "--set optimizer: optimizer.lr: expected a number, got 'x'"),
+    ("nope.lr=1", "--set nope.lr: 'nope' is not a section of the experiment"),
+])
+def test_a_refused_value_names_its_set_key_not_the_spec(spec, value, message):
+    line = _refused(spec, value)
+    assert line == f"dsgd: error: {message}"
+    assert str(spec) not in line
+
+
+def test_the_last_set_of_a_key_is_the_one_named(spec):
+    assert _refused(spec, "optimizer.lr=abc", "optimizer.lr=xyz") == (
+        "dsgd: error: --set optimizer.lr: expected a number, got 'xyz'")
+
+
+def test_an_error_in_the_spec_still_names_the_spec(tmp_path):
+    spec = write_spec(tmp_path, TINY_SPEC.replace("workers: 2", "workers: 2\n  batch_size: x"))
+    assert _refused(spec, "optimizer.lr=0.1") == (
+        f"dsgd: error: {spec}: experiments[0].batch_size: expected an integer, got 'x'")
