@@ -134,7 +134,7 @@ def test_groups_of_the_same_members_keep_their_collectives_apart():
 
 RING_MAX_SPEC = """
 defaults:
-  task: {{name: logreg, samples: 512}}
+  task: {{name: logreg, samples: 512, features: 200}}  # enough sums that some round differently
   workers: 3
   epochs: 1
   steps_per_epoch: 4
