@@ -13,9 +13,12 @@ TEST_STAMP := $(VENV)/.dsgd-test-installed
 # Empty (the default) uses pip's own configuration.
 ifeq ($(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu),gpu)
 TORCH := torch>=2.4,<2.15
+EXTRAS := cuda
 else
 TORCH := torch==2.13.0
+EXTRAS :=
 endif
+comma := ,
 TORCH_INDEX ?=
 TORCH_SOURCE := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 
@@ -28,13 +31,13 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SOURCE) "$(TORCH)"
-	$(PY) -m pip install --quiet "$(TORCH)" -e .
+	$(PY) -m pip install --quiet "$(TORCH)" -e ".$(if $(EXTRAS),[$(EXTRAS)])"
 	touch $(STAMP)
 
 setup-test: $(TEST_STAMP)
 
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet "$(TORCH)" -e ".[test]"
+	$(PY) -m pip install --quiet "$(TORCH)" -e ".[test$(if $(EXTRAS),$(comma)$(EXTRAS))]"
 	touch $(TEST_STAMP)
 
 run: $(STAMP)

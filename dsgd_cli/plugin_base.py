@@ -251,6 +251,8 @@ class Compressor(Plugin):
     requires_error_feedback: ClassVar[bool] = False
     uniform_payload: ClassVar[bool] = True
     identity: ClassVar[bool] = False  # only `none`: aggregators may skip compression entirely
+    # Whether it calls numba_kernels (numba.cuda on a GPU): checked before a CUDA launch.
+    uses_numba_kernels: ClassVar[bool] = False
 
     def setup(self, ctx: "WorkerContext") -> None:
         """Called once per worker before the aggregator's setup."""
@@ -449,6 +451,7 @@ class Aggregator(Plugin):
 
     Options: ClassVar[type] = AggregatorOptions
     models_identical: ClassVar[bool] = True
+    uses_numba_kernels: ClassVar[bool] = False  # as a compressor's (see Compressor)
     supports_compression: ClassVar[bool] = False
     asynchronous: ClassVar[bool] = False
     steps_may_differ: ClassVar[bool] = False

@@ -84,7 +84,7 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
                                TimeElapsedColumn)
 
     from dsgd_cli.worker import checkpoint
-    from dsgd_cli.launch.launcher import Callbacks, plan_launches, run_all
+    from dsgd_cli.launch.launcher import Callbacks, cuda_kernels_problem, plan_launches, run_all
     from dsgd_cli.results.analysis import compare_rows
     from dsgd_cli.results.database import resolve_url
     from dsgd_cli.launch.resume import reopen, resumable
@@ -107,6 +107,9 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
     if dry_run:
         _print_plan(plan_launches(experiments, shared=not isolate))
         return
+    kernels_problem = cuda_kernels_problem(plan_launches(experiments, shared=not isolate))
+    if kernels_problem is not None:  # refused before anything is written
+        raise DsgdError(kernels_problem)
     if resume is not None:
         reopen(store, experiments[0])
     else:

@@ -85,6 +85,22 @@ def choose_device(workers: int) -> DevicePlan:
                              "on this machine: running on the CPU with gloo")
 
 
+def cuda_kernels_problem(launches: list[Launch]) -> str | None:
+    """Why a CUDA launch among `launches` whose plugins call numba's kernels cannot run them
+    here (numba_kernels/cuda_check.py; None when it can, or none needs them): asked before
+    anything is recorded, rather than failing at rank 0's first step."""
+    def needs_kernels(experiment: Experiment) -> bool:
+        return any(registry.load(kind, experiment.config[kind]["name"]).uses_numba_kernels
+                   for kind in ("aggregator", "compressor"))
+
+    if not any(launch.device.kind == "cuda" and any(map(needs_kernels, launch.experiments))
+               for launch in launches):
+        return None
+    from numba_kernels import cuda_check
+
+    return cuda_check.problem()
+
+
 # -- launches: consecutive experiments that share one torchrun --------------------------------
 
 @dataclass

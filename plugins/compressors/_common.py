@@ -71,6 +71,8 @@ def decoded_average(payloads, like: torch.Tensor, add) -> torch.Tensor:
 class KernelCompressor(Compressor):
     """Base of the compressors whose work is done by numba_kernels."""
 
+    uses_numba_kernels = True
+
     def setup(self, ctx) -> None:
         super().setup(ctx)
         self.warm_up()

@@ -35,6 +35,7 @@ class DPSGDOptions(AggregatorOptions):
 class DPSGD(Aggregator):
     Options = DPSGDOptions
     models_identical = False
+    uses_numba_kernels = True  # its mix: vector.weighted_sum
 
     @classmethod
     def make_topology(cls, options: DPSGDOptions, world_size: int, seed: int = 0) -> Topology:
