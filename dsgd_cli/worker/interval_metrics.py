@@ -3,6 +3,10 @@ when it ends."""
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from dsgd_cli.comm.communicator import Traffic
 from dsgd_cli.comm.events import EventWriter
 
@@ -18,7 +22,9 @@ class IntervalMetrics:
 
     def reset(self) -> None:
         self.steps = 0
-        self.loss = 0.0
+        self.loss = 0.0  # the sum of the losses read on the host
+        # On a GPU: the steps' losses not read yet, on the device (`read_losses`)
+        self.device_losses: list[torch.Tensor] = []
         self.step_seconds = 0.0
         self.comm_seconds = 0.0
         self.bytes_sent = 0
@@ -32,10 +38,30 @@ class IntervalMetrics:
     def log(self, name: str, value: float) -> None:
         self.custom.setdefault(name, []).append(float(value))
 
-    def add(self, loss: float, step_seconds: float, traffic: Traffic) -> None:
-        """Count one training step."""
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """Keep a step's loss where it is, to be read with the interval's others; before the
+        step's `add`."""
+        self.device_losses.append(loss)
+
+    def read_losses(self) -> tuple[int, float] | None:
+        """Read the losses kept on the device (one synchronisation) into the sum; the first
+        that is not finite, as (its step's index in this interval, its value), else None."""
+        if not self.device_losses:
+            return None
+        first = self.steps - len(self.device_losses)
+        values = torch.stack(self.device_losses).double().tolist()
+        self.device_losses = []
+        self.loss += sum(values)
+        for index, value in enumerate(values):
+            if not math.isfinite(value):
+                return first + index, value
+        return None
+
+    def add(self, loss: float | None, step_seconds: float, traffic: Traffic) -> None:
+        """Count one training step; `loss` None when it was kept with `add_loss`."""
         self.steps += 1
-        self.loss += loss
+        if loss is not None:
+            self.loss += loss
         self.step_seconds += step_seconds
         self.comm_seconds += traffic.seconds
         self.bytes_sent += traffic.bytes_sent
@@ -61,6 +87,7 @@ class IntervalMetrics:
         interval; nothing when no step was counted since the last flush."""
         if self.steps == 0:
             return
+        self.read_losses()
         n = self.steps
         per_step = {
             "train_loss": self.loss / n,
@@ -82,9 +109,12 @@ class IntervalMetrics:
 
     def state(self) -> dict:
         """The sums so far, for a checkpoint inside the interval."""
-        return {**vars(self), "custom": {k: list(v) for k, v in self.custom.items()},
+        self.read_losses()
+        state = {key: value for key, value in vars(self).items() if key != "device_losses"}
+        return {**state, "custom": {k: list(v) for k, v in self.custom.items()},
                 "sent_by_level": dict(self.sent_by_level),
                 "peak_rate_by_level": dict(self.peak_rate_by_level)}
 
     def restore(self, state: dict) -> None:
         vars(self).update(state)
+        self.device_losses = []

@@ -110,9 +110,18 @@ class Totals:
 class TrainingLoop:
     """Trains one worker through one experiment: `run()` once."""
 
-    def __init__(self, worker: Worker, events: EventWriter, stop: StopRequest):
+    def __init__(self, worker: Worker, events: EventWriter, stop: StopRequest,
+                 check_each_step: bool | None = None):
         self.worker, self.events, self.stop = worker, events, stop
         self.recent_compute: deque[float] = deque(maxlen=16)  # forward+backward seconds
+        # Reading a loss on the host waits for the device to finish the step's work. On the
+        # CPU that costs nothing, and each step's loss is checked before its backward, so a
+        # diverged worker stops at once, the steps before it kept. On a GPU the step's losses
+        # stay on the device and are read once per log interval (`_check_interval`): the
+        # host queues the next steps' work meanwhile. A divergence is then noticed at the
+        # interval's end, its step still exact.
+        self.check_each_step = (worker.device.type == "cpu" if check_each_step is None
+                                else check_each_step)
 
     def run(self) -> Totals:
         """Train until this worker's last step, then let the aggregator finish and evaluate
@@ -153,9 +162,9 @@ class TrainingLoop:
         augments = type(worker.task).augment is not Task.augment  # else no generator per step
         while not done:
             epoch, b = divmod(step, steps_per_epoch)
-            if epoch != order_epoch:
-                order, order_epoch = worker.shard.indices(epoch), epoch
-            index = order[b * batch: (b + 1) * batch].to(worker.device)
+            if epoch != order_epoch:  # on the model's device once an epoch, not every step
+                order, order_epoch = worker.shard.indices(epoch).to(worker.device), epoch
+            index = order[b * batch: (b + 1) * batch]
             x, y = worker.train_x[index], worker.train_y[index]
             if augments:
                 x = worker.task.augment(x, augmentation_generator(config["seed"], worker.rank,
@@ -166,6 +175,8 @@ class TrainingLoop:
             except Diverged:
                 self._flush(step, epoch)  # the steps before it are sound: keep them
                 raise
+            if not self.check_each_step:  # the loss is read on the host once an interval
+                interval.add_loss(loss)
             traffic = worker.comm.take_traffic()
             # Recorded times are modeled.
             step_seconds = clock.to_modeled(step_seconds)
@@ -174,7 +185,7 @@ class TrainingLoop:
             _add_levels(sent_by_level, traffic)
             samples += len(y) if up else 0
             train_seconds += step_seconds
-            interval.add(loss, step_seconds, traffic)
+            interval.add(float(loss) if self.check_each_step else None, step_seconds, traffic)
             step += 1
             if failures is not None:
                 back_to = failures.after_step(step, samples)
@@ -189,6 +200,7 @@ class TrainingLoop:
             checkpointing = bool(every) and not done and (step % every == 0 or stopping)
             # The last step's metrics wait for the aggregator's finish() (below).
             if not done and (step % config["log_interval"] == 0 or end_of_epoch):
+                self._check_interval(step)
                 self._flush(step, epoch)
                 if launcher_gone():  # nobody reads the metrics, nobody would stop the run
                     raise LauncherGone()
@@ -214,6 +226,7 @@ class TrainingLoop:
         total_sent += drained.bytes_sent
         _add_levels(sent_by_level, drained)
         interval.add_bytes(drained)
+        self._check_interval(step)
         self._flush(step, epoch)
         if launcher_gone():
             raise LauncherGone()
@@ -222,8 +235,8 @@ class TrainingLoop:
                       failures.totals() if failures is not None else None,
                       sent_by_level if worker.comm.cluster is not None else None)
 
-    def _step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-        """One training step in the loop's order; returns (loss, seconds)."""
+    def _step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """One training step in the loop's order; returns (loss, detached, and seconds)."""
         worker = self.worker
         started = time.perf_counter()
         padding, factor = worker.padding, 1.0
@@ -240,9 +253,10 @@ class TrainingLoop:
             padding.start(step, factor)
         compute_started = time.perf_counter()
         loss = worker.task.loss(worker.model(x), y)
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            raise Diverged(step, value)
+        if self.check_each_step:
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise Diverged(step, value)
         loss.backward()
         self.recent_compute.append(time.perf_counter() - compute_started)
         if padding is not None:  # the forward/backward lasts its modeled time
@@ -251,9 +265,9 @@ class TrainingLoop:
         worker.aggregator.after_backward(step)
         worker.optimizer.step()
         worker.aggregator.after_step(step)
-        return value, time.perf_counter() - started
+        return loss.detach(), time.perf_counter() - started
 
-    def _down_step(self, step: int) -> tuple[float, float]:
+    def _down_step(self, step: int) -> tuple[torch.Tensor, float]:
         """A step of a worker whose node is down (`failures` under `continue`): no forward,
         backward or optimizer step, so nothing it computes counts. The aggregator's hooks
         still run, with `ctx.up` False and no gradients, so that the worker reaches every
@@ -267,7 +281,19 @@ class TrainingLoop:
         worker.aggregator.after_backward(step)
         worker.aggregator.after_step(step)
         last = worker.ctx.loss
-        return (float(last) if last is not None else math.nan), time.perf_counter() - started
+        if last is None:
+            last = torch.tensor(math.nan, device=worker.device)
+        return last, time.perf_counter() - started
+
+    def _check_interval(self, step: int) -> None:
+        """Where losses stay on the device: read the interval's (one synchronisation) and
+        raise Diverged at the first that is not finite; `step` steps are done."""
+        if self.check_each_step:
+            return
+        bad = self.worker.interval.read_losses()
+        if bad is not None:
+            index, value = bad
+            raise Diverged(step - self.worker.interval.steps + index, value)
 
     def _flush(self, step: int, epoch: int) -> None:
         self.worker.interval.flush(self.events, step, epoch,

@@ -1,0 +1,109 @@
+"""The training loop reads nothing back from the device between log intervals where the device
+is not the CPU (dsgd_cli/worker/training.py: `check_each_step`).
+
+On a GPU, every read of a tensor on the host (`float(loss)`, `.item()`, `.tolist()`, `.cpu()`)
+waits for all the work queued before it: with one per step (`float(loss)` before backward, as
+the loop had) the host can never queue the next step while the GPU runs this one. Here the loop
+runs on CPU tensors with the GPU's setting, and every such read is counted."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+
+import torch
+
+from distributed import run_workers
+
+STEPS, LOG_INTERVAL = 24, 12
+READS = ("__float__", "__int__", "__bool__", "item", "tolist", "cpu", "numpy")
+
+
+def _train_counting_reads(rank, world_size, directory, check_each_step, poison_at):
+    import torch.distributed  # noqa: F401  (the group is up: run_workers made it)
+
+    from dsgd_cli.comm.events import EventWriter
+    from dsgd_cli.emulation.clock import Clock
+    from dsgd_cli.spec.experiments import load_spec
+    from dsgd_cli.worker import training
+    from dsgd_cli.worker.parts import build_worker
+
+    spec = Path(directory) / "spec.yaml"
+    (config,) = [experiment.config for experiment in load_spec(spec)]
+    events = EventWriter(Path(directory) / f"rank{rank}.jsonl", rank, Clock(1.0))
+    worker = build_worker(config, events, rank, world_size, torch.device("cpu"))
+    loop = training.TrainingLoop(worker, events, training.StopRequest(None, ""),
+                                 check_each_step=check_each_step)
+    reads_by_step: list[int] = []
+    counter = {"reads": 0, "in_loop": False}
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def counting(name):
+        original = originals[name]
+
+        def read(self, *args, **kwargs):
+            if counter["in_loop"]:
+                counter["reads"] += 1
+            return original(self, *args, **kwargs)
+        return read
+
+    step = loop._step
+
+    def counted_step(index, x, y):
+        # The reads since the previous step began: this step's and the loop's work after it.
+        counter["in_loop"] = True
+        reads_by_step.append(counter["reads"])
+        counter["reads"] = 0
+        if index == poison_at:
+            with torch.no_grad():
+                next(worker.model.parameters()).fill_(math.nan)
+        return step(index, x, y)
+
+    loop._step = counted_step
+    for name in READS:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        loop.run()
+        diverged = None
+    except training.Diverged as error:
+        diverged = (error.step, str(error.value))
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return reads_by_step[1:], diverged  # the first: the set-up before the first step
+
+
+def _spec(directory: Path) -> None:
+    (directory / "spec.yaml").write_text(textwrap.dedent(f"""
+        defaults: {{task: logreg, workers: 1, epochs: 1, steps_per_epoch: {STEPS},
+                   log_interval: {LOG_INTERVAL}}}
+        experiments:
+          - {{name: plain}}
+    """))
+
+
+def test_losses_stay_on_the_device_between_log_intervals(tmp_path):
+    _spec(tmp_path)
+    (reads, diverged), = run_workers(_train_counting_reads, 1, str(tmp_path), False, None)
+    assert diverged is None
+    # Between one step's start and the next, nothing is read back, except after the step
+    # that ends a log interval: the interval's losses, in one read.
+    flushes = [index for index in range(len(reads)) if (index + 1) % LOG_INTERVAL == 0]
+    assert [index for index, count in enumerate(reads) if count] == flushes[:1]
+    assert reads[LOG_INTERVAL - 1] == 1
+
+
+def test_on_the_cpu_each_steps_loss_is_read_before_its_backward(tmp_path):
+    """The CPU keeps the exact, immediate check (a read costs nothing there)."""
+    _spec(tmp_path)
+    (reads, _), = run_workers(_train_counting_reads, 1, str(tmp_path), True, None)
+    assert all(count >= 1 for count in reads)
+
+
+def test_a_divergence_kept_on_the_device_is_found_at_its_exact_step(tmp_path):
+    _spec(tmp_path)
+    (_, diverged), = run_workers(_train_counting_reads, 1, str(tmp_path), False, 5)
+    assert diverged == (5, "nan")
+    (_, on_cpu), = run_workers(_train_counting_reads, 1, str(tmp_path), True, 5)
+    assert on_cpu == diverged  # the same step either way
