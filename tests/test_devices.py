@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import write_spec
+from conftest import dsgd_in_process, write_spec
+from dsgd_cli.errors import DsgdError
 from dsgd_cli.launch import launcher
 from dsgd_cli.worker import process as runtime
 from dsgd_cli.launch import torchrun
@@ -34,9 +35,82 @@ def test_one_gpu_per_worker_or_the_cpu_with_a_notice(gpus):
     assert choose_device(2) == DevicePlan("cuda")
     gpus(1)
     assert choose_device(4) == DevicePlan(
-        "cpu", "4 workers but 1 GPU on this machine: running on the CPU with gloo")
+        "cpu", "4 workers but 1 GPU on this machine: running on the CPU with gloo (device: cuda "
+               "shares the GPUs)")
     gpus(2)
-    assert choose_device(3).notice == "3 workers but 2 GPUs on this machine: running on the CPU with gloo"
+    assert choose_device(3).notice.startswith("3 workers but 2 GPUs on this machine")
+
+
+def test_device_cpu_stays_on_the_cpu_and_device_cuda_shares_the_gpus(gpus):
+    gpus(4)
+    assert choose_device(4, "cpu") == DevicePlan("cpu")
+    assert choose_device(4, "cuda") == DevicePlan("cuda")  # one each: NCCL as with auto
+    gpus(1)
+    assert choose_device(8, "cuda", measured_clock=False) == DevicePlan(
+        "cuda_shared", "8 workers share 1 GPU (worker i on GPU i mod 1), communicating over gloo",
+        8.0)
+    gpus(3)
+    measured = choose_device(8, "cuda")
+    assert (measured.kind, measured.workers_per_gpu) == ("cuda_shared", 8 / 3)
+    assert measured.notice.endswith("so the measured times are not a cluster's (a compute "
+                                    "model gives modeled times)")
+    gpus(0)
+    with pytest.raises(DsgdError, match="^e: device: cuda, but torch finds no CUDA GPU"):
+        choose_device(2, "cuda", name="e")
+
+
+def test_a_worker_sharing_gpus_takes_its_turn_and_talks_over_gloo(gpus, monkeypatch):
+    gpus(3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    assert [runtime.device_and_backend(rank, "cuda_shared") for rank in range(5)] == [
+        (torch.device("cuda", rank % 3), "gloo") for rank in range(5)]
+
+
+def test_the_spec_asks_for_a_device_and_the_dry_run_says_where(tmp_path, gpus):
+    gpus(1)
+    spec = write_spec(tmp_path, """
+    defaults: {task: {name: logreg}, workers: 4, steps_per_epoch: 2}
+    experiments:
+      - {name: shared, device: cuda}
+      - {name: plain}
+    """)
+    shared, plain = load_spec(spec)
+    assert shared.config["device"] == "cuda" and "device" not in plain.config
+    launches = launcher.plan_launches([shared, plain])
+    assert [launch.device.kind for launch in launches] == ["cuda_shared", "cpu"]
+    result = dsgd_in_process("run", str(spec), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "launch 1: 1 experiment on 4 workers (cuda_shared)" in result.stdout
+    assert "4 workers share 1 GPU (worker i on GPU i mod 1), communicating over gloo" in result.stdout
+    bad = write_spec(tmp_path, "experiments: [{name: e, device: gpu}]", name="bad.yaml")
+    refused = dsgd_in_process("run", str(bad), "--dry-run")
+    assert refused.returncode == 2
+    assert "experiments[0].device: expected one of auto, cpu, cuda, got 'gpu'" in refused.stderr
+
+
+def test_a_shared_gpu_run_records_how_many_workers_shared_each(tmp_path, gpus, monkeypatch):
+    """The plan the workers read names the shared GPUs, and the run records
+    `workers_per_gpu` (this machine has no GPU: the workers then fail, as they would without
+    one)."""
+    gpus(1)
+    spec = write_spec(tmp_path, """
+    experiments:
+      - {name: shared, device: cuda, task: {name: logreg}, workers: 2, steps_per_epoch: 2,
+         compute: {step_seconds: 0.01}}
+    """)
+    (experiment,) = load_spec(spec)
+    seen = []
+    write_plan = torchrun.Torchrun.write_plan
+
+    def spy(self, plan):
+        seen.append(plan["device"])
+        write_plan(self, plan)
+
+    monkeypatch.setattr(torchrun.Torchrun, "write_plan", spy)
+    store = Store(str(tmp_path / "r.db"))
+    result = launcher.launch(experiment, store, str(spec))
+    assert seen == ["cuda_shared"]
+    assert [m.value for m in store.metric_history(result.run_id, "workers_per_gpu")] == [2.0]
 
 
 def test_the_launchers_choice_reaches_the_workers(tmp_path, gpus, monkeypatch):

@@ -442,6 +442,18 @@ class Comm:
     def _pg(group: Group | None):
         return None if group is None else group.process_group
 
+    def _wire_device(self, group: Group | None) -> torch.device:
+        """Where a message on `group` must be: the GPU for NCCL, host memory for gloo, whose
+        sends, receives and reduce-scatters take CPU tensors (workers sharing a GPU compute
+        on it and communicate over gloo; gloo stages its all-reduces, broadcasts and
+        all-gathers of CUDA tensors through host memory itself)."""
+        return self.device if (group or self.world).backend == "nccl" else torch.device("cpu")
+
+    def on_wire(self, tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
+        """`tensor`, or its copy where messages on `group` must be (see `_wire_device`)."""
+        device = self._wire_device(group)
+        return tensor if tensor.device == device else tensor.to(device)
+
     def _check(self, tensor: torch.Tensor, group: Group | None, operation: str) -> None:
         """NCCL fails obscurely, or hangs, on a CPU tensor: say which call was wrong."""
         if (group or self.world).backend == "nccl" and tensor.device.type != "cuda":
@@ -514,13 +526,15 @@ class Comm:
         if tensor.numel() % n:
             raise ValueError(f"reduce_scatter: {tensor.numel()} elements do not split into "
                              f"{n} equal chunks")
-        output = torch.empty(tensor.numel() // n, dtype=tensor.dtype, device=tensor.device)
+        wire = self.on_wire(tensor, group)  # gloo reduces CPU tensors only
+        received = torch.empty(tensor.numel() // n, dtype=tensor.dtype, device=wire.device)
         traffic = (n - 1) * _nbytes(tensor) // n
         return self._issue(
-            lambda: dist.reduce_scatter_tensor(output, tensor, group=self._pg(group),
+            lambda: dist.reduce_scatter_tensor(received, wire, group=self._pg(group),
                                                async_op=True),
             sent=traffic, received=traffic, messages=n - 1, async_op=async_op,
-            operation=f"reduce_scatter over {self._members(group)}", result=output,
+            operation=f"reduce_scatter over {self._members(group)}",
+            on_complete=lambda: received.to(tensor.device),
             collective=group or self.world,
             on_cluster=self._ring_cost(group, traffic, lambda cluster, ranks: (
                 cluster.ring_reduce_scatter_seconds(ranks, _nbytes(tensor)))))
@@ -645,7 +659,8 @@ class Comm:
         """Send `tensor` to global rank `dst` (a member of `group`). With gloo, the send
         completes once the receiver has posted a matching receive."""
         self._check(tensor, group, "isend")
-        return self._issue(lambda: dist.isend(tensor, dst, group=self._pg(group)),
+        wire = self.on_wire(tensor, group)
+        return self._issue(lambda: dist.isend(wire, dst, group=self._pg(group)),
                            sent=_nbytes(tensor), received=0, messages=1, async_op=True,
                            operation=f"send to rank {dst}", result=tensor,
                            on_cluster=self._message_cost(dst, _nbytes(tensor)))
@@ -661,12 +676,16 @@ class Comm:
         # The sender pays the emulated transfer time; the receiver waits for the data.
         source = f"rank {src}" if src is not None else f"any of {self._members(group)}"
         counted = length is not None and self._tracking()
+        wire = tensor if self._wire_device(group) == tensor.device else torch.empty_like(
+            tensor, device=self._wire_device(group))
 
         def arrived():
+            if wire is not tensor:
+                tensor.copy_(wire)
             if counted:
                 self._add(received=length(tensor) * tensor.element_size())
             return tensor
-        return self._issue(lambda: dist.irecv(tensor, src, group=self._pg(group)), sent=0,
+        return self._issue(lambda: dist.irecv(wire, src, group=self._pg(group)), sent=0,
                            received=0 if length is not None else _nbytes(tensor), messages=0,
                            async_op=True, operation=f"recv from {source}", result=tensor,
                            on_complete=arrived)
@@ -686,7 +705,7 @@ class Comm:
         for tensor in tensors:
             self._check(tensor, group, "isend_tensors")
         as_bytes = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-        device = tensors[0].device if tensors else torch.device("cpu")
+        device = self._wire_device(group)
         body = torch.cat(as_bytes) if as_bytes else torch.empty(0, dtype=torch.uint8)
         body = body.to(device)
         pg = self._pg(group)
@@ -709,13 +728,13 @@ class Comm:
         the same kind does), shaped like them when `uniform`, else 1-D, on `like`'s device."""
         for tensor in like:
             self._check(tensor, group, "irecv_tensors")
-        device = like[0].device if like else torch.device("cpu")
+        device = self._wire_device(group)  # where the message arrives
         pg = self._pg(group)
         operation = f"recv from rank {src}"
 
         def split(body: torch.Tensor, sizes: list[int], shapes) -> list[torch.Tensor]:
             # A slice of a byte buffer may be misaligned for wider dtypes: copy before the view.
-            return [chunk.clone().view(t.dtype).view(shape)
+            return [chunk.clone().view(t.dtype).view(shape).to(t.device)
                     for chunk, t, shape in zip(body.split(sizes), like, shapes)]
 
         if uniform:

@@ -216,6 +216,8 @@ def _print_plan(launches) -> None:
                      f"{first.nodes.node_rank} of {first.nodes.nnodes})")
         lines.append(f"launch {number}: {count} experiment{'s' if count > 1 else ''} on "
                      f"{first.workers} workers{where} ({planned.device.kind})")
+        if planned.device.notice:
+            lines.append(f"  {planned.device.notice}")
         lines.append("  " + _starter(launch_shape(first)))
         for exp in planned.experiments:
             c = exp.config

@@ -32,10 +32,12 @@ from dsgd_cli.errors import DsgdError
 from dsgd_cli.spec.directories import make_experiment_directory
 from dsgd_cli.spec.experiments import PLUGIN_SECTIONS, Experiment
 from dsgd_cli.spec.run_plan import plan_entry
-from dsgd_cli.results.store import RunDeleted, Store
+from dsgd_cli.results.store import MetricRow, RunDeleted, Store
 from dsgd_cli.launch.outcome import (RunResult, launch_dir_full, last_lines, left_early,
                                      rendezvous_failure, run_result)
 from dsgd_cli.launch.run_events import Progress, RunEvents
+from dsgd_cli.launch.devices import (DevicePlan, choose_device, cuda_kernels_problem,  # noqa: F401
+                                     plan_for)
 from dsgd_cli.launch.torchrun import Shape, Torchrun
 from dsgd_cli.launch.unrecorded import RecordingLost
 
@@ -63,44 +65,6 @@ def plugin_versions(config: dict) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-@dataclass(frozen=True)
-class DevicePlan:
-    """Where a run's workers compute: "cuda" (one GPU each, NCCL) or "cpu" (gloo)."""
-
-    kind: str
-    notice: str | None = None  # why a machine with CUDA runs on the CPU
-
-
-def choose_device(workers: int) -> DevicePlan:
-    """NCCL needs a GPU of its own for every worker on a machine. With fewer GPUs than
-    workers the run falls back to CPU tensors and gloo, and says so."""
-    import torch  # already loaded by the spec; not needed by the reading commands
-
-    if not torch.cuda.is_available():
-        return DevicePlan("cpu")
-    gpus = torch.cuda.device_count()
-    if gpus >= workers:
-        return DevicePlan("cuda")
-    return DevicePlan("cpu", f"{workers} workers but {gpus} GPU{'s' if gpus != 1 else ''} "
-                             "on this machine: running on the CPU with gloo")
-
-
-def cuda_kernels_problem(launches: list[Launch]) -> str | None:
-    """Why a CUDA launch among `launches` whose plugins call numba's kernels cannot run them
-    here (numba_kernels/cuda_check.py; None when it can, or none needs them): asked before
-    anything is recorded, rather than failing at rank 0's first step."""
-    def needs_kernels(experiment: Experiment) -> bool:
-        return any(registry.load(kind, experiment.config[kind]["name"]).uses_numba_kernels
-                   for kind in ("aggregator", "compressor"))
-
-    if not any(launch.device.kind == "cuda" and any(map(needs_kernels, launch.experiments))
-               for launch in launches):
-        return None
-    from numba_kernels import cuda_check
-
-    return cuda_check.problem()
-
-
 # -- launches: consecutive experiments that share one torchrun --------------------------------
 
 @dataclass
@@ -122,7 +86,7 @@ def plan_launches(experiments: list[Experiment], shared: bool = True) -> list[La
     without `shared`."""
     launches: list[Launch] = []
     for experiment in experiments:
-        device = choose_device(local_workers(experiment))
+        device = plan_for(experiment, local_workers(experiment))
         # A run over several machines has a rendezvous of its own.
         if shared and experiment.nodes is None and launches and launches[-1].fits(experiment, device):
             launches[-1].experiments.append(experiment)
@@ -167,7 +131,7 @@ def launch(experiment: Experiment, store: Store, spec_file: str | None,
     `choose_device`'s."""
     callbacks = Callbacks(progress=lambda experiment, progress: on_progress(progress))
     make_output_directories([experiment])
-    device = device or choose_device(local_workers(experiment))
+    device = device or plan_for(experiment, local_workers(experiment))
     return _Launcher([experiment], device, store, spec_file, callbacks).run()[0]
 
 
@@ -289,6 +253,9 @@ class _Launcher:
             run_id = self.store.create_run(experiment.name, experiment.config, self.spec_file,
                                            plugin_versions(experiment.config),
                                            experiment.checkpoint_dir)
+            if self.device.workers_per_gpu is not None:  # its workers took turns on the GPUs
+                self.store.add_metrics(run_id, [MetricRow("workers_per_gpu",
+                                                          self.device.workers_per_gpu)])
         self.running = _Running(index, experiment, run_id, experiment_dir(self.torchrun.dir, index))
 
     def advance(self) -> None:

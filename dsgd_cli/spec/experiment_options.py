@@ -283,6 +283,10 @@ class ExperimentOptions:
                             help="seconds a communication may make no progress before it fails")
     steps_per_epoch: int | None = _count(None, 1, MAX_COUNT,
                                          "cap on steps per epoch, for quick runs")
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "auto", help="where workers compute: auto (a GPU each with NCCL when there are as many "
+                     "as workers, else the CPU), cpu, or cuda (GPUs, shared in turn when fewer "
+                     "than workers, communicating over gloo)")
     data_split: Literal["random", "by_label"] = option(
         "random", help="each epoch a random part of the set (random) or one by label")
     target_accuracy: float | None = option(

@@ -145,6 +145,8 @@ def validate_experiment(raw: dict, path: str, name: str,
     check_step_fits_timeout(keys, slowest_speed(config), path)
     config.update(budget=options_to_dict(keys.budget) or None,
                   checkpoint_every=keys.checkpoint_every)
+    if keys.device != "auto":  # only then: the configurations of other runs are unchanged
+        config["device"] = keys.device
     if keys.failures is not None:  # only then: the configurations of other runs are unchanged
         config["failures"] = options_to_dict(keys.failures)
 

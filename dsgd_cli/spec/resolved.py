@@ -92,6 +92,7 @@ class ResolvedExperiment:
     lr_schedule: PluginSection
     nnodes: int | None = None  # a run over several machines: how many
     failures: dict[str, Any] | None = None  # emulation/failures.py's section, in seconds
+    device: str = "auto"  # launch/devices.py
 
     def to_dict(self) -> dict[str, Any]:
         """The configuration's JSON layout (what `from_config` reads)."""
@@ -100,6 +101,8 @@ class ResolvedExperiment:
             value = getattr(self, field.name)
             if field.name in ("nnodes", "failures") and value is None:
                 continue  # only a run over several machines (with failures) has the key
+            if field.name == "device" and value == "auto":
+                continue  # only a run that names its device has the key
             if isinstance(value, PluginSection):
                 value = value.to_dict()
             elif dataclasses.is_dataclass(value):

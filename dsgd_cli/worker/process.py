@@ -247,6 +247,10 @@ def device_and_backend(local_rank: int, kind: str | None = None) -> tuple[torch.
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         return device, "nccl"
+    if kind == "cuda_shared":  # fewer GPUs than workers: taken in turn, gloo between them
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device, "gloo"
     return torch.device("cpu"), "gloo"
 
 
