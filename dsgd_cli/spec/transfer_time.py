@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dsgd_cli.emulation.clock import Clock
 from dsgd_cli.comm.cluster import INTER_NODE, INTER_REGION, INTRA_NODE
 from dsgd_cli.errors import SpecError
 from dsgd_cli.spec import registry
@@ -109,7 +110,7 @@ def check_model_crosses_in_time(config: dict[str, Any], nbytes: int | None, path
     nbytes = 0 if compressed or nbytes is None else nbytes
     time_scale = config["compute"]["time_scale"] if config.get("compute") else 1.0
     modeled = crossing.seconds(nbytes)
-    real, timeout = modeled * time_scale, config["timeout"]
+    real, timeout = Clock(time_scale).to_real(modeled), config["timeout"]
     if real < timeout:
         return
     what = (f"sending the model once ({_si(nbytes, 'B')})" if nbytes

@@ -196,6 +196,12 @@ class _Discard:
         pass
 
 
+# Consensus errors below this are float32 rounding, not a difference between step sizes: they
+# tie (and the larger γ wins). Without it, a machine whose BLAS rounds 3.6e-16 to 0.0 picked
+# another γ than one that did not.
+ROUNDING_FLOOR = 1e-10
+
+
 def tune_gamma(ctx: WorkerContext, w: np.ndarray, numel: int, order: Order = "mix_first",
                grid: list[float] = GAMMA_GRID, steps: int = TUNING_STEPS) -> float:
     """The γ of `grid` whose CHOCO consensus alone (no gradients), in `order`, leaves n random
@@ -219,7 +225,8 @@ def tune_gamma(ctx: WorkerContext, w: np.ndarray, numel: int, order: Order = "mi
     mixing = torch.tensor(w, dtype=torch.float32)
     best, best_error = grid[0], math.inf
     for gamma in sorted(grid, reverse=True):
-        error = consensus_error(compressors, mixing, start, gamma, steps, order)
+        error = max(consensus_error(compressors, mixing, start, gamma, steps, order),
+                    ROUNDING_FLOOR)
         if error < best_error:
             best, best_error = gamma, error
     if len(_TUNED) >= 256:
