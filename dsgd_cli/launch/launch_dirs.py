@@ -47,12 +47,14 @@ def remove_stale(root: Path | None = None) -> list[Path]:
     """Remove this user's launch directories in `root` (default: TMPDIR) whose launcher has
     gone and which no live process names as its launch; the removed ones."""
     root = root or Path(tempfile.gettempdir())
+    orphans = [directory for directory in root.glob(f"{PREFIX}*")
+               if _is_own_directory(directory) and _launcher_gone(directory)]
+    if not orphans:
+        return []  # the common case: no process's environment is read
     in_use = _directories_in_use()
-    removed = []
-    for directory in root.glob(f"{PREFIX}*"):
-        if _is_own_directory(directory) and directory not in in_use and _launcher_gone(directory):
-            shutil.rmtree(directory, ignore_errors=True)
-            removed.append(directory)
+    removed = [directory for directory in orphans if directory not in in_use]
+    for directory in removed:
+        shutil.rmtree(directory, ignore_errors=True)
     return removed
 
 
