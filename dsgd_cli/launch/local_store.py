@@ -21,6 +21,7 @@ connection per thread, so that one thread blocked in `wait` never holds up anoth
 
 from __future__ import annotations
 
+import heapq
 import os
 import selectors
 import socket
@@ -65,11 +66,16 @@ def fields_of(payload: bytes) -> list[bytes]:
 
 
 class _Parked:
-    """A request waiting for keys that are not set yet."""
+    """A request waiting for keys that are not set yet; `done` once answered (or its client
+    is gone), after which the lists and the heap that still hold it skip it."""
 
     def __init__(self, connection: socket.socket, code: bytes, keys: list[bytes],
                  deadline: float):
         self.connection, self.code, self.keys, self.deadline = connection, code, keys, deadline
+        self.done = False
+
+    def __lt__(self, other: _Parked) -> bool:  # the deadlines' heap
+        return self.deadline < other.deadline
 
 
 class StoreServer:
@@ -78,7 +84,11 @@ class StoreServer:
     def __init__(self, path: Path):
         self.path = path
         self._values: dict[bytes, bytes] = {}
+        # Waiting requests by key, and all of them by deadline: a thousand workers wait at once
+        # (gloo's rendezvous, barriers), so neither list is ever scanned whole.
         self._parked: dict[bytes, list[_Parked]] = defaultdict(list)
+        self._deadlines: list[_Parked] = []
+        self._parked_by_connection: dict[socket.socket, set[_Parked]] = defaultdict(set)
         self._buffers: dict[socket.socket, bytearray] = {}
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_mask = os.umask(0o177)  # the socket file itself: its owner alone, from the start
@@ -160,8 +170,8 @@ class StoreServer:
     def _drop(self, connection: socket.socket) -> None:
         self._selector.unregister(connection)
         del self._buffers[connection]
-        for waiting in self._parked.values():
-            waiting[:] = [p for p in waiting if p.connection is not connection]
+        for parked in self._parked_by_connection.pop(connection, []):
+            parked.done = True
         connection.close()
 
     # -- the operations ------------------------------------------------------------------------
@@ -197,41 +207,45 @@ class StoreServer:
             if not self._answer(parked):
                 for key in keys:
                     self._parked[key].append(parked)
+                heapq.heappush(self._deadlines, parked)
+                self._parked_by_connection[connection].add(parked)
         else:
             self._drop(connection)
 
     def _set(self, key: bytes, value: bytes) -> None:
         self._values[key] = value
-        waiting = self._parked.pop(key, [])
-        for parked in waiting:
-            self._answer(parked)
+        for parked in self._parked.pop(key, []):
+            if not parked.done:
+                self._answer(parked)
 
     def _answer(self, parked: _Parked) -> bool:
-        """Reply to a parked request whose keys are all set; whether it was."""
+        """Reply to a request whose keys are all set; whether it was. A request waiting for
+        several keys stays in the lists of the others, done."""
         if not all(key in self._values for key in parked.keys):
             return False
-        for key in parked.keys:  # a wait on several keys is parked under each
-            waiting = self._parked.get(key)
-            if waiting and parked in waiting:
-                waiting.remove(parked)
+        self._finish(parked)
         value = self._values[parked.keys[0]] if parked.code == GET else b""
         self._reply(parked.connection, OK, value)
         return True
 
     def _expire(self, now: float) -> None:
-        expired = {id(p): p for waiting in self._parked.values() for p in waiting
-                   if p.deadline <= now}
-        for parked in expired.values():
-            for key in parked.keys:
-                if parked in self._parked.get(key, []):
-                    self._parked[key].remove(parked)
-            self._reply(parked.connection, TIMED_OUT)
-        for key in [key for key, waiting in self._parked.items() if not waiting]:
-            del self._parked[key]
+        """Time out the requests whose deadline has passed."""
+        while self._deadlines and self._deadlines[0].deadline <= now:
+            parked = heapq.heappop(self._deadlines)
+            if not parked.done:
+                self._finish(parked)
+                self._reply(parked.connection, TIMED_OUT)
+
+    def _finish(self, parked: _Parked) -> None:
+        parked.done = True
+        self._parked_by_connection.get(parked.connection, set()).discard(parked)
 
     def _next_deadline(self) -> float | None:
-        deadlines = [p.deadline for waiting in self._parked.values() for p in waiting]
-        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        while self._deadlines and self._deadlines[0].done:
+            heapq.heappop(self._deadlines)
+        if not self._deadlines:
+            return None
+        return max(0.0, self._deadlines[0].deadline - time.monotonic())
 
     def _reply(self, connection: socket.socket, status: bytes, value: bytes = b"") -> None:
         try:
