@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dsgd_cli.launch.local_store import StoreServer, store_path
+from dsgd_cli.launch.local_store import StoreServer, start_process, store_path
 from dsgd_cli.worker.store_client import LocalStore
 
 NOBODY = 65534
@@ -34,7 +34,7 @@ def launch_dir():
 
 @pytest.fixture
 def server(launch_dir):
-    server = StoreServer(store_path(launch_dir))
+    server = StoreServer(store_path(launch_dir)).start()
     yield server
     server.close()
 
@@ -151,3 +151,42 @@ def _as_nobody(action) -> str:
         outcome = pipe.read()
     os.waitpid(pid, 0)
     return outcome
+
+
+def test_the_store_process_serves_until_told_and_not_past_its_launcher(launch_dir):
+    """`start_process`: a store of its own process, ended by terminate(), or by itself
+    within seconds once the process that started it is gone."""
+    process = start_process(store_path(launch_dir), dict(os.environ))
+    try:
+        store = LocalStore(store_path(launch_dir), timedelta(seconds=5))
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+    finally:
+        process.terminate()
+        assert process.wait(10) == 0
+    orphan_dir = launch_dir / "orphan"
+    orphan_dir.mkdir()
+    read_end, write_end = os.pipe()
+    launcher = os.fork()
+    if launcher == 0:  # a launcher that starts the store, says its pid and dies
+        try:
+            os.write(write_end, str(start_process(store_path(orphan_dir),
+                                                  dict(os.environ)).pid).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        orphan = int(pipe.read())
+    os.waitpid(launcher, 0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(orphan):
+        time.sleep(0.1)
+    assert not _alive(orphan)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -7,10 +7,11 @@ others and reports which failed first. At a thousand workers the relays alone co
 (about 7.7 MiB each) and torchrun starts them one after another. This agent asks the fork
 server (forkserver.py) for each rank's worker directly, over one connection per rank, with
 the environment torchrun would have given it; the server reports each worker's pid and exit
-on that connection, as it does to a relay. The rendezvous store lives in the launcher's
-process, where torchrun's agent keeps it, so it outlives any worker; unlike torchrun's TCP
-store it listens on a Unix socket in the launch's 0700 directory (local_store.py), out of
-every other user's reach. Before the agent sends a worker's environment to the fork server
+on that connection, as it does to a relay. The rendezvous store is the launcher's, as
+torchrun's agent keeps it, so it outlives any worker: a small process of its own (so that the
+launcher's threads never hold up its answers), and unlike torchrun's TCP store it listens on
+a Unix socket in the launch's 0700 directory (local_store.py), out of every other user's
+reach. Before the agent sends a worker's environment to the fork server
 it checks that the server's socket is its own user's.
 
 `LocalAgent` stands where torchrun's `subprocess.Popen` stood for the launcher: `poll()`,
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from dsgd_cli.launch import forkserver
-from dsgd_cli.launch.local_store import STORE_VARIABLE, StoreServer, store_path
+from dsgd_cli.launch.local_store import STORE_VARIABLE, start_process, store_path
 from dsgd_cli.launch.outcome import WorkerExit
 
 LAUNCHER_VARIABLE = "DSGD_LAUNCHER"  # "torchrun": torchrun on one machine too
@@ -96,7 +97,7 @@ class LocalAgent:
         """Host the store, then ask the server for every rank's worker (OSError if the server
         cannot be reached: the launch then fails to start, as when torchrun cannot)."""
         raise_descriptor_limit(self.workers)
-        self.store = StoreServer(store_path(self._server.parent))
+        self.store = start_process(store_path(self._server.parent), self._env)
         stdin = os.open(os.devnull, os.O_RDONLY)
         try:
             for rank in range(self.workers):
@@ -114,7 +115,8 @@ class LocalAgent:
         try:
             connection.connect(str(self._server))
             check_owner(connection, self._server)
-            env = worker_environment(self._env, rank, self.workers, self.store.path)
+            env = worker_environment(self._env, rank, self.workers,
+                                     store_path(self._server.parent))
             forkserver.send_request(connection, self._module, self._args, env=env,
                                     streams=streams)
         except OSError:
@@ -222,7 +224,8 @@ class LocalAgent:
         if self._watcher is not None:
             self._watcher.join(TERMINATE_WAIT_S)
         if self.store is not None:
-            self.store.close()
+            self.store.terminate()
+            self.store.wait()
             self.store = None
 
 

@@ -24,8 +24,11 @@ from __future__ import annotations
 import heapq
 import os
 import selectors
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -46,6 +49,40 @@ OK, MISSING, TIMED_OUT = b"+", b"-", b"!"  # a reply's first byte
 
 def store_path(launch_dir: str | Path) -> Path:
     return Path(launch_dir) / SOCKET_NAME
+
+
+def bind(path: Path) -> socket.socket:
+    """A listening Unix socket at `path`, its file its owner's alone from the start."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_mask = os.umask(0o177)
+    try:
+        listener.bind(str(path))
+        listener.listen(4096)  # every rank of a launch at once
+    except OSError:
+        listener.close()
+        raise
+    finally:
+        os.umask(old_mask)
+    return listener
+
+
+def start_process(path: Path, env: dict[str, str]) -> subprocess.Popen:
+    """The store in a process of its own: the launcher's own threads (reading a thousand
+    workers' events) would otherwise hold the interpreter's lock while the workers wait on
+    the store. The socket is bound here, so the workers find it at once; the process ends
+    with `terminate()`, or by itself once the launcher is gone."""
+    with bind(path) as listener:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dsgd_cli.launch.local_store", str(listener.fileno()),
+             str(path), str(os.getpid())], pass_fds=[listener.fileno()], stdin=subprocess.DEVNULL, env=env,
+            start_new_session=True)
+
+
+def main(argv: list[str]) -> None:
+    fd, path, launcher = int(argv[0]), Path(argv[1]), int(argv[2])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server = StoreServer(path, socket.socket(fileno=fd))
+    server.serve(still_wanted=lambda: os.getppid() == launcher)
 
 
 def frame(payload: bytes) -> bytes:
@@ -79,9 +116,11 @@ class _Parked:
 
 
 class StoreServer:
-    """The store's keys, served on a Unix socket at `path` to connections of this user only."""
+    """The store's keys, served on a Unix socket at `path` to connections of this user only:
+    on a thread of its own (`start()`), or as the whole of a process (`serve()`, in
+    `start_process`'s). `listener`: the socket, already bound at `path`."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, listener: socket.socket | None = None):
         self.path = path
         self._values: dict[bytes, bytes] = {}
         # Waiting requests by key, and all of them by deadline: a thousand workers wait at once
@@ -90,26 +129,26 @@ class StoreServer:
         self._deadlines: list[_Parked] = []
         self._parked_by_connection: dict[socket.socket, set[_Parked]] = defaultdict(set)
         self._buffers: dict[socket.socket, bytearray] = {}
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_mask = os.umask(0o177)  # the socket file itself: its owner alone, from the start
-        try:
-            self._listener.bind(str(path))
-        finally:
-            os.umask(old_mask)
-        self._listener.listen(1024)
+        self._listener = listener or bind(path)
         self._listener.setblocking(False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._wake_read, self._wake_write = socket.socketpair()
         self._selector.register(self._wake_read, selectors.EVENT_READ)
         self._closing = False
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="dsgd-store")
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> StoreServer:
+        """Serve on a thread of this process (tests, and a process that has time to spare)."""
+        self._thread = threading.Thread(target=self.serve, daemon=True, name="dsgd-store")
         self._thread.start()
+        return self
 
     def close(self) -> None:
         self._closing = True
         self._wake_write.send(b"x")
-        self._thread.join(5.0)
+        if self._thread is not None:
+            self._thread.join(5.0)
         for connection in list(self._buffers):
             connection.close()
         self._listener.close()
@@ -122,9 +161,13 @@ class StoreServer:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def _serve(self) -> None:
-        while not self._closing:
-            for key, _ in self._selector.select(timeout=self._next_deadline()):
+    def serve(self, still_wanted=lambda: True) -> None:
+        """Answer requests until `close()`, or until `still_wanted()` (asked every second)
+        says no."""
+        while not self._closing and still_wanted():
+            deadline = self._next_deadline()
+            for key, _ in self._selector.select(timeout=1.0 if deadline is None
+                                                 else min(deadline, 1.0)):
                 if key.fileobj is self._listener:
                     self._accept()
                 elif key.fileobj is self._wake_read:
@@ -252,3 +295,7 @@ class StoreServer:
             connection.sendall(frame(status + value))
         except OSError:
             pass  # the client is gone; its connection is dropped when read
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
