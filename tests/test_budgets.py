@@ -234,7 +234,9 @@ def test_dry_run_shows_each_experiments_length_budget_compute_network_and_stragg
         "(16,000 samples), 8 evaluations of the average model; epochs ignored",
         "compute: measured (no compute model: steps take the time they take)",
         "network: 1 GB/s = 8 Gbit/s, latency 100 µs",
-        "stragglers: none"]
+        "stragglers: none",
+        "failures: none",
+        "real time: unknown before the run (measured steps take what this machine takes)"]
     assert described["async"] == [
         "length: budget 16,000 samples over all workers, batch 32: each worker stops once they "
         "are spent (64 steps per worker at equal speed), 10 evaluations of the average model; "
@@ -243,8 +245,34 @@ def test_dry_run_shows_each_experiments_length_budget_compute_network_and_stragg
         "(real seconds per modeled second)",
         "network: 125 MB/s = 1 Gbit/s, latency 0 s",
         "stragglers: ranks 0, 3 3× slower; each step of each worker 2× slower with "
-        "probability 0.1"]
+        "probability 0.1",
+        "failures: none",
+        "real time: at least 12.8 s of training (3.2 s modeled × time scale 4), plus "
+        "communication, evaluation, failures and start-up"]
     assert described["epochs"][0] == "length: 3 epochs × 16 steps = 48 steps per worker, of batch 32"
     assert described["seconds"][0] == ("length: budget 30 s of training (modeled), batch 32, "
                                        "10 evaluations of the average model; epochs ignored")
     assert "1 epochs" not in result.stdout
+
+
+def test_the_dry_run_shows_the_failures_and_the_least_real_time(tmp_path):
+    """Each failure model in words (its mode decides what a failure does), and the real time
+    the modeled steps take at least: a failure spec took 9 minutes that nobody saw coming."""
+    spec = write_spec(tmp_path, """
+        defaults: {task: logreg, workers: 4, compute: {step_seconds: 0.1, time_scale: 2}}
+        experiments:
+          - {name: restart, failures: {mtbf: 20s, restart: 1s, checkpoint_every: 10,
+                                       at: [{node: 1, time: 3s}]}}
+          - {name: continue, aggregator: {name: diloco, period: 5},
+             failures: {mtbf: 20s, restart: 1s}}
+    """)
+    result = dsgd_in_process("run", str(spec), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    lines = [line.strip() for line in result.stdout.splitlines()]
+    assert ("failures: mtbf 20 s per worker (exponential, seed 0); worker 1 at 3 s; away 1 s; "
+            "every worker rolls back to the checkpoint of every 10 steps (restart mode)") in lines
+    assert ("failures: mtbf 20 s per worker (exponential, seed 0); away 1 s; the others go on "
+            "without it (continue mode), and it rejoins") in lines
+    # logreg: 2,048 examples, 4 workers, batch 32: 16 steps of 0.1 s, at 2 real s each
+    assert lines.count("real time: at least 3.2 s of training (1.6 s modeled × time scale 2), "
+                       "plus communication, evaluation, failures and start-up") == 2

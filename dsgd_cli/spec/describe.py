@@ -1,12 +1,14 @@
 """What an experiment will run, in the words and units a person reads: its length per worker
-(epochs and steps, or its budget and the step count it makes), the compute model, the network
-and the stragglers. `dsgd run --dry-run` prints it for each experiment."""
+(epochs and steps, or its budget and the step count it makes), the compute model, the network,
+the stragglers, the failures and, where the steps are modeled, the least real time its
+training takes. `dsgd run --dry-run` prints it for each experiment."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from dsgd_cli.emulation.clock import Clock
 from dsgd_cli.emulation.network import GLOO_RING_MAX
 from dsgd_cli.spec import registry
 from dsgd_cli.spec.registry import build as build_plugin
@@ -27,7 +29,29 @@ class Describer:
                 f"network: {network(config.get('network'))}"
                 if config.get("cluster") is None else
                 f"cluster: {cluster(config['cluster'], config['workers'])}",
-                f"stragglers: {stragglers(config.get('stragglers'))}"]
+                f"stragglers: {stragglers(config.get('stragglers'))}",
+                f"failures: {failures(config)}",
+                f"real time: {self.real_time(config)}"]
+
+    def real_time(self, config: dict[str, Any]) -> str:
+        """The least real time the steps take: each modeled step lasts at least its
+        `step_seconds` (× the time scale); communication, evaluation, failures and start-up
+        come on top. Unknown without a compute model or a known step count."""
+        section = config.get("compute")
+        if section is None:
+            return "unknown before the run (measured steps take what this machine takes)"
+        budget = config.get("budget")
+        if budget is not None and budget.get("seconds") is not None:
+            modeled = budget["seconds"]
+        else:
+            sizes = self._sizes(config)
+            if sizes is None:
+                return "unknown before the task's data is loaded"
+            modeled = total_steps(config, *sizes) * section["step_seconds"]
+        real = Clock(section["time_scale"]).to_real(modeled)
+        return (f"at least {_seconds(real)} of training ({_seconds(modeled)} modeled "
+                f"× time scale {section['time_scale']:g}), plus communication, evaluation, "
+                "failures and start-up")
 
     def length(self, config: dict[str, Any]) -> str:
         """How long each worker trains, with the step count when it is known before the run."""
@@ -101,6 +125,29 @@ def cluster(section: dict[str, Any], workers: int) -> str:
     if section["speed"]:
         text += f"; node speeds {', '.join(f'{speed:g}' for speed in section['speed'])}"
     return text
+
+
+def failures(config: dict[str, Any]) -> str:
+    """`mtbf 1 h per node (exponential, seed 0), restart 5 s: every worker rolls back …`."""
+    section = config.get("failures")
+    if section is None:
+        return "none"
+    cls = registry.load("aggregator", config["aggregator"]["name"])
+    domain = "node" if config.get("cluster") else "worker"
+    parts = []
+    if section["mtbf"] is not None:
+        parts.append(f"mtbf {_seconds(section['mtbf'])} per {domain} (exponential, seed "
+                     f"{section['seed']})")
+    for fixed in section["at"]:
+        parts.append(f"{domain} {fixed['node']} at {_seconds(fixed['time'])}")
+    away = f"away {_seconds(section['restart'])}"
+    if getattr(cls, "failure_mode", "restart") == "continue":
+        mode = f"{away}; the others go on without it (continue mode), and it rejoins"
+    else:
+        every = section["checkpoint_every"]
+        back = (f"the checkpoint of every {every} steps" if every else "the start")
+        mode = f"{away}; every worker rolls back to {back} (restart mode)"
+    return f"{'; '.join(parts)}; {mode}"
 
 
 def stragglers(section: dict[str, Any] | None) -> str:
