@@ -12,9 +12,24 @@ def test_a_plugin_shows_each_option_with_type_default_bounds_and_help():
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("aggregator local_sgd (plugins.aggregators.local_sgd:LocalSGD, from dsgd ")
-    period = next(line for line in lines if line.startswith("period"))
+    at = next(index for index, line in enumerate(lines) if line.startswith("period"))
+    period = lines[at]
     assert period.split()[:6] == ["period", "an", "integer", "4", ">=", "1"]
-    assert period.endswith("local steps between model averages (H)")
+    # the help column is wrapped to the terminal: its words go on below, under it
+    column = period.index(period.split()[6])
+    following = [line for line in lines[at + 1:] if line[:column].strip() == ""]
+    help_text = " ".join([period[column:].strip()]
+                         + [line[column:].strip() for line in following if line.strip()])
+    assert help_text.startswith("local steps between model averages (H)")
+
+
+def test_tables_are_wrapped_to_the_terminal(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    for args in [(), ("diloco",), ("allreduce",), ("streaming_diloco",), ("qsgd",)]:
+        result = dsgd("plugins", *args)
+        assert result.returncode == 0, result.stderr
+        widest = max(len(line) for line in result.stdout.splitlines())
+        assert widest <= 100, (args, widest)
 
 
 def test_json_holds_the_declaration_and_the_docstring():

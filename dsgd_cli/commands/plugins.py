@@ -4,11 +4,12 @@ name, one plugin's description and options, from its own declaration."""
 from __future__ import annotations
 
 import json
+import shutil
+import textwrap
 from typing import Annotated, Any, Optional
 
 import typer
 
-from dsgd_cli.commands.output import render
 from dsgd_cli.commands.reference import (ABSENT, REQUIRED, describe, plugin_markdown,
                                         reference_markdown)
 from dsgd_cli.errors import DsgdError
@@ -57,7 +58,7 @@ def plugins(
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
     else:
-        typer.echo(render(rows, "simple", list(rows[0]) if rows else ["group", "name"]))
+        typer.echo(wrapped(rows, list(rows[0]) if rows else ["group", "name"], ("target",)))
 
 
 def _find(registry, text: str):
@@ -79,11 +80,38 @@ def _as_text(described: dict[str, Any]) -> str:
     lines = [f"{described['kind']} {described['name']} ({described['target']}, from "
              f"{described['distribution']} {described['version']})"]
     if described["description"]:
-        lines += ["", described["description"]]
+        width = shutil.get_terminal_size().columns
+        lines += ["", *(wrapped_line for line in described["description"].splitlines()
+                        for wrapped_line in (textwrap.wrap(line, width) or [""]))]
     lines += ["", "options:" if described["options"] else "options: none"]
     if described["options"]:
         shown = [{**row, "default": json.dumps(row["default"], default=str)
                   if row["default"] not in (REQUIRED, ABSENT) else row["default"]}
                  for row in described["options"]]
-        lines.append(render(shown, "simple", ["option", "type", "default", "bounds", "help"]))
+        lines.append(wrapped(shown, ["option", "type", "default", "bounds", "help"],
+                             ("default", "help")))
     return "\n".join(lines)
+
+
+def wrapped(rows: list[dict[str, Any]], columns: list[str], wrapping: tuple[str, ...],
+            width: int | None = None) -> str:
+    """`rows` as a table no wider than the terminal (`width`, else $COLUMNS or the terminal's
+    own): the text of the `wrapping` columns (a description, a default, a path) is wrapped
+    onto more lines where the table would be wider, each given an equal share of the room
+    the other columns, shown whole, leave."""
+    from tabulate import tabulate
+
+    width = width or shutil.get_terminal_size().columns
+    cells = [[str(row.get(column, "")) for column in columns] for row in rows]
+    # tabulate's simple format: a column is as wide as its longest cell, its header and two
+    # more; columns are two spaces apart
+    widths = [max([len(column) + 2, *(len(row[i]) for row in cells)])
+              for i, column in enumerate(columns)]
+    kept = sum(w for w, column in zip(widths, columns) if column not in wrapping)
+    room = width - kept - 2 * (len(columns) - 1)
+    share = max(12, room // len(wrapping))  # narrower is no longer readable
+    for index, column in enumerate(columns):
+        if column in wrapping and widths[index] > share:
+            for row in cells:
+                row[index] = "\n".join(textwrap.wrap(row[index], share)) or row[index]
+    return tabulate(cells, headers=columns, tablefmt="simple", disable_numparse=True)
