@@ -125,7 +125,7 @@ BAD = [
     ("unknown experiment key", "experiments:\n  - {name: a, task: logreg, epocs: 2}\n",
      "experiments[0].epocs: unknown key"),
     ("unknown plugin", "experiments:\n  - {name: a, task: logreg, aggregator: {name: alreduce}}\n",
-     "experiments[0].aggregator.name: unknown aggregator 'alreduce' (installed: "),
+     "experiments[0].aggregator.name: unknown aggregator 'alreduce' (did you mean 'allreduce'? installed: "),
     ("unknown option", "experiments:\n  - {name: a, task: logreg, aggregator: {name: local_sgd, perod: 2}}\n",
      "experiments[0].aggregator.perod: unknown option 'perod' (known options: error_feedback, period, sync_buffers)"),
     ("wrong option type", "experiments:\n  - {name: a, task: logreg, aggregator: {name: local_sgd, period: two}}\n",

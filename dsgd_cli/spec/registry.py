@@ -12,6 +12,8 @@ options its plugin declares; a plugin's options may hold plugin sections of thei
 
 from __future__ import annotations
 
+import difflib
+
 import importlib.metadata as metadata
 from dataclasses import dataclass
 from functools import cache
@@ -111,8 +113,11 @@ def load(kind: str, name: str) -> type[Plugin]:
     """The plugin class registered as `name`; PluginError if unknown or broken."""
     entries = discover(kind)
     if name not in entries:
-        known = ", ".join(n for n, e in entries.items() if not e.shadowed_by) or "none installed"
-        raise PluginError(f"unknown {kind} {name!r} (installed: {known})")
+        installed = [n for n, e in entries.items() if not e.shadowed_by]
+        near = difflib.get_close_matches(name, installed, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise PluginError(f"unknown {kind} {name!r} ({hint}installed: "
+                          f"{', '.join(installed) or 'none installed'})")
     return entries[name].load()
 
 
