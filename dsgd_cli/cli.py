@@ -14,6 +14,7 @@ from dsgd_cli.commands.plot import plot
 from dsgd_cli.commands.plugins import plugins
 from dsgd_cli.commands.run import run
 from dsgd_cli.commands.runs import runs_app, show
+from dsgd_cli.commands.submit import submit
 from dsgd_cli.errors import DsgdError, Interrupted
 
 INTERRUPTING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -21,6 +22,7 @@ INTERRUPTING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 app = typer.Typer(help="Run, record and compare distributed data-parallel SGD algorithms.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 app.command()(run)
+app.command()(submit)
 app.command()(compare)
 app.command()(advise)
 app.command()(plot)

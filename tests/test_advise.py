@@ -404,3 +404,48 @@ def test_advise_flags_what_makes_a_number_unsure():
     assert fit_warnings(three + [Observation(9, 16, 0.2, 90.0, True, 0.9)], 0.1) == []
     assert next_counts([8], 2) == [2, 4]  # the cheap counts, not 16 and 32
     assert next_counts([2, 4], 1) == [8]
+
+
+def test_runs_whose_timing_overran_are_left_out_of_the_fits(tmp_path):
+    """A run whose steps overran their modeled time has seconds partly of this machine: by
+    default it is not fitted (said on one line); any --where on timing takes it in."""
+    store = Store(str(tmp_path / "r.db"))
+    for n in (2, 4, 8):
+        record(store, "allreduce", n, 0.01, steps_law(n))
+    slow = record(store, "allreduce", 16, 0.05, steps_law(16))
+    with store.connect() as connection:  # what a run that overran leaves: its summary
+        from sqlalchemy import text
+        connection.execute(text("INSERT INTO summaries (run_id, name, final, best) "
+                                "VALUES (:id, 'overrun_steps', 0.48, 0.48)"), {"id": slow})
+        connection.commit()
+    result = dsgd_in_process("advise", "--db", str(tmp_path / "r.db"), "--target", TARGET)
+    assert "(left out 1 run whose timing overran" in result.stdout, result.stdout
+    fitted_without = advise(tmp_path / "r.db")
+    fitted_with = advise(tmp_path / "r.db", "--where", "timing!=none")
+    assert fitted_without[0]["seconds_per_step"] != pytest.approx(fitted_with[0]["seconds_per_step"])
+    only = dsgd_in_process("advise", "--db", str(tmp_path / "r.db"), "--target", TARGET,
+                           "--where", "workers=16")
+    assert only.returncode == 2 and "but 1 whose timing overran" in only.stderr
+
+
+def test_a_narrow_advice_table_keeps_its_caveats(tmp_path, monkeypatch):
+    """At 100 columns the warning, fit_error and extrapolated columns stay; a prediction whose
+    fit error is over its threshold is not a plain number; a group with runs at one worker
+    count is one row of advice, not one per n."""
+    store = Store(str(tmp_path / "r.db"))
+    for n, steps in ((2, 1000), (4, 200), (8, 900), (16, 150)):  # no law fits these
+        record(store, "allreduce", n, 0.01 * n ** 0.5, steps)
+    record(store, "sgp", 4, 0.01, 300)
+    monkeypatch.setenv("COLUMNS", "100")
+    result = dsgd_in_process("advise", "--db", str(tmp_path / "r.db"), "--target", TARGET)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("aggregator")).split()
+    assert header[-2:] == ["warning", "advice"], result.stdout
+    allreduce = [line for line in lines if line.startswith("allreduce")]
+    assert allreduce and all("?" in line.split()[2] for line in allreduce), result.stdout
+    assert all("error 93" in line for line in allreduce)  # fit_error, said in the warning
+    assert allreduce[-1].split()[3].startswith("extrapolated")  # n = 64
+    assert any(line.startswith("?: a fit_error above 0.25") for line in lines)
+    (sgp,) = [line for line in lines if line.startswith("sgp")]
+    assert sgp.split()[:2] == ["sgp", "2-64"] and "at n = 2 and 8" in sgp

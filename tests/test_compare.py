@@ -114,38 +114,56 @@ def test_a_malformed_where_exits_2_naming_the_condition(db, tmp_path, command, c
 
 def test_groups_give_mean_and_sample_std_over_their_runs(db):
     rows = compare(db, "--by", "aggregator,compressor")
-    assert [(r["aggregator"], r["compressor"], r["runs"]) for r in rows] == [
-        ("allreduce", "none", 2), ("allreduce", "qsgd", 2), ("sgp", "none", 1)]
-    plain, quantized, gossip = rows
+    # the two qsgd runs differ in optimizer.lr, not only in seed: two groups
+    assert [(r["aggregator"], r["compressor"], r["optimizer.lr"], r["runs"]) for r in rows] == [
+        ("allreduce", "none", 0.05, 2), ("allreduce", "qsgd", 0.05, 1),
+        ("allreduce", "qsgd", 0.2, 1), ("sgp", "none", 0.05, 1)]
+    plain, quantized, _, gossip = rows
     assert plain["test_accuracy"] == pytest.approx(0.82)  # finals 0.80 and 0.84
     assert plain["test_accuracy_std"] == pytest.approx(statistics.stdev([0.8, 0.84]))
     assert plain["samples_per_second"] == pytest.approx(110.0)
     assert plain["samples_per_second_std"] == pytest.approx(14.142135623730951)
-    assert quantized["wall_seconds"] == pytest.approx(6.5)
+    assert quantized["wall_seconds"] == pytest.approx(6.0)
     assert gossip["test_accuracy_std"] is None  # a single run has no spread
 
 
+def test_groups_pool_only_seeds_and_say_what_split_them(db):
+    """--by aggregator would pool allreduce with and without qsgd, at two learning rates:
+    the group is split by what differs beyond the seed, and the table says so."""
+    rows = compare(db, "--by", "aggregator")
+    assert [(r["aggregator"], r["compressor.name"], r["optimizer.lr"], r["runs"]) for r in rows] == [
+        ("allreduce", "none", 0.05, 2), ("allreduce", "qsgd", 0.05, 1),
+        ("allreduce", "qsgd", 0.2, 1), ("sgp", "none", 0.05, 1)]
+    table = dsgd("compare", "--db", str(db), "--by", "aggregator")
+    header = " ".join(table.stdout.split())
+    assert header.startswith("groups split by ") and "only seeds are pooled" in header
+    assert "optimizer.lr" in table.stdout.splitlines()[0]
+    # runs that differ only in their seed make one group, with nothing said
+    seeds = dsgd("compare", "--db", str(db), "--by", "aggregator", "-e", "base")
+    assert "split" not in seeds.stdout and "(n=2)" in seeds.stdout
+
+
 def test_groups_give_the_students_t_interval_of_the_mean_and_its_run_count(db):
-    plain, quantized, gossip = compare(db, "--by", "aggregator,compressor")
+    plain, quantized, _, gossip = compare(db, "--by", "aggregator,compressor")
     # finals 0.80 and 0.84: mean 0.82, s = 0.02828, t(0.975, 1) = 12.706: 0.82 ± 0.2541
     half = 12.706204736174707 * statistics.stdev([0.8, 0.84]) / 2 ** 0.5
     assert plain["test_accuracy_ci_low"] == pytest.approx(0.82 - half)
     assert plain["test_accuracy_ci_high"] == pytest.approx(0.82 + half)
     assert plain["test_accuracy_n"] == 2
-    assert quantized["test_accuracy_n"] == 2  # the failed run's last value counts too
+    assert quantized["test_accuracy_n"] == 1
     assert gossip["test_accuracy_n"] == 1  # a single run: no interval
     assert gossip["test_accuracy_ci_low"] is None and gossip["test_accuracy_ci_high"] is None
 
 
 def test_a_table_shows_group_means_with_their_spread(db):
-    result = dsgd("compare", "--db", str(db), "--by", "compressor", "--where", "status=completed",
+    result = dsgd("compare", "--db", str(db), "--by", "compressor", "-e", "base",
                   "--columns", "compressor,runs,test_accuracy,samples_per_second")
     assert result.returncode == 0, result.stderr
     none_row = next(line for line in result.stdout.splitlines() if line.startswith("none"))
-    # runs 1, 2 and 5: final test accuracy 0.80, 0.84 and 0.70, samples/s 100, 120 and 200;
-    # ± the half-width of the 95% interval, t(0.975, 2) · s / √3
-    assert none_row.split()[:6] == ["none", "3", "0.7800", "±", "0.1791", "(n=3)"], none_row
-    assert "140 ± 131 (n=3)" in none_row  # samples per second: no decimals
+    # runs 1 and 2: final test accuracy 0.80 and 0.84, samples/s 100 and 120;
+    # ± the half-width of the 95% interval, t(0.975, 1) · s / √2
+    assert none_row.split()[:6] == ["none", "2", "0.8200", "±", "0.2541", "(n=2)"], none_row
+    assert "110 ± 127 (n=2)" in none_row  # samples per second: no decimals
 
 
 def test_tables_show_bytes_and_seconds_for_people_and_csv_keeps_raw_values(db):
@@ -184,25 +202,67 @@ def test_baseline_ratios_per_run_and_per_group(db):
     one = {r["id"]: r for r in compare(db, "--baseline", "2")}  # a run id
     assert one[5]["speedup"] == pytest.approx(200 / 120)
     grouped = compare(db, "--by", "aggregator", "--baseline", "base")
-    assert grouped[1]["aggregator"] == "sgp"
-    assert grouped[1]["bytes_ratio"] == pytest.approx(0.5)
-    assert grouped[0]["speedup"] == pytest.approx(statistics.fmean([100, 120, 150, 140]) / 110)
+    assert grouped[3]["aggregator"] == "sgp"
+    assert grouped[3]["bytes_ratio"] == pytest.approx(0.5)
+    assert grouped[1]["speedup"] == pytest.approx(150 / 110)
 
 
-def test_group_comparisons_with_a_baseline_of_several_runs_have_intervals(db):
-    allreduce, sgp = compare(db, "--by", "aggregator", "--baseline", "base")
-    # samples/s: 100, 120, 150, 140 against the baseline's 100, 120: the ratio of the means
-    # 1.159, its delta-method interval with Welch's 2.87 degrees of freedom
-    assert allreduce["speedup"] == pytest.approx(1.1590909)
-    assert (allreduce["speedup_ci_low"], allreduce["speedup_ci_high"]) == pytest.approx((0.68262, 1.63556), rel=1e-4)
-    # accuracy 0.80, 0.84, 0.78, 0.60 against 0.80, 0.84: Welch's interval of the difference
-    assert allreduce["accuracy_diff"] == pytest.approx(-0.065)
-    assert (allreduce["accuracy_diff_ci_low"], allreduce["accuracy_diff_ci_high"]) == pytest.approx(
-        (-0.228076, 0.098076), rel=1e-4)
-    assert sgp["speedup_ci_low"] is None  # one sgp run: no interval
-    table = dsgd("compare", "--db", str(db), "--by", "aggregator", "--baseline", "base",
-                 "--columns", "aggregator,speedup")
-    assert table.stdout.splitlines()[2].split() == ["allreduce", "1.1591", "[0.6826,", "1.6356]"]
+def test_a_baseline_is_matched_to_runs_set_up_alike(db, tmp_path):
+    """Run 4 (lr 0.2) has no baseline run at its learning rate: blank, with the reason; a
+    run on another task, worker count and clock is never divided by the baseline's."""
+    rows = {r["id"]: r for r in compare(db, "--baseline", "base")}
+    assert rows[3]["baseline"] == "1,2"
+    assert rows[4]["speedup"] is None and rows[4]["accuracy_diff"] is None
+    assert rows[4]["baseline"] == "none alike: differs in optimizer.lr"
+    path = tmp_path / "r.db"
+    store = Store(str(path))
+    base = config("allreduce", "none", 0, 0.1) | {"compute": {"step_seconds": 0.1}, "workers": 4}
+    other = config("local_sgd", "none", 0, 0.1) | {"task": {"name": "mnist1d_cnn"}}
+    alike = config("local_sgd", "none", 1, 0.1) | {"compute": {"step_seconds": 0.1}, "workers": 4}
+    for name, cfg, speed in (("base", base, 100.0), ("other", other, 300.0), ("alike", alike, 200.0)):
+        run_id = store.create_run(name, cfg, None, [])
+        store.add_metrics(run_id, [MetricRow("samples_per_second", speed)])
+        store.finish_run(run_id, "completed")
+    base_row, other_row, alike_row = compare(path, "--baseline", "base")
+    assert alike_row["speedup"] == pytest.approx(2.0)
+    assert other_row["speedup"] is None and other_row["wall_ratio"] is None
+    assert other_row["baseline"] == "none alike: differs in clock, task.name, workers"
+
+
+def test_group_comparisons_with_a_baseline_of_several_runs_have_intervals(tmp_path):
+    path = tmp_path / "r.db"
+    store = Store(str(path))
+    # two seeds each of allreduce and of allreduce+qsgd, set up alike otherwise
+    for name, compressor, seed, speed, accuracy in (
+            ("base", "none", 0, 100.0, 0.80), ("base", "none", 1, 120.0, 0.84),
+            ("q", "qsgd", 0, 150.0, 0.78), ("q", "qsgd", 1, 140.0, 0.60)):
+        run_id = store.create_run(name, config("allreduce", compressor, seed, 0.05), None, [])
+        store.add_metrics(run_id, [MetricRow("samples_per_second", speed),
+                                   MetricRow("test_accuracy", accuracy, step=1)])
+        store.finish_run(run_id, "completed")
+    _, quantized = compare(path, "--by", "compressor", "--baseline", "base")
+    # samples/s 150, 140 against 100, 120: the ratio of the means 145/110 and its
+    # delta-method interval with Welch's degrees of freedom
+    a, b = [150.0, 140.0], [100.0, 120.0]
+    v_a = statistics.variance(a) / (2 * statistics.fmean(a) ** 2)
+    v_b = statistics.variance(b) / (2 * statistics.fmean(b) ** 2)
+    dof = (v_a + v_b) ** 2 / (v_a ** 2 + v_b ** 2)
+    from scipy.stats import t
+
+    half = t.ppf(0.975, dof) * (145 / 110) * (v_a + v_b) ** 0.5
+    assert quantized["speedup"] == pytest.approx(145 / 110)
+    assert (quantized["speedup_ci_low"], quantized["speedup_ci_high"]) == pytest.approx(
+        (145 / 110 - half, 145 / 110 + half))
+    # accuracy 0.78, 0.60 against 0.80, 0.84: Welch's interval of the difference
+    v_a, v_b = statistics.variance([0.78, 0.6]) / 2, statistics.variance([0.8, 0.84]) / 2
+    diff_half = t.ppf(0.975, (v_a + v_b) ** 2 / (v_a ** 2 + v_b ** 2)) * (v_a + v_b) ** 0.5
+    assert quantized["accuracy_diff"] == pytest.approx(0.69 - 0.82)
+    assert quantized["accuracy_diff_ci_high"] - quantized["accuracy_diff"] == pytest.approx(
+        diff_half, rel=1e-3)
+    table = dsgd("compare", "--db", str(path), "--by", "compressor", "--baseline", "base",
+                 "--columns", "compressor,speedup")
+    low, high = quantized["speedup_ci_low"], quantized["speedup_ci_high"]
+    assert table.stdout.splitlines()[3].split() == ["qsgd", "1.3182", f"[{low:.4f},", f"{high:.4f}]"]
 
 
 def test_targets_from_the_recorded_history(db):
@@ -217,9 +277,9 @@ def test_targets_from_the_recorded_history(db):
     for never in (3, 4):
         assert [rows[never][c] for c in ("time_to_target", "steps_to_target", "bytes_to_target")] == [
             None, None, None]
-    grouped = compare(db, "--by", "compressor", "--target", "test_accuracy=0.85")
-    assert grouped[0]["reached"] == "3/3" and grouped[1]["reached"] == "0/2"
-    assert grouped[0]["time_to_target"] == pytest.approx((2.0 + 1.5 + 0.5) / 3)
+    grouped = compare(db, "--by", "compressor", "-e", "base", "--target", "test_accuracy=0.85")
+    assert grouped[0]["reached"] == "2/2"
+    assert grouped[0]["time_to_target"] == pytest.approx((2.0 + 1.5) / 2)
 
 
 def test_a_lower_is_better_target_is_reached_from_above(db, tmp_path):
@@ -246,7 +306,7 @@ def test_sort_ascending_and_descending_with_blanks_last(db):
 
 
 def test_csv_keeps_the_spread_in_its_own_columns(db):
-    result = dsgd("compare", "--db", str(db), "--by", "seed", "--format", "csv")
+    result = dsgd("compare", "--db", str(db), "--by", "seed", "-e", "base", "--format", "csv")
     header = result.stdout.splitlines()[0].split(",")
     assert header[:7] == ["seed", "runs", "test_accuracy", "test_accuracy_std",
                           "test_accuracy_ci_low", "test_accuracy_ci_high", "test_accuracy_n"]
@@ -381,12 +441,26 @@ def test_terminal_tables_fit_their_width_and_say_what_they_left_out(db, monkeypa
     lines = wide.stdout.splitlines()
     assert max(len(line) for line in lines) <= 100, wide.stdout
     # columns equal in every row are said once, above the table
-    assert lines[0] == "all runs: optimizer sgd, task logreg, workers 2, clock measured"
-    assert lines[1].split()[:4] == ["id", "experiment", "aggregator", "status"]
-    assert "(8 more columns: total_bytes_sent, time_to_target" in wide.stdout
-    assert "accuracy_diff; choose with --columns, or -f csv)" in wide.stdout
+    assert lines[0] == "all runs: optimizer sgd, task logreg, workers 2, clock measured, timing ok"
+    # labels go first, then the default metrics the options' columns push out
+    assert lines[1].split()[:4] == ["id", "experiment", "test_accuracy", "wall_seconds"]
+    assert "(10 more columns: status, aggregator, total_bytes_sent, samples_per_second" in wide.stdout
     monkeypatch.setenv("COLUMNS", "300")
     assert "more columns" not in dsgd("compare", "--db", str(db), "--baseline", "base").stdout
+
+
+def test_a_narrow_table_keeps_the_metrics_and_every_column_asked_for(db, monkeypatch):
+    """A one-run table at 60 columns: its labels go to the line above, its metrics stay; and
+    no column named in --columns is left out, whatever the width."""
+    monkeypatch.setenv("COLUMNS", "60")
+    one = dsgd("compare", "--db", str(db), "--last", "1")
+    assert "more columns" not in one.stdout, one.stdout
+    shown = " ".join(one.stdout.split())
+    assert "test_accuracy" in shown and "wall_seconds 5" in shown and "gossip" in shown
+    picked = dsgd("compare", "--db", str(db), "--baseline", "base", "--columns",
+                  "id,experiment,aggregator,test_accuracy,samples_per_second,speedup,accuracy_diff")
+    header = picked.stdout.splitlines()[0].split()
+    assert header[-2:] == ["speedup", "accuracy_diff"] and "more columns" not in picked.stdout
 
 
 def test_columns_picks_the_table_and_csv_keeps_everything(db):
@@ -427,3 +501,44 @@ def test_the_table_dsgd_run_prints_is_compares_plain_table(db):
     store = Results(str(db))
     assert compare_rows(store, store.runs(details=False)) == compare(db)
     assert compare_rows(store, store.runs(ids=[5]), ["lr"]) == compare(db, "--metric", "lr", "--last", "1")
+
+
+def test_a_run_whose_timing_overran_is_marked_wherever_its_seconds_are(tmp_path):
+    """`dsgd run` warns once when 48% of a modeled run's steps overran; the mark stays with
+    the run (its `overrun_steps` summary) in compare, runs, export, plot, and --where."""
+    path = tmp_path / "r.db"
+    store = Store(str(path))
+    emulated = config("allreduce", "none", 0, 0.1) | {"compute": {"step_seconds": 0.1}}
+    for name, overran in (("clean", 0.0), ("slow", 0.48)):
+        run_id = store.create_run(name, emulated, None, [])
+        store.add_metrics(run_id, [MetricRow("overrun_steps", overran), MetricRow("wall_seconds", 2.0),
+                                   MetricRow("test_accuracy", 0.5, step=1, seconds=1.0)])
+        store.finish_run(run_id, "completed")
+    assert [(r["experiment"], r["clock"], r["timing"]) for r in compare(path)] == [
+        ("clean", "modeled", "ok"), ("slow", "modeled", "overran")]
+    assert [r["experiment"] for r in compare(path, "--where", "timing=overran")] == ["slow"]
+    table = dsgd("compare", "--db", str(path))
+    assert "note: run 2: timing overran" in table.stderr
+    assert [line.split()[1:3] for line in table.stdout.splitlines()[-3:-1]] == [
+        ["clean", "ok"], ["slow", "overran"]], table.stdout
+    listed = json.loads(dsgd("runs", "--db", str(path), "-f", "json").stdout)
+    assert [r["timing"] for r in listed] == ["ok", "overran"]
+    exported = json.loads(dsgd("export", "--db", str(path), "-f", "json", "-m", "wall_seconds").stdout)
+    assert [r["timing"] for r in exported] == ["ok", "overran"]
+    from dsgd_cli.results.plotting import run_lines
+    from dsgd_cli.results.reader import Results
+
+    reader = Results(str(path))
+    assert [line.label for line in run_lines(reader, reader.runs(), "test_accuracy", "step")] == [
+        "clean", "slow (timing overran)"]
+
+
+def test_interrupted_runs_are_hidden_unless_asked_for(db, tmp_path):
+    path = tmp_path / "r.db"
+    store = Store(str(path))
+    for name, status in (("done", "completed"), ("stopped", "interrupted")):
+        store.finish_run(store.create_run(name, config("allreduce", "none", 0, 0.1), None, []), status)
+    assert [r["experiment"] for r in compare(path)] == ["done"]
+    assert [r["experiment"] for r in compare(path, "--where", "status=interrupted")] == ["stopped"]
+    assert "(1 interrupted run not shown: --where status=interrupted" in dsgd(
+        "compare", "--db", str(path)).stdout

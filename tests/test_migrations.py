@@ -55,7 +55,7 @@ def test_the_fixture_is_schema_1():
 
 def test_a_writing_open_upgrades_in_place_keeping_everything(old_db):
     store = Store(str(old_db))
-    assert version(old_db) == str(SCHEMA_VERSION) == "4"
+    assert version(old_db) == str(SCHEMA_VERSION) == "5"
     assert {"tags", "checkpoints"} <= tables(old_db)
 
     runs = store.runs()
@@ -85,7 +85,7 @@ def test_a_writing_open_upgrades_in_place_keeping_everything(old_db):
     store.finish_run(new_run, "completed")
     assert new_run == 3
     Store(str(old_db))  # opening it again changes nothing more
-    assert version(old_db) == "4" and Store(str(old_db)).get_run(1).tag_names == ["baseline", "v1"]
+    assert version(old_db) == str(SCHEMA_VERSION) and Store(str(old_db)).get_run(1).tag_names == ["baseline", "v1"]
     assert store.checkpoint_dir(1) is None and store.resumes(1) == []
 
 
@@ -130,7 +130,7 @@ def test_a_reading_open_reads_an_old_database_as_it_is(old_db):
 def test_a_writing_command_upgrades_an_old_database(old_db):
     result = dsgd("runs", "tag", "2", "flaky", "--db", str(old_db))
     assert (result.returncode, result.stdout, result.stderr) == (0, "run 2: tags flaky\n", "")
-    assert version(old_db) == "4"
+    assert version(old_db) == str(SCHEMA_VERSION)
 
 
 def test_a_failed_migration_leaves_the_database_as_it_was(old_db, monkeypatch):
@@ -145,17 +145,17 @@ def test_a_failed_migration_leaves_the_database_as_it_was(old_db, monkeypatch):
     assert version(old_db) == "1" and "tags" not in tables(old_db)  # one transaction: all or nothing
     monkeypatch.undo()
     assert Store(str(old_db)).runs()[0].experiment == "allreduce"
-    assert version(old_db) == "4"
+    assert version(old_db) == str(SCHEMA_VERSION)
 
 
 def test_a_database_of_a_newer_schema_is_refused(old_db):
     with sqlite3.connect(old_db) as connection:
-        connection.execute("UPDATE meta SET value = '5' WHERE key = 'schema_version'")
+        connection.execute("UPDATE meta SET value = '6' WHERE key = 'schema_version'")
     for opening in (Results, Store):
-        with pytest.raises(StoreError, match="has schema version 5, newer than this dsgd "
-                                             r"understands \(4\); upgrade dsgd"):
+        with pytest.raises(StoreError, match="has schema version 6, newer than this dsgd "
+                                             r"understands \(5\); upgrade dsgd"):
             opening(str(old_db))
-    assert version(old_db) == "5" and "tags" not in tables(old_db)  # not "upgraded" to 4
+    assert version(old_db) == "6" and "tags" not in tables(old_db)  # not "upgraded" to 5
 
 
 def test_every_version_step_has_a_migration():
@@ -201,9 +201,10 @@ def test_a_schema_3_database_is_upgraded_keeping_every_row_and_reading_the_same(
     rows, shown = every_row(db_3), reading_commands(db_3)
     assert all(code == 0 and error == "" for code, _, error in shown)
     Store(str(db_3))
-    assert version(db_3) == "4" and "AUTOINCREMENT" in table_sql(db_3, "runs")
+    assert version(db_3) == str(SCHEMA_VERSION) and "AUTOINCREMENT" in table_sql(db_3, "runs")
     rows_after = every_row(db_3)
-    assert rows_after.pop("meta") == [("schema_version", "4")]
+    assert rows_after.pop("meta") == [("schema_version", str(SCHEMA_VERSION))]
+    assert rows_after.pop("slurm_jobs") == []  # schema 5's table, new and empty
     rows.pop("meta")
     assert rows_after == rows and len(rows["metrics"]) == 32 and len(rows["tags"]) == 3
     assert reading_commands(db_3) == shown
@@ -247,7 +248,7 @@ def test_a_failed_upgrade_to_schema_4_leaves_the_database_as_it_was(db_3, monkey
     assert every_row(db_3) == before and "AUTOINCREMENT" not in table_sql(db_3, "runs")
     monkeypatch.undo()
     assert [run.id for run in Store(str(db_3)).runs()] == [1, 3, 4]
-    assert version(db_3) == "4"
+    assert version(db_3) == str(SCHEMA_VERSION)
 
 
 # -- schema 3 to 4 keeps what a user added: views, columns, indexes, triggers --------------------
@@ -272,7 +273,7 @@ def users_objects(path: Path) -> list[tuple]:
 def check_sound_and_ids_never_reused(path: Path) -> None:
     """The upgraded database passes SQLite's checks, and the newest run's id, deleted, is not
     given again."""
-    assert version(path) == "4" and "AUTOINCREMENT" in table_sql(path, "runs")
+    assert version(path) == str(SCHEMA_VERSION) and "AUTOINCREMENT" in table_sql(path, "runs")
     assert rows_of(path, "PRAGMA foreign_key_check") == []
     assert rows_of(path, "PRAGMA integrity_check") == [("ok",)]
     store = Store(str(path))

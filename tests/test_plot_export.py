@@ -120,7 +120,7 @@ def test_export_csv_is_the_long_history_with_the_columns_asked_for(db):
                   "-c", "optimizer.lr", "-c", "status", "-m", "test_accuracy")
     assert result.returncode == 0, result.stderr
     rows = list(csv.DictReader(io.StringIO(result.stdout)))
-    assert list(rows[0]) == ["run_id", "experiment", "clock", "optimizer.lr", "status", "metric",
+    assert list(rows[0]) == ["run_id", "experiment", "clock", "timing", "optimizer.lr", "status", "metric",
                              "step", "epoch", "rank", "seconds", "value"]
     assert [(r["run_id"], r["optimizer.lr"], r["status"], r["step"], r["value"]) for r in rows] == [
         ("3", "0.05", "completed", "10", "0.7"), ("3", "0.05", "completed", "20", "0.78"),
@@ -133,7 +133,7 @@ def test_export_json_and_parquet_hold_every_record(db, tmp_path):
     result = dsgd("export", "--db", str(db), "--format", "json")
     records = json.loads(result.stdout)
     assert len(records) == total
-    assert records[0] == {"run_id": 1, "experiment": "base", "clock": "measured",
+    assert records[0] == {"run_id": 1, "experiment": "base", "clock": "measured", "timing": "ok",
                           "metric": "samples_per_second",
                           "step": None, "epoch": None, "rank": None, "seconds": None,
                           "value": 100.0}

@@ -77,3 +77,42 @@ def test_an_error_in_the_spec_still_names_the_spec(tmp_path):
     spec = write_spec(tmp_path, TINY_SPEC.replace("workers: 2", "workers: 2\n  batch_size: x"))
     assert _refused(spec, "optimizer.lr=0.1") == (
         f"dsgd: error: {spec}: experiments[0].batch_size: expected an integer, got 'x'")
+
+
+DILOCO_AND_ALLREDUCE = """
+defaults:
+  task: {name: logreg}
+  workers: 2
+  epochs: 1
+  steps_per_epoch: 2
+  optimizer: {name: sgd, lr: 0.1, momentum: 0.9}
+experiments:
+  - {name: allreduce, aggregator: {name: allreduce}}
+  - {name: diloco, aggregator: {name: diloco, period: 2}}
+"""
+
+
+def test_set_applies_only_to_the_experiments_selected(tmp_path):
+    """allreduce has no `period`: set in diloco alone, it is not refused for allreduce."""
+    spec = write_spec(tmp_path, DILOCO_AND_ALLREDUCE)
+    (diloco,) = load_spec(spec, only=["diloco"], overrides=[parse_set("aggregator.period=4")])
+    assert diloco.config["aggregator"]["period"] == 4
+    (allreduce,) = load_spec(spec, only=["allreduce"], overrides=[parse_set("epochs=3")])
+    assert allreduce.config["epochs"] == 3
+    assert "unknown option 'period'" in _refused(spec, "aggregator.period=4")
+
+
+def test_set_reaches_a_nested_plugin_section_and_merges_into_it(tmp_path):
+    """DiLoCo's outer optimizer is Nesterov momentum 0.9 by default: setting its rate, by key
+    path or by a mapping, keeps the rest, as a section in `defaults` would."""
+    spec = write_spec(tmp_path, DILOCO_AND_ALLREDUCE)
+    for value in ("aggregator.outer_optimizer.lr=0.5",
+                  "aggregator.outer_optimizer={name: sgd, lr: 0.5}"):
+        (diloco,) = load_spec(spec, only=["diloco"], overrides=[parse_set(value)])
+        outer = diloco.config["aggregator"]["outer_optimizer"]
+        assert (outer["lr"], outer["momentum"], outer["nesterov"]) == (0.5, 0.9, True), value
+    (diloco,) = load_spec(spec, only=["diloco"], overrides=[parse_set("optimizer={lr: 0.2}")])
+    assert (diloco.config["optimizer"]["lr"], diloco.config["optimizer"]["momentum"]) == (0.2, 0.9)
+    (diloco,) = load_spec(spec, only=["diloco"],
+                          overrides=[parse_set("optimizer={name: adam, lr: 0.01}")])
+    assert diloco.config["optimizer"]["name"] == "adam"  # another plugin: replaced whole

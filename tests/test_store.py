@@ -70,7 +70,8 @@ def test_compare_filters_and_formats(tmp_path):
     fill(db)
     rows = json.loads(dsgd("compare", "--db", str(db), "-f", "json").stdout)
     assert [r["id"] for r in rows] == [1, 2, 3]
-    assert set(rows[0]) == {"id", "experiment", "aggregator", "optimizer", "task", "workers", "clock", "status",
+    assert set(rows[0]) == {"id", "experiment", "aggregator", "optimizer", "task", "workers", "clock",
+                            "timing", "status",
                             "test_accuracy", "test_loss", "train_loss", "wall_seconds",
                             "samples_per_second", "total_bytes_sent"}
     assert rows[1]["test_accuracy"] == pytest.approx(0.8) and rows[1]["test_loss"] is None
@@ -145,8 +146,8 @@ def test_runs_lists_with_its_options_and_tags(tmp_path):
     rows = json.loads(dsgd_in_process("runs", "--db", str(db), "-e", "local", "--format", "json").stdout)
     assert [(r["id"], r["experiment"], r["status"], r["workers"], r["tags"], r["reason"]) for r in rows] == [
         (2, "local", "completed", 2, ["best", "paper"], None)]
-    assert list(rows[0]) == ["id", "experiment", "status", "workers", "clock", "started", "real_seconds",
-                            "tags", "reason"]
+    assert list(rows[0]) == ["id", "experiment", "status", "workers", "clock", "timing", "started",
+                            "real_seconds", "tags", "slurm", "reason"]
     table = list(csv.DictReader(io.StringIO(dsgd_in_process("runs", "--db", str(db), "-f", "csv").stdout)))
     assert [(r["id"], r["tags"]) for r in table] == [("1", ""), ("2", "best,paper"), ("3", "")]
     assert "best,paper" in dsgd_in_process("runs", "--db", str(db)).stdout

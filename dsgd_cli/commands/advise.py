@@ -10,7 +10,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption, WhereOption
-from dsgd_cli.commands.output import check_format, fitted, render
+from dsgd_cli.commands.output import check_format, fitted, readable, render
 from dsgd_cli.errors import DsgdError
 
 
@@ -29,7 +29,7 @@ def advise(
     fmt: FormatOption = "simple",
 ) -> None:
     """Which algorithm and how many workers reach a target soonest, predicted from past runs."""
-    from dsgd_cli.results.advice import ROW_COLUMNS, advise as advise_rows
+    from dsgd_cli.results.advice import MAX_FIT_ERROR, ROW_COLUMNS, advise as advise_rows
     from dsgd_cli.results.advice import default_keys, parse_workers
     from dsgd_cli.results.analysis import parse_target
     from dsgd_cli.results.query import check_experiment_names, check_keys, parse_where, select_runs
@@ -43,19 +43,80 @@ def advise(
     recorded = store.runs(experiments=experiment, details=False)
     check_experiment_names(experiment, recorded, lambda: [r.experiment for r in store.runs(details=False)])
     runs = select_runs(recorded, conditions)
+    overran = []
+    if not any(condition.key == "timing" for condition in conditions):
+        overran = [run for run in runs if run.timing == "overran"]
+        runs = [run for run in runs if run.timing != "overran"]
     if not runs:
         raise DsgdError("no recorded run matches the selection (--experiment, --where)"
-                        if experiment or where else f"no recorded runs in {store.shown_url}")
+                        + (f" but {len(overran)} whose timing overran" if overran else "")
+                        if experiment or where or overran
+                        else f"no recorded runs in {store.shown_url}")
     keys = [key.strip() for key in by.split(",") if key.strip()] if by else default_keys(runs)
     check_keys(keys, recorded, "--by")
 
     rows = [_finite(row) for row in advise_rows(store, runs, goal, keys, counts)]
+    notes = [_left_out_note(overran)] if overran else []
     if fmt not in ("csv", "json"):
-        rows = [{**row, "extrapolated": "yes" if row["extrapolated"] else ""} for row in rows]
+        rows = [_extrapolated_warned(row) for row in rows]
+        rows = _one_row_per_refusal(rows, keys)
+        unsure = [row for row in rows if (row["fit_error"] or 0) > MAX_FIT_ERROR]
+        for row in unsure:  # not a plain number: the models miss the group's own runs
+            row.update({column: f"{readable(row[column], column)}?" for column in UNSURE_COLUMNS
+                        if row[column] is not None})
+        if unsure:
+            notes.append(f"?: a fit_error above {MAX_FIT_ERROR:g}: the models miss this group's "
+                         f"own runs by that much; not a number to go by")
     if fmt == "simple":
-        typer.echo(fitted(rows, keys + ROW_COLUMNS, every="every row"))
+        typer.echo(fitted(rows, keys + ROW_COLUMNS, every="every row", labels=GIVEN_UP_FIRST))
     else:
         typer.echo(render(rows, fmt, keys + ROW_COLUMNS))
+    for note in notes:
+        typer.echo(note, err=fmt in ("csv", "json"))
+
+
+# The columns a table too wide gives up first; `warning` and `advice` it never gives up
+# (output.KEPT_COLUMNS), and the warning says what `fit_error` and `extrapolated` would.
+GIVEN_UP_FIRST = ["clock", "time_low", "time_high", "seconds_per_step", "rank", "best",
+                  "fit_error", "extrapolated", "steps_to_target"]
+
+
+def _extrapolated_warned(row: dict[str, Any]) -> dict[str, Any]:
+    """For a table: `extrapolated` as `yes`, and said first in the warning too, which a
+    narrow table keeps."""
+    if not row["extrapolated"]:
+        return {**row, "extrapolated": ""}
+    return {**row, "extrapolated": "yes",
+            "warning": "; ".join(filter(None, ["extrapolated", row["warning"]]))}
+# A prediction's numbers, marked `?` in a table where the group's fit error is too large.
+UNSURE_COLUMNS = ["seconds_per_step", "steps_to_target", "time_to_target", "time_low",
+                  "time_high"]
+
+
+def _left_out_note(overran) -> str:
+    return (f"(left out {len(overran)} run{'s' if len(overran) > 1 else ''} whose timing overran "
+            f"their compute model: their seconds are partly this machine's; any --where on "
+            f"timing, such as --where timing!=none, takes them in)")
+
+
+def _one_row_per_refusal(rows: list[dict[str, Any]], keys: list[str]) -> list[dict[str, Any]]:
+    """For a table: a group that gets advice instead of numbers in one row, not one per `n`,
+    its `workers` the counts it was asked about."""
+    shown, refused = [], {}
+    for row in rows:
+        if row["advice"] is None:
+            shown.append(row)
+            continue
+        label = tuple(row[key] for key in keys)
+        if label not in refused:
+            refused[label] = {**row, "workers": []}
+            shown.append(refused[label])
+        refused[label]["workers"].append(row["workers"])
+    for row in refused.values():
+        counts = row["workers"]
+        row["workers"] = (",".join(map(str, counts)) if len(counts) <= 3
+                          else f"{counts[0]}-{counts[-1]}")
+    return shown
 
 
 def _finite(row: dict[str, Any]) -> dict[str, Any]:

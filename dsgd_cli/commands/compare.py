@@ -3,15 +3,18 @@ grouped, set against a baseline, timed to a target and sorted."""
 
 from __future__ import annotations
 
+import shutil
+import textwrap
 from typing import Annotated, Any, Optional
 
 import typer
 
 from dsgd_cli.commands.common import (ColumnsOption, DbOption, ExperimentOption, FormatOption,
                                      LastOption, WhereOption, split_columns)
-from dsgd_cli.commands.output import check_format, fitted, readable, render
+from dsgd_cli.commands.output import LABEL_COLUMNS, check_format, fitted, readable, render
 
-RUN_COLUMNS = ["id", "experiment", "aggregator", "optimizer", "task", "workers", "clock", "status"]
+RUN_COLUMNS = ["id", "experiment", "aggregator", "optimizer", "task", "workers", "clock", "timing",
+               "status"]
 
 
 def compare(
@@ -19,10 +22,11 @@ def compare(
     experiment: ExperimentOption = None,
     where: WhereOption = None,
     by: Annotated[Optional[str], typer.Option(
-        "--by", help="Group runs by these keys (KEY[,KEY]): one row per group, mean ± std")] = None,
+        "--by", help="Group runs by these keys (KEY[,KEY]): one row per group of seeds, mean ± "
+        "the half-width of its 95% interval; runs that differ in other keys are split")] = None,
     baseline: Annotated[Optional[str], typer.Option(
         "--baseline", help="An EXPERIMENT or RUN_ID: adds speedup, wall_ratio, bytes_ratio, "
-        "accuracy_diff against it")] = None,
+        "accuracy_diff against its runs set up alike (task, workers, clock, ...)")] = None,
     target: Annotated[Optional[str], typer.Option(
         "--target", help="METRIC=VALUE: adds time, steps and bytes to first reach it")] = None,
     sort: Annotated[Optional[str], typer.Option(
@@ -35,10 +39,10 @@ def compare(
 ) -> None:
     """Tabulate past runs: configuration and final metrics, one row per run or per group."""
     from dsgd_cli.results.analysis import (BASELINE_COLUMNS, TARGET_COLUMNS, add_baseline,
-                                           baseline_values, group_rows, metric_columns,
-                                           parse_target, run_rows, sort_rows)
-    from dsgd_cli.results.query import (check_experiment_names, check_keys, clocks_note, parse_where,
-                                        select_runs)
+                                           baseline_runs, group_rows, metric_columns,
+                                           parse_target, run_rows, sort_rows, split_keys)
+    from dsgd_cli.results.query import (check_experiment_names, check_keys, clocks_note,
+                                        overran_note, parse_where, select_runs)
     from dsgd_cli.results.reader import Results
 
     check_format(fmt)
@@ -49,6 +53,8 @@ def compare(
     recorded = store.runs(experiments=experiment, details=False)
     check_experiment_names(experiment, recorded, lambda: [r.experiment for r in store.runs(details=False)])
     runs = select_runs(recorded, conditions)
+    hidden = [] if _asks_for_status(conditions) else [r for r in runs if r.status == "interrupted"]
+    runs = [run for run in runs if run not in hidden]
     if last:
         runs = runs[-last:]
     check_keys(keys, recorded, "--by")
@@ -60,21 +66,24 @@ def compare(
 
         reached = reach_times(store, [run.id for run in runs], goal)
     rows = run_rows(runs, store.finals([run.id for run in runs]), metrics, reached)
+    row_runs = runs  # the run each row stands for (a group: its first, the others its seeds)
+    split = split_keys(runs, keys) if keys else []
     if keys:
         values = metrics + (list(TARGET_COLUMNS) if goal else [])
-        rows = group_rows(runs, rows, keys, values)
+        rows, groups = group_rows(runs, rows, keys + split, values)
+        row_runs = [members[0] for members in groups]
     if baseline:
-        # The baseline may be a run that --experiment left out.
-        candidates = store.runs(details=False) if experiment else recorded
-        add_baseline(rows, baseline_values(store, candidates, baseline))
+        # The baseline may be a run that --experiment or --where left out.
+        base = baseline_runs(store.runs(details=False) if experiment else recorded, baseline)
+        add_baseline(rows, row_runs, base, store.finals([run.id for run in base]))
     if sort:
         rows = sort_rows(rows, sort)
 
-    columns = (keys + ["runs"] if keys else list(RUN_COLUMNS)) + metrics
+    columns = (keys + split + ["runs"] if keys else list(RUN_COLUMNS)) + metrics
     if goal:
         columns += list(TARGET_COLUMNS) + (["reached"] if keys else [])
     if baseline:
-        columns += [column for column, _, _ in BASELINE_COLUMNS]
+        columns += ["baseline"] + [column for column, _, _ in BASELINE_COLUMNS]
     compared = [column for column, _, _ in BASELINE_COLUMNS] if baseline else []
     if keys and fmt not in ("csv", "json"):
         rows = [_with_spread(row, metrics + (list(TARGET_COLUMNS) if goal else []), compared)
@@ -82,13 +91,54 @@ def compare(
     elif keys:
         columns = _with_std_columns(columns, metrics + (list(TARGET_COLUMNS) if goal else []),
                                     compared)
+    notes = [note for note in (_split_note(split), _hidden_note(hidden)) if note]
+    if fmt not in ("csv", "json"):  # said above the table; csv and json stay data
+        for note in notes:
+            typer.echo(textwrap.fill(note, shutil.get_terminal_size((100, 24)).columns,
+                                     subsequent_indent="  "))
+        notes = []
     if fmt == "simple":
-        typer.echo(fitted(rows, columns, picked=split_columns(shown)))
+        give_up = _give_up_first(keys + split, metric or [], asked=bool(goal or baseline or metric))
+        typer.echo(fitted(rows, columns, picked=split_columns(shown), labels=give_up))
     else:
         typer.echo(render(rows, fmt, columns))
-    note = clocks_note(runs)
-    if note:
-        typer.echo(note, err=True)
+    for note in [*notes, clocks_note(runs), overran_note(runs)]:
+        if note:
+            typer.echo(note, err=True)
+
+
+# The default metrics a narrow table gives up for the columns its options asked for.
+SPARED_METRICS = ["total_bytes_sent", "samples_per_second", "train_loss", "test_loss"]
+
+
+def _give_up_first(keys: list[str], named_metrics: list[str], asked: bool) -> list[str]:
+    """The columns a table too wide for the terminal leaves out first: the run's labels but a
+    group's keys (they say what it is), then, where --target, --baseline or --metric asked
+    for columns, the default metrics but accuracy and time, and the baseline's run ids."""
+    labels = [column for column in LABEL_COLUMNS if column not in keys]
+    if not asked:
+        return labels
+    return labels + [m for m in SPARED_METRICS if m not in named_metrics] + ["baseline"]
+
+
+def _asks_for_status(conditions) -> bool:
+    return any(condition.key == "status" for condition in conditions)
+
+
+def _split_note(split: list[str]) -> str | None:
+    """What the header says when `--by`'s groups were split: a group holds runs that differ
+    only in their seed, so runs that differ in other keys are set apart by them."""
+    if not split:
+        return None
+    return (f"groups split by {', '.join(split)} too: only seeds are pooled, and their runs "
+            f"differ in these")
+
+
+def _hidden_note(hidden) -> str | None:
+    if not hidden:
+        return None
+    return (f"({len(hidden)} interrupted run{'s' if len(hidden) > 1 else ''} not shown: "
+            f"--where status=interrupted shows them)")
 
 
 def _with_spread(row: dict[str, Any], names: list[str], compared: list[str]) -> dict[str, Any]:

@@ -65,8 +65,9 @@ def export(
     recorded = store.runs(details=False)
     chosen = select_runs(pick(recorded, runs or []), conditions)
     check_keys(keys, recorded, "--config")
-    # clock: whether the seconds column is modeled (an emulated cluster) or measured
-    columns = ["run_id", "experiment", "clock", *keys, *HISTORY_COLUMNS]
+    # clock: whether the seconds column is modeled (an emulated cluster) or measured; timing:
+    # `overran` where those modeled seconds are partly this machine's
+    columns = ["run_id", "experiment", "clock", "timing", *keys, *HISTORY_COLUMNS]
     rows = _rows(store, chosen, keys, metric)
     if fmt in TRACKER_FORMATS:
         from dsgd_cli.results import trackers
@@ -101,8 +102,8 @@ def _rows(store: Results, runs: list[RunRecord], keys: list[str],
     from dsgd_cli.results.store import Metric
 
     by_id = {run.id: run for run in runs}
-    fixed = {run.id: [run.id, run.experiment, run.clock, *[_plain(run_value(run, k)) for k in keys]]
-             for run in runs}
+    fixed = {run.id: [run.id, run.experiment, run.clock, run.timing,
+                      *[_plain(run_value(run, k)) for k in keys]] for run in runs}
     query = (select(Metric.run_id, Metric.name, Metric.step, Metric.epoch, Metric.rank,
                     Metric.seconds, Metric.value)
              .where(Metric.run_id.in_(list(by_id))).order_by(Metric.run_id, Metric.id))

@@ -66,36 +66,53 @@ def simple_table(table: list[list[str]], headers: list[str]) -> str | None:
                      for line in lines)
 
 
+# Columns that say what a row is rather than what it measured, in the order a table too wide
+# for the terminal gives them up (to the line above it where every row has the same value).
+LABEL_COLUMNS = ("optimizer", "task", "workers", "status", "clock", "aggregator")
+# Columns that name a row: given up last of all.
+NAME_COLUMNS = ("experiment", "id")
+# Columns a narrow table keeps before all others: they say how far to trust the numbers, or
+# what to do instead (`dsgd advise`).
+KEPT_COLUMNS = ("timing", "warning", "advice")
+
+
 def fitted(rows: list[dict[str, Any]], columns: list[str], width: int | None = None,
-           picked: list[str] | None = None, every: str = "all runs") -> str:
+           picked: list[str] | None = None, every: str = "all runs",
+           labels: tuple[str, ...] | list[str] = LABEL_COLUMNS) -> str:
     """A `simple` table for the terminal, made to fit `width` characters (default: the
     terminal's, or $COLUMNS): columns that hold the same value in every row go to one line
     above the table (`all runs: optimizer sgd, task mnist1d_mlp`), long texts are shortened
-    in the middle, and columns that still do not fit are left out, saying which. `every`
-    names what the rows are in that line. `picked`
-    (`--columns`) chooses the columns and their order. csv and json never come here: they
-    keep every column, raw."""
+    in the middle, and columns that still do not fit are left out, saying which: first the
+    `labels` (in their order; one equal in every row, as with a single row, goes to the line
+    above instead), then the others from the right, the row's name (NAME_COLUMNS) last, never
+    KEPT_COLUMNS. `every` names what the
+    rows are in that line. `picked` (`--columns`) chooses the columns and their order, and
+    none of them is left out. csv and json never come here: they keep every column, raw."""
     if picked:
         unknown = [name for name in picked if name not in columns]
         if unknown:
             raise DsgdError(f"--columns: no column {unknown[0]!r} (columns: {', '.join(columns)})")
-        columns = picked
+        columns = list(picked)
     width = width or shutil.get_terminal_size((100, 24)).columns
     header = []
     empty = [c for c in columns if rows and all(row.get(c) in (None, "") for row in rows)]
     if empty and not picked:  # a column blank in every row says nothing but its name
         columns = [c for c in columns if c not in empty]
     if len(rows) > 1 and not picked:
-        same = [c for c in columns if len({cell(row.get(c)) for row in rows}) == 1
-                and rows[0].get(c) is not None]
+        same = [c for c in columns if _same_in_every_row(rows, c)]
         header = [f"{c} {readable(rows[0].get(c), c)}" for c in same]
         columns = [c for c in columns if c not in same]
-    table = [[readable(row.get(c), c) for c in columns] for row in rows]
-    table = _shortened(table, columns, width)
     left_out = []
-    while len(columns) > 1 and _table_width(table, columns) > width:
-        left_out.append(columns.pop())
-        table = [line[:-1] for line in table]
+    if not picked:
+        for column in _give_up_order(columns, labels):
+            if _table_width(_cells(rows, columns, width), columns) <= width or len(columns) == 1:
+                break
+            columns.remove(column)
+            if _same_in_every_row(rows, column):
+                header.append(f"{column} {readable(rows[0].get(column), column)}")
+            else:
+                left_out.append(column)
+    table = _cells(rows, columns, width)
     lines = []
     if header:
         lines += textwrap.wrap(f"{every}: " + ", ".join(header), width, subsequent_indent="  ")
@@ -103,9 +120,29 @@ def fitted(rows: list[dict[str, Any]], columns: list[str], width: int | None = N
     if empty and not picked:
         lines += textwrap.wrap(f"(not recorded by any of these runs: {', '.join(empty)})", width)
     if left_out:
-        lines += textwrap.wrap(f"({len(left_out)} more columns: {', '.join(reversed(left_out))}; "
+        lines += textwrap.wrap(f"({len(left_out)} more columns: {', '.join(left_out)}; "
                                f"choose with --columns, or -f csv)", width)
     return "\n".join(lines)
+
+
+def _same_in_every_row(rows: list[dict[str, Any]], column: str) -> bool:
+    return (bool(rows) and rows[0].get(column) is not None
+            and len({cell(row.get(column)) for row in rows}) == 1)
+
+
+def _give_up_order(columns: list[str], labels: tuple[str, ...] | list[str]) -> list[str]:
+    """Which columns a table too wide gives up, first to last: the labels, then the others
+    from the right, the row's name last; never KEPT_COLUMNS."""
+    first = [c for c in labels if c in columns and c not in KEPT_COLUMNS]
+    last = [c for c in NAME_COLUMNS if c in columns and c not in first]
+    rest = [c for c in reversed(columns) if c not in first + last and c not in KEPT_COLUMNS]
+    return first + rest + last
+
+
+def _cells(rows: list[dict[str, Any]], columns: list[str], width: int) -> list[list[str]]:
+    """The rows' texts for `columns`, the widest shortened towards `width`."""
+    table = [[readable(row.get(c), c) for c in columns] for row in rows]
+    return _shortened(table, columns, width)
 
 
 MIN_CELL = 24  # texts are shortened in the middle down to this width, no further

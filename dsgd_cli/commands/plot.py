@@ -42,7 +42,8 @@ def plot(
     # numpy, matplotlib and SQLAlchemy load here, not when the CLI starts.
     from dsgd_cli.results.plotting import (BANDS, X_AXES, figure, group_lines, run_lines,
                                             terminal_chart)
-    from dsgd_cli.results.query import check_keys, clocks_note, parse_where, pick, select_runs
+    from dsgd_cli.results.query import (check_keys, clocks_note, overran_note, parse_where, pick,
+                                        select_runs)
     from dsgd_cli.results.reader import Results
 
     if x not in X_AXES:
@@ -68,9 +69,9 @@ def plot(
              else run_lines(store, chosen, metric, x))
     clocks = {run.clock for run in chosen}
     clock = clocks.pop() if len(clocks) == 1 else "mixed"
-    note = clocks_note(chosen)
-    if note:
-        typer.echo(note, err=True)
+    for note in (clocks_note(chosen), overran_note(chosen)):
+        if note:
+            typer.echo(note, err=True)
     if output is None:
         size = shutil.get_terminal_size((100, 30))
         typer.echo(terminal_chart(lines, metric, x, size.columns, max(15, size.lines - 5),

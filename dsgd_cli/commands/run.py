@@ -50,6 +50,10 @@ def run(
         "--checkpoint-dir", help="Where runs that set checkpoint_every keep their checkpoints "
                                  "[default: $DSGD_CHECKPOINTS or dsgd-checkpoints/ beside the database]; "
                                  "with --resume, where the run's checkpoints are now")] = None,
+    point: Annotated[Optional[int], typer.Option(
+        "--point", metavar="K", min=0,
+        help="Only the K-th experiment of the spec (0 is the first; after --experiment, "
+             "--workers and --set): one task of `dsgd submit`'s array")] = None,
 ) -> None:
     """Run every experiment in SPEC (default ./experiments.yaml) and record it in the database."""
     from dsgd_cli.launch.launch_dirs import launch_root, remove_stale
@@ -65,18 +69,49 @@ def run(
     if not dry_run:
         launch_root()  # a TMPDIR another user could swap launches in is refused (exit 2)
         remove_stale()  # the launch directories of this user's `dsgd run`s that were killed
+    if point is not None and resume is not None:
+        raise DsgdError("--point selects an experiment of the spec; --resume continues a run: "
+                        "give one of them")
+    first = experiment if point is None else point_selection(spec, experiment, workers, launch,
+                                                              overrides, point)
     early = (None if dry_run or resume is not None
-             else early_start(spec, experiment, workers, launch, overrides))
+             else early_start(spec, first, workers, launch, overrides))
     try:
         _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkpoint_dir, early,
-             overrides)
+             overrides, point)
     finally:
         if early is not None:
             early.close()
 
 
+def point_selection(spec, experiment, workers, launch, overrides, point: int) -> list[str] | None:
+    """The name of the spec's `point`-th experiment as a selection, read from the spec's YAML
+    alone (for the early start of its launch); the whole selection where the spec cannot be
+    read that far (validation then says why)."""
+    from dsgd_cli.errors import SpecError
+    from dsgd_cli.spec import specfile
+
+    try:
+        _, document = specfile.read_document(Path(spec))
+        defaults, entries, _ = specfile.sections(document, launch)
+        names = [p.name for p in specfile.points(defaults, entries, workers, overrides)
+                 if specfile.selected(p.name, experiment)]
+    except (SpecError, RecursionError):
+        return experiment
+    return [names[point]] if point < len(names) else experiment
+
+
+def one_point(experiments: list, point: int, spec) -> list:
+    """`--point K`: the K-th of the spec's experiments, alone."""
+    if point >= len(experiments):
+        count = len(experiments)
+        raise DsgdError(f"--point {point}: {spec} has {count} experiment{'s' if count != 1 else ''}"
+                        f" (points 0 to {count - 1})")
+    return [experiments[point]]
+
+
 def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkpoint_dir,
-         early, overrides) -> None:
+         early, overrides, point=None) -> None:
     # torch, the plugins and rich load here, not when the CLI starts: the other commands need
     # none of them.
     from rich.console import Console
@@ -101,6 +136,8 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
         # Validate everything before anything is written or any worker is told what to run.
         experiments = load_spec(spec, only=experiment, workers=workers, launch=launch,
                                 overrides=overrides)
+        if point is not None:
+            experiments = one_point(experiments, point, spec)
         if len(experiments) > ANNOUNCE_OVER:  # a grid can be larger than its author thinks
             typer.echo(f"dsgd: {len(experiments)} experiments in {spec}", err=True)
     console = Console()

@@ -12,9 +12,11 @@ from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption
 from dsgd_cli.errors import DsgdError
 from dsgd_cli.commands.output import check_format, fitted, readable, render
 
-# real_seconds: how long the run took on this machine's clock, whatever clock its metrics are on
-LIST_COLUMNS = ["id", "experiment", "status", "workers", "clock", "started", "real_seconds", "tags",
-                "reason"]
+# real_seconds: how long the run took on this machine's clock, whatever clock its metrics are on;
+# slurm: the SLURM jobs it ran in (`12_3`: task 3 of array job 12)
+# timing: `overran` where the run's modeled times are partly this machine's (results.md)
+LIST_COLUMNS = ["id", "experiment", "status", "workers", "clock", "timing", "started",
+                "real_seconds", "tags", "slurm", "reason"]
 
 runs_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
                        add_completion=False, pretty_exceptions_enable=False)
@@ -41,10 +43,12 @@ def runs(ctx: typer.Context, db: DbOption = None, experiment: ExperimentOption =
     for run in listed:
         duration = (run.ended_at - run.started_at).total_seconds() if run.ended_at else None
         tags = run.tag_names
+        jobs = [str(job) for job in run.slurm_jobs]
         rows.append({"id": run.id, "experiment": run.experiment, "status": run.status,
-                     "workers": run.workers, "clock": run.clock,
+                     "workers": run.workers, "clock": run.clock, "timing": run.timing,
                      "started": run.started_at.strftime("%Y-%m-%d %H:%M:%S"),
                      "real_seconds": duration, "tags": tags if fmt == "json" else ",".join(tags),
+                     "slurm": jobs if fmt == "json" else ",".join(jobs),
                      "reason": run.reason})
     typer.echo(fitted(rows, LIST_COLUMNS) if fmt == "simple" else render(rows, fmt, LIST_COLUMNS))
 
@@ -123,6 +127,8 @@ def show(run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`")
                f"dsgd {run.dsgd_version}  spec: {run.spec_file or '-'}")
     if run.tag_names:
         typer.echo(f"tags: {', '.join(run.tag_names)}")
+    if run.slurm_jobs:
+        typer.echo(f"slurm jobs: {', '.join(map(str, run.slurm_jobs))}")
     advice = overrun_advice(run)
     if advice:
         typer.echo(f"emulation: {advice}")

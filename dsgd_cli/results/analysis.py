@@ -4,14 +4,15 @@ metric history, is `dsgd_cli.results.history`."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import statistics
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.results.query import names, run_value
+from dsgd_cli.results.query import flat_config, names, run_value
 from dsgd_cli.results.reader import Results, RunRecord, higher_is_better
 
 TARGET_COLUMNS = ("time_to_target", "steps_to_target", "bytes_to_target")
@@ -67,7 +68,7 @@ def run_rows(runs: list[RunRecord], finals: dict[int, dict[str, float]], metrics
         aggregator = run.aggregator if run.compressor == "none" else f"{run.aggregator}+{run.compressor}"
         row = {"id": run.id, "experiment": run.experiment, "aggregator": aggregator,
                "optimizer": run.optimizer, "task": run.task, "workers": run.workers,
-               "clock": run.clock, "status": run.status}
+               "clock": run.clock, "timing": run.timing, "status": run.status}
         row.update({name: finals.get(run.id, {}).get(name) for name in metrics})
         if reached is not None:
             when = reached.get(run.id)
@@ -95,19 +96,82 @@ def compare_rows(store: Results, runs: list[RunRecord],
                     None)
 
 
+# -- which runs are alike -------------------------------------------------------------------------
+
+# Configuration keys that say how a run was named or bookkept, not what it measured.
+BOOKKEEPING = {"name", "config_version", "log_interval", "timeout", "target_accuracy", "save_dir",
+               "checkpoint_every", "checkpoint_dir", "resume_step", "run_id", "nnodes"}
+# What makes runs replicates of one setting: only the seed differs between them.
+REPLICATE_KEYS = {"seed"}
+
+
+def poolable(key: str) -> bool:
+    """Whether runs may differ in `key` and still be replicates of one setting."""
+    return key in REPLICATE_KEYS or key in BOOKKEEPING
+
+
+def algorithm_key(key: str) -> bool:
+    """Whether `key` is part of the algorithm a baseline is compared with (`aggregator.period`,
+    `compressor.name`)."""
+    return key.split(".")[0] in ("aggregator", "compressor")
+
+
+def setting(run: RunRecord, ignored: Callable[[str], bool]) -> dict[str, str]:
+    """The run's configuration by dotted key, each value as comparable text, without the keys
+    `ignored` says."""
+    return {key: json.dumps(value, sort_keys=True, default=str)
+            for key, value in flat_config(run).items() if not ignored(key)}
+
+
+def differences(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    """The keys in which two settings differ (a key only one has differs too)."""
+    return [key for key in dict.fromkeys([*mine, *theirs]) if mine.get(key) != theirs.get(key)]
+
+
+def split_keys(runs: list[RunRecord], keys: list[str]) -> list[str]:
+    """The configuration keys, beyond `keys`, in which runs that `keys` put in one group differ
+    other than by seed or bookkeeping: a group must hold replicates, so these split it. Where a
+    plugin differs (`aggregator.name`), its options count only where they differ between runs
+    of the same plugin."""
+    split = _differing_in_groups(runs, keys)
+    plugins = [key for key in split if key.endswith(".name")]
+    if not plugins:
+        return split
+    options = _differing_in_groups(runs, keys + plugins)
+    return [key for key in split if key in plugins or key in options]
+
+
+def _differing_in_groups(runs: list[RunRecord], keys: list[str]) -> list[str]:
+    """The keys, other than `keys` and poolable ones, in which runs with the same values of
+    `keys` differ, in order of first appearance."""
+    def ignored(key: str) -> bool:
+        return poolable(key) or key in keys
+
+    groups: dict[tuple, list[dict[str, str]]] = {}
+    for run in runs:
+        label = tuple(_label(run_value(run, key)) for key in keys)
+        groups.setdefault(label, []).append(setting(run, ignored))
+    differing: dict[str, None] = {}
+    for settings in groups.values():
+        for other in settings[1:]:
+            differing.update(dict.fromkeys(differences(settings[0], other)))
+    return list(differing)
+
+
 def group_rows(runs: list[RunRecord], rows: list[dict[str, Any]], keys: list[str],
-               values: list[str]) -> list[dict[str, Any]]:
+               values: list[str]) -> tuple[list[dict[str, Any]], list[list[RunRecord]]]:
     """One row per distinct combination of `keys`, in order of first appearance: the keys, the
     number of runs, and for each of `values` the mean (`name`), the sample standard deviation
     (`name_std`), the 95% confidence interval of the mean (`name_ci_low`, `name_ci_high`) and
     the number of runs behind them (`name_n`), over the runs that have it. With one run there
-    is no spread and no interval (None)."""
-    groups: dict[tuple, list[dict]] = {}
+    is no spread and no interval (None). Also each group's runs, in the order of the rows."""
+    groups: dict[tuple, list[tuple[RunRecord, dict]]] = {}
     for run, row in zip(runs, rows):
         label = tuple(_label(run_value(run, key)) for key in keys)
-        groups.setdefault(label, []).append(row)
+        groups.setdefault(label, []).append((run, row))
     result = []
-    for label, members in groups.items():
+    for label, pairs in groups.items():
+        members = [row for _, row in pairs]
         group = dict(zip(keys, label))
         group["runs"] = len(members)
         for name in values:
@@ -120,7 +184,7 @@ def group_rows(runs: list[RunRecord], rows: list[dict[str, Any]], keys: list[str
             reached = sum(row.get("time_to_target") is not None for row in members)
             group["reached"] = f"{reached}/{len(members)}"
         result.append(group)
-    return result
+    return result, [[run for run, _ in pairs] for pairs in groups.values()]
 
 
 def mean_interval(values: list[float], level: float = 0.95) -> tuple[float | None, float | None]:
@@ -138,36 +202,64 @@ def mean_interval(values: list[float], level: float = 0.95) -> tuple[float | Non
 
 
 def _label(value: Any) -> Any:
+    """A group key's value as a label: tags joined, lists and mappings as JSON."""
     if isinstance(value, set):
         return ",".join(sorted(value))
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, sort_keys=True)
     return value
 
 
 # -- baselines -------------------------------------------------------------------------------
 
-def baseline_values(store: Results, runs: Iterable[RunRecord], spec: str) -> dict[str, list[float]]:
-    """The final values of each baseline metric over the baseline's runs: a run id, or an
-    experiment (all its runs, or all points of a grid of that base name)."""
-    chosen = [run.id for run in runs if names(run, spec)]
+def baseline_runs(runs: Iterable[RunRecord], spec: str) -> list[RunRecord]:
+    """The runs `--baseline` names: a run id, or an experiment (all its runs, or all points of
+    a grid of that base name)."""
+    chosen = [run for run in runs if names(run, spec)]
     if not chosen:
         raise DsgdError(f"--baseline {spec!r}: no recorded run has this id or experiment name")
-    finals = store.finals(chosen)
-    values = {}
-    for _, metric, _ in BASELINE_COLUMNS:
-        present = [finals[run_id][metric] for run_id in chosen if metric in finals[run_id]]
-        if present:
-            values[metric] = present
-    return values
+    return chosen
 
 
-def add_baseline(rows: list[dict[str, Any]], base: dict[str, list[float]]) -> None:
-    """Each row's speed-up, wall-time and byte ratios and accuracy difference against the
-    mean of `base` (blank where either side lacks the metric or a ratio would divide by
-    zero); for a group row where both sides have several runs, the 95% interval of each
-    (`COLUMN_ci_low`, `COLUMN_ci_high`, from `comparison_interval`)."""
-    for row in rows:
+def _not_matched(key: str) -> bool:
+    """Keys a run and its baseline may differ in: the algorithm compared, seeds, bookkeeping."""
+    return poolable(key) or algorithm_key(key)
+
+
+def alike_baseline(run: RunRecord, base: list[RunRecord]) -> tuple[list[RunRecord], str]:
+    """The baseline runs set up as `run` is but for their algorithm (aggregator and compressor
+    with their options), seed and bookkeeping: the same task, worker count, clock, optimizer,
+    length and every other key. With them, their ids; with none, why: the keys in which the
+    closest baseline run differs (`clock` for all of its `compute` section)."""
+    mine = setting(run, _not_matched)
+    alike, closest, closest_run = [], None, None
+    for candidate in base:
+        differ = differences(mine, setting(candidate, _not_matched))
+        if not differ:
+            alike.append(candidate)
+        elif closest is None or len(differ) < len(closest):
+            closest, closest_run = differ, candidate
+    if alike:
+        return alike, ",".join(str(candidate.id) for candidate in alike)
+    if closest_run.clock != run.clock:
+        closest = ["clock"] + [key for key in closest if key.split(".")[0] != "compute"]
+    shown = ", ".join(closest[:3]) + (f" and {len(closest) - 3} more" if len(closest) > 3 else "")
+    return [], f"none alike: differs in {shown}"
+
+
+def add_baseline(rows: list[dict[str, Any]], row_runs: list[RunRecord], base: list[RunRecord],
+                 finals: dict[int, dict[str, float]]) -> None:
+    """Each row's speed-up, wall-time and byte ratios and accuracy difference against the mean
+    of the baseline runs alike to `row_runs` (the row's run, or the first of its group's, whose
+    other runs differ from it only by seed): `baseline` names them, or says why there are none
+    and the comparisons stay blank. Blank too where either side lacks the metric or a ratio
+    would divide by zero; for a group row where both sides have several runs, the 95% interval
+    of each (`COLUMN_ci_low`, `COLUMN_ci_high`, from `comparison_interval`)."""
+    for row, run in zip(rows, row_runs):
+        alike, row["baseline"] = alike_baseline(run, base)
         for column, metric, compare in BASELINE_COLUMNS:
-            mine, theirs = row.get(metric), base.get(metric)
+            theirs = [finals[b.id][metric] for b in alike if metric in finals.get(b.id, {})]
+            mine = row.get(metric)
             theirs_mean = statistics.fmean(theirs) if theirs else None
             usable = mine is not None and theirs_mean is not None and (
                 column == "accuracy_diff" or theirs_mean != 0)

@@ -34,10 +34,15 @@ class Line:
 
 def run_lines(store: Results, runs: list[RunRecord], metric: str, x_axis: str) -> list[Line]:
     """One line per run that recorded `metric`, labelled by its experiment's name (and what
-    differs between runs of the same experiment)."""
+    differs between runs of the same experiment), marked where its times overran its model."""
     xy = _series(store, runs, metric, x_axis)
     labels = legend_labels(runs)
-    return [Line(labels[run.id], *xy[run.id]) for run in runs if run.id in xy]
+    return [Line(labels[run.id] + (OVERRAN_MARK if run.timing == "overran" else ""), *xy[run.id])
+            for run in runs if run.id in xy]
+
+
+# A legend's mark on a run whose modeled times are partly this machine's (`RunRecord.timing`).
+OVERRAN_MARK = " (timing overran)"
 
 
 def group_lines(store: Results, runs: list[RunRecord], keys: list[str], metric: str,
@@ -68,6 +73,8 @@ def group_lines(store: Results, runs: list[RunRecord], keys: list[str], metric: 
             low, high = mean - half, mean + half
         label = ", ".join(f"{_short(k)}={v}" for k, v in zip(keys, values))
         shown = f"mean ± {BANDS[band]}, {len(members)} runs" if len(members) > 1 else "1 run"
+        overran = sum(run.timing == "overran" for run in members)
+        shown += f", {overran} with timing overran" if overran else ""
         lines.append(Line(f"{label} ({shown})", grid, mean, std, low, high))
     return lines
 

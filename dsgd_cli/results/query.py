@@ -15,7 +15,7 @@ from dsgd_cli.results.reader import RunRecord, flatten_config
 
 # Keys that name a column of the run rather than a configuration key.
 RUN_COLUMNS = ("id", "experiment", "status", "task", "aggregator", "compressor", "optimizer",
-               "workers", "host", "tag", "clock")
+               "workers", "host", "tag", "clock", "timing")
 OPERATORS: dict[str, Callable[[Any, Any], bool]] = {
     ">=": operator.ge, "<=": operator.le, "!=": operator.ne,
     "=": operator.eq, ">": operator.gt, "<": operator.lt,
@@ -162,6 +162,17 @@ def clocks_note(runs: list[RunRecord]) -> str | None:
     modeled = sum(run.clock == "modeled" for run in runs)
     return (f"note: {modeled} of these {len(runs)} runs have modeled times (an emulated cluster) "
             f"and {len(runs) - modeled} measured ones: their seconds are not comparable")
+
+
+def overran_note(runs: list[RunRecord]) -> str | None:
+    """One line for a comparison, plot or advice that holds runs whose modeled times overran
+    their model (`RunRecord.timing`): their seconds are partly this machine's."""
+    overran = [run.id for run in runs if run.timing == "overran"]
+    if not overran:
+        return None
+    shown = ", ".join(map(str, overran[:10])) + (", ..." if len(overran) > 10 else "")
+    return (f"note: run{'s' if len(overran) > 1 else ''} {shown}: timing overran (their real "
+            f"work overran the modeled step time), so their seconds are partly this machine's")
 
 
 def names(run: RunRecord, selector: str) -> bool:

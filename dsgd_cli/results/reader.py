@@ -26,8 +26,9 @@ from dsgd_cli.results import strictjson
 from dsgd_cli.results.database import (missing_driver_error, one_line, read_only_uri, resolve_url,
                                        shown_db, sqlite_path)
 from dsgd_cli.results.schema import (CHECKPOINTS, MAX_ID, META, METRICS, PARAMS, PLUGIN_VERSIONS,
-                                     RUNS, SCHEMA_VERSION, SUMMARIES, TABLE_COLUMNS, TAGS,
-                                     tables_of_version)
+                                     RUNS, SCHEMA_VERSION, SLURM_JOBS, SUMMARIES, TABLE_COLUMNS,
+                                     TAGS, tables_of_version)
+from dsgd_cli.results.slurm_ids import SlurmJob
 from dsgd_cli.spec.config_versions import upgrade_config
 
 IN_LIST_LIMIT = 10_000  # beyond this many ids, reading a whole table beats a huge IN list
@@ -109,9 +110,22 @@ class RunRecord:
     started_at: datetime
     ended_at: datetime | None
     tag_names: list[str] = field(default_factory=list)
+    slurm_jobs: list[SlurmJob] = field(default_factory=list)  # the SLURM jobs it ran in
     params: list[ParamRecord] = field(default_factory=list)
     plugins: list[PluginRecord] = field(default_factory=list)
     summaries: list[SummaryRecord] = field(default_factory=list)
+    overrun_steps: float | None = None  # its summary of that name, read with every run
+
+    @property
+    def timing(self) -> str:
+        """Whether the run's times are what its clock says: `overran` for a modeled run where
+        more than OVERRUN_ADVICE_STEPS of the steps' real work overran their modeled time (its
+        times are partly this machine's, not the modeled cluster's; `dsgd run` said so when it
+        ended), `ok` otherwise."""
+        from dsgd_cli.spec.compute_model import OVERRUN_ADVICE_STEPS
+
+        overran = self.overrun_steps is not None and self.overrun_steps > OVERRUN_ADVICE_STEPS
+        return "overran" if overran else "ok"
 
     @property
     def clock(self) -> str:
@@ -139,7 +153,7 @@ class ResultsReader:
         if writer_engine is not None:
             self.engine = writer_engine  # (in place of the read-only engine made on first use)
             self._sql = EngineReader(writer_engine, self.shown_url)
-            self.has_tags = self.has_checkpoints = True
+            self.has_tags = self.has_checkpoints = self.has_slurm_jobs = True
             return
         path = sqlite_path(self.url)
         try:
@@ -157,6 +171,7 @@ class ResultsReader:
             raise missing_driver_error(self.shown_url, error) from None
         self.has_tags = TAGS.name in tables
         self.has_checkpoints = CHECKPOINTS.name in tables
+        self.has_slurm_jobs = SLURM_JOBS.name in tables
 
     @cached_property
     def engine(self):
@@ -251,11 +266,18 @@ class ResultsReader:
         return UnreadableRun(run_id, f"run {run_id} in {self.shown_url} is unreadable ({problem})")
 
     def _attach(self, runs: list[RunRecord], details: bool) -> None:
-        """Give each run its tags and, with `details`, its parameters, plugins and summaries."""
+        """Give each run its tags and SLURM jobs and, with `details`, its parameters, plugins
+        and summaries."""
         by_id = {run.id: run for run in runs}
+        self._attach_overruns(by_id)
         if self.has_tags:
             for run_id, tag in self._for_runs(TAGS.select("run_id", "tag"), by_id, "tag"):
                 by_id[run_id].tag_names.append(tag)
+        if self.has_slurm_jobs:
+            for run_id, *job in self._for_runs(
+                    SLURM_JOBS.select("run_id", "job_id", "array_job_id", "array_task_id"),
+                    by_id, "job_id"):
+                by_id[run_id].slurm_jobs.append(SlurmJob(*job))
         if not details:
             return
         for run_id, key, value in self._for_runs(PARAMS.select("run_id", "key", "value"),
@@ -268,6 +290,17 @@ class ResultsReader:
         for run_id, *summary in self._for_runs(SUMMARIES.select("run_id", "name", "final", "best"),
                                                by_id, "name"):
             by_id[run_id].summaries.append(SummaryRecord(*summary))
+
+    def _attach_overruns(self, by_id: dict[int, RunRecord]) -> None:
+        """Each run's `overrun_steps` summary, which its `timing` mark is made of (one row per
+        run with a compute model)."""
+        if not by_id:
+            return
+        rows = self._sql.rows(SUMMARIES.select("run_id", "final") + " WHERE name = :name",
+                              {"name": "overrun_steps"})
+        for run_id, final in rows:
+            if run_id in by_id:
+                by_id[run_id].overrun_steps = final
 
     def _for_runs(self, select: str, run_ids: Iterable[int], order: str) -> Iterator[tuple]:
         """The rows of `select` (whose first column is run_id) that belong to `run_ids`, in

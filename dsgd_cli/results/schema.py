@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The newest schema. 2 added `tags`, 3 `checkpoints`, 4 made SQLite's run ids AUTOINCREMENT
-# (an id, once given, is never given again; see `store.MIGRATIONS`).
-SCHEMA_VERSION = 4
+# (an id, once given, is never given again; see `store.MIGRATIONS`), 5 added `slurm_jobs`.
+SCHEMA_VERSION = 5
 MAX_ID = 2**63 - 1  # the largest id a database integer holds
 
 
@@ -47,10 +47,15 @@ PARAMS = Table("params", ("run_id", "key", "value"))
 PLUGIN_VERSIONS = Table("plugin_versions", ("run_id", "kind", "name", "distribution", "version"))
 TAGS = Table("tags", ("run_id", "tag"), added_in=2)
 CHECKPOINTS = Table("checkpoints", ("run_id", "directory", "resumes"), added_in=3)
+# The SLURM jobs a run ran in (`dsgd submit --slurm`, or any `dsgd run` inside a SLURM job):
+# the job that created it and each job that resumed it; the array's job id and task id when
+# the job is a task of an array.
+SLURM_JOBS = Table("slurm_jobs", ("run_id", "job_id", "array_job_id", "array_task_id"),
+                   added_in=5)
 METRICS = Table("metrics", ("id", "run_id", "name", "value", "step", "epoch", "rank", "seconds"))
 SUMMARIES = Table("summaries", ("run_id", "name", "final", "best"))
 
-TABLES = (META, RUNS, PARAMS, PLUGIN_VERSIONS, TAGS, CHECKPOINTS, METRICS, SUMMARIES)
+TABLES = (META, RUNS, PARAMS, PLUGIN_VERSIONS, TAGS, CHECKPOINTS, SLURM_JOBS, METRICS, SUMMARIES)
 # Each table's columns by its name: a table of one of these names lacking one is not dsgd's.
 TABLE_COLUMNS = {table.name: table.columns for table in TABLES}
 

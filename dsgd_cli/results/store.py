@@ -21,8 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from sqlalchemy import (JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, or_,
-                        delete, insert, inspect, select, text, update)
+from sqlalchemy import (JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, String,
+                        Text, or_, delete, insert, inspect, select, text, update)
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
@@ -38,7 +38,8 @@ from dsgd_cli.results.reader import (EngineReader, ResultsReader, Unreadable, ch
                                      check_version, flatten_config, higher_is_better,
                                      schema_version)
 from dsgd_cli.results.schema import (CHECKPOINTS, MAX_ID, META, METRICS, PARAMS, PLUGIN_VERSIONS,
-                                     RUNS, SCHEMA_VERSION, SUMMARIES, TAGS)
+                                     RUNS, SCHEMA_VERSION, SLURM_JOBS, SUMMARIES, TAGS)
+from dsgd_cli.results.slurm_ids import SlurmJob, slurm_job_of_this_process
 
 MAX_TAG_LENGTH = 128
 # Key of the PostgreSQL advisory lock that serializes schema creation and migrations.
@@ -147,6 +148,17 @@ class Checkpoints(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey(Run.id, ondelete="CASCADE"), primary_key=True)
     directory: Mapped[str] = mapped_column(Text)
     resumes: Mapped[list] = mapped_column(JSON, default=list)
+
+
+class SlurmJobRow(Base):
+    """A SLURM job the run ran in: the one that created it, and each that resumed it; schema 5.
+    `array_job_id` and `array_task_id`: the job's array and its index there (`12_3`), if any."""
+
+    __tablename__ = SLURM_JOBS.name
+    run_id: Mapped[int] = mapped_column(ForeignKey(Run.id, ondelete="CASCADE"), primary_key=True)
+    job_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    array_job_id: Mapped[int | None] = mapped_column(BigInteger)
+    array_task_id: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Metric(Base):
@@ -306,9 +318,17 @@ def _quoted(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+def _migrate_4_to_5(connection: Connection) -> None:
+    """Schema 5 adds `slurm_jobs`: the SLURM jobs (and array tasks) a run ran in."""
+    connection.execute(text(
+        "CREATE TABLE slurm_jobs (run_id INTEGER NOT NULL, job_id BIGINT NOT NULL, "
+        "array_job_id BIGINT, array_task_id BIGINT, PRIMARY KEY (run_id, job_id), "
+        "FOREIGN KEY (run_id) REFERENCES runs (id) ON DELETE CASCADE)"))
+
+
 # The step that brings a database to each version from the one before. Written out as each
 # version's SQL rather than taken from the models, which describe only the newest version.
-MIGRATIONS = {2: _migrate_1_to_2, 3: _migrate_2_to_3, 4: _migrate_3_to_4}
+MIGRATIONS = {2: _migrate_1_to_2, 3: _migrate_2_to_3, 4: _migrate_3_to_4, 5: _migrate_4_to_5}
 
 
 class _Read:
@@ -410,7 +430,8 @@ class ResultsWriter:
                    plugins: Iterable[tuple[str, str, str, str]],
                    checkpoint_dir: str | None = None) -> int:
         """Record a run as `running`; `plugins` are (kind, name, distribution, version);
-        `checkpoint_dir`: where its workers write checkpoints, if they do."""
+        `checkpoint_dir`: where its workers write checkpoints, if they do. Inside a SLURM job
+        the run records the job (and its array task)."""
         with Session(self.engine) as session, session.begin():
             run = Run(experiment=experiment, spec_file=spec_file, status="running",
                       task=config["task"]["name"], aggregator=config["aggregator"]["name"],
@@ -424,6 +445,7 @@ class ResultsWriter:
             session.flush()
             if checkpoint_dir is not None:
                 session.add(Checkpoints(run_id=run.id, directory=checkpoint_dir, resumes=[]))
+            _add_slurm_job(session, run.id, slurm_job_of_this_process())
             return run.id
 
     @while_busy
@@ -443,6 +465,7 @@ class ResultsWriter:
             record.resumes = [*(record.resumes or []), {"at": at, "step": step}]
             if directory is not None:
                 record.directory = directory
+            _add_slurm_job(session, run_id, slurm_job_of_this_process())
 
     @while_busy
     def add_metrics(self, run_id: int, rows: list[MetricRow]) -> None:
@@ -498,7 +521,7 @@ class ResultsWriter:
             if running and not force:
                 raise StoreError(f"{_naming(running, 'run', 'runs')} still running (its `dsgd run` may still "
                                  "be writing to it; --force deletes it anyway); nothing deleted")
-            for model in (Metric, Summary, Param, PluginVersion, Tag, Checkpoints):
+            for model in (Metric, Summary, Param, PluginVersion, Tag, Checkpoints, SlurmJobRow):
                 session.execute(delete(model).where(model.run_id.in_(ids)))
             session.execute(delete(Run).where(Run.id.in_(ids)))
         return ids
@@ -522,6 +545,13 @@ class ResultsWriter:
 
 
 Store = ResultsWriter  # its name before it was parted from the reader (launcher, tests, benchmarks)
+
+
+def _add_slurm_job(session: Session, run_id: int, job: SlurmJob | None) -> None:
+    """Note that the run ran in SLURM job `job` (None: not in a SLURM job), once."""
+    if job is not None and session.get(SlurmJobRow, (run_id, job.job_id)) is None:
+        session.add(SlurmJobRow(run_id=run_id, job_id=job.job_id, array_job_id=job.array_job_id,
+                                array_task_id=job.array_task_id))
 
 
 def _write_summaries(session: Session, run_id: int) -> None:

@@ -79,7 +79,8 @@ def load_spec(path: str | Path, *, only: list[str] | None = None,
         text, document = specfile.read_document(Path(path))
         try:
             experiments = resolve_document(document, workers_override=workers,
-                                           launch_override=launch, overrides=overrides)
+                                           launch_override=launch, overrides=overrides,
+                                           only=only)
         except RecursionError:  # a YAML alias inside itself (`&a [*a]`), or absurd nesting
             raise SpecError(specfile.TOO_DEEP) from None
         for experiment in experiments:
@@ -106,11 +107,14 @@ def _located(error: SpecError, file: str, set_keys: list[str]) -> SpecError:
 
 def resolve_document(document: Any, workers_override: int | None = None,
                      launch_override: dict[str, Any] | None = None,
-                     overrides: list[tuple[str, Any]] = ()) -> list[Experiment]:
+                     overrides: list[tuple[str, Any]] = (),
+                     only: list[str] | None = None) -> list[Experiment]:
+    """Every experiment of the spec, validated; `overrides` (`--set`) set in those `only`
+    (`--experiment`) selects."""
     defaults, entries, nodes = specfile.sections(document, launch_override)
     experiments: list[Experiment] = []
     cache = _Cache()  # grid points share most sections: each distinct one is checked once
-    for point in specfile.points(defaults, entries, workers_override, overrides):
+    for point in specfile.points(defaults, entries, workers_override, overrides, only):
         config = validate_experiment(point.raw, point.path, point.name, cache)
         if nodes is not None:
             check_split(nodes, config["workers"], point.path)

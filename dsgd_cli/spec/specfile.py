@@ -1,12 +1,15 @@
 """Reading a spec: the YAML file in, one raw experiment per grid point out, with `defaults`
 merged in, `grid` expanded and the command line's worker count applied. Values are not
 validated and no plugin is loaded here (spec.py does both), and nothing here imports torch:
-`dsgd run` reads this far to start torchrun while it validates the rest.
+`dsgd run` reads this far to start torchrun while it validates the rest. (One exception: a
+`--set` key path into a nested plugin section the spec leaves to its default loads the plugin
+that declares it, to merge into that default.)
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import re
 from dataclasses import dataclass
@@ -190,10 +193,11 @@ def set_key_holding(path: str | None, keys: list[str]) -> str | None:
 
 
 def points(defaults: dict, entries: list, workers_override: int | None = None,
-           overrides: list[tuple[str, Any]] = ()) -> Iterator[Point]:
+           overrides: list[tuple[str, Any]] = (), only: list[str] | None = None) -> Iterator[Point]:
     """Every experiment of the spec, grid points expanded, in order; lazily, so that the
     first error is met as early as when validating as they come. `overrides` (the command
-    line's `--set KEY=VALUE`) are set in every point, over the spec and its grid."""
+    line's `--set KEY=VALUE`) are set over the spec and its grid in every point that `only`
+    (`--experiment`) selects: a mapping merges into the section it names as `defaults` do."""
     for index, entry in enumerate(entries):
         path = f"experiments[{index}]"
         if not isinstance(entry, dict):
@@ -205,9 +209,9 @@ def points(defaults: dict, entries: list, workers_override: int | None = None,
         for name, point in expand_grid(merged, path):
             if workers_override is not None:  # the command line wins over spec and grid
                 point["workers"] = workers_override
-            for key, value in overrides:
+            for key, value in overrides if selected(name, only) else ():
                 try:
-                    _set_dotted(point, key, value, "", "--set key")
+                    _set_dotted(point, key, value, "", "--set key", merging=True)
                 except SpecError as error:
                     raise SpecError(error.detail, file=set_origin(key)) from None
             yield Point(path, name, point)
@@ -280,25 +284,80 @@ def _check_name_length(name: str, path: str) -> None:
                         f"longest file name, got {name[:40]!r}... of {size} bytes", path=path)
 
 
-def _set_dotted(mapping: dict, dotted: str, value: Any, path: str, what: str = "grid key") -> None:
+def _set_dotted(mapping: dict, dotted: str, value: Any, path: str, what: str = "grid key",
+                merging: bool = False) -> None:
     """Set one grid key (or `--set` key). `section.name` picks a plugin: like a section naming
     another plugin in `defaults`, it replaces the section's options (they belong to the old
-    plugin)."""
+    plugin). `merging` (`--set`): a mapping merges into the section it names (`merge`), and a
+    key path may lead into a nested plugin section the spec leaves to its plugin's default
+    (`aggregator.outer_optimizer.lr`), which it then changes."""
     *parents, leaf = dotted.split(".")
     if not leaf or (not parents and (leaf not in EXPERIMENT_DEFAULTS or leaf in ("name", "grid"))):
         raise SpecError(f"{what} must name an experiment key, a plugin option or a plugin "
                         "section's name", path=path)
-    node = mapping
+    node, kind = mapping, None  # kind: the plugin kind of the section `node` (None: the experiment)
     for part in parents:
         child = node.get(part)
+        if child is None and merging:
+            child = _default_section(node, kind, part)
         if child is None and leaf == "name":  # e.g. a compressor section not yet there
             child = {}
+        if isinstance(child, str) and _section_kind(node, kind, part):  # `optimizer: sgd`
+            child = {"name": child}
         if not isinstance(child, dict):
             raise SpecError(f"{part!r} is not a section of the experiment", path=path)
         node[part] = child = dict(child)  # this point's own copy: the others share the original
-        node = child
+        node, kind = child, _section_kind(node, kind, part)
     if leaf == "name" and node.get("name") != value:
         kept = {key: section for key, section in node.items() if isinstance(section, dict)}
         node.clear()
         node.update(kept)  # nested plugin sections stay: an aggregator keeps its compressor
+    if merging and isinstance(value, dict):
+        current = node.get(leaf)
+        if current is None:
+            current = _default_section(node, kind, leaf)
+        if isinstance(current, str) and _section_kind(node, kind, leaf):
+            current = {"name": current}
+        value = merge(current, value)
     node[leaf] = value
+
+
+def _section_kind(section: dict, kind: str | None, key: str) -> str | None:
+    """The plugin kind of the section under `key` of `section` (itself of plugin kind `kind`,
+    None for the experiment): `aggregator` for the experiment's `aggregator`, `optimizer` for
+    DiLoCo's `outer_optimizer`; None where it is no plugin section."""
+    from dsgd_cli.spec.registry import KINDS
+
+    if kind is None:
+        return key if key in KINDS else None
+    field = _plugin_option(section, kind, key)
+    return field.metadata.get("plugin") if field is not None else None
+
+
+def _default_section(section: dict, kind: str | None, key: str) -> dict | None:
+    """The default of the nested plugin section `key` of the plugin `section` names (loading
+    that plugin: the only place here that may), for a `--set` key path into it; None where
+    there is none (validation then says what is wrong)."""
+    field = _plugin_option(section, kind, key) if kind is not None else None
+    if field is None or not field.metadata.get("plugin"):
+        return None
+    default = (field.default_factory() if field.default_factory is not dataclasses.MISSING
+               else field.default)
+    return copy.deepcopy(default) if isinstance(default, dict) else None
+
+
+def _plugin_option(section: dict, kind: str, key: str) -> dataclasses.Field | None:
+    """The declared option `key` of the plugin of kind `kind` that `section` names."""
+    from dsgd_cli.errors import PluginError
+    from dsgd_cli.spec import registry
+
+    name = section.get("name")
+    if not isinstance(name, str):
+        return None
+    try:
+        options = registry.load(kind, name).Options
+    except (PluginError, SpecError):
+        return None  # an unknown plugin: validation names it
+    if not dataclasses.is_dataclass(options):
+        return None
+    return next((field for field in dataclasses.fields(options) if field.name == key), None)
