@@ -69,11 +69,13 @@ def test_an_interrupt_ends_the_wait(tmp_path, quick_busy):
 
 
 def test_a_run_completes_while_another_process_holds_the_lock(tmp_path):
-    """A real run; the lock is taken once the run is recorded and held past SQLite's busy
-    timeout (5 s)."""
+    """A real run of 8 modeled steps of 0.5 s, each logged; the lock is taken once the run is
+    recorded and held past SQLite's busy timeout (5 s), so that the next metrics wait for it
+    longer than the notice's 5 s and the run ends while it is held."""
     db = tmp_path / "r.db"
     spec = write_spec(tmp_path, """
-        defaults: {task: logreg, workers: 2, epochs: 1, steps_per_epoch: 8, log_interval: 1}
+        defaults: {task: logreg, workers: 2, epochs: 1, steps_per_epoch: 8, log_interval: 1,
+                   compute: {step_seconds: 0.5}}
         experiments:
           - {name: plain}
     """)
@@ -90,7 +92,7 @@ def test_a_run_completes_while_another_process_holds_the_lock(tmp_path):
             except sqlite3.Error:
                 pass
             time.sleep(0.05)
-        holders.append(_hold_lock(str(db), database.SQLITE_BUSY_TIMEOUT + 3, held))
+        holders.append(_hold_lock(str(db), database.SQLITE_BUSY_TIMEOUT + 6, held))
 
     watcher = threading.Thread(target=lock_once_recorded)
     watcher.start()

@@ -44,7 +44,7 @@ def test_a_db_path_with_percent_question_mark_and_hash_is_that_file(tmp_path):
     assert not {"qA.db", "a#b ", "a#b", "a#b%20"} & files(tmp_path)
     compared = dsgd_in_process("compare", "--db", str(tmp_path / name), "-f", "csv")
     assert compared.returncode == 0, compared.stderr
-    assert compared.stdout.splitlines()[1].startswith("1,a,allreduce,sgd,logreg,2,measured,completed,")
+    assert compared.stdout.splitlines()[1].startswith("1,a,allreduce,sgd,logreg,2,measured,ok,completed,")
     # The same file through a URL: its characters percent-encoded, as SQLAlchemy decodes them.
     url = "sqlite:///" + str(tmp_path / "a%23b%2520%3Fq%2541.db")
     tagged = dsgd_in_process("runs", "tag", "1", "t", "--db", url)

@@ -258,7 +258,8 @@ def test_a_schema_1_database_on_postgresql_is_upgraded(pg_url):
 
     record(pg_url)
     store = Store(pg_url)
-    with store.engine.begin() as connection:  # back to schema 1: without tags and checkpoints
+    with store.engine.begin() as connection:  # back to schema 1: without the later tables
+        connection.exec_driver_sql("DROP TABLE slurm_jobs")
         connection.exec_driver_sql("DROP TABLE tags")
         connection.exec_driver_sql("DROP TABLE checkpoints")
         connection.exec_driver_sql("UPDATE meta SET value = '1'")
@@ -267,7 +268,7 @@ def test_a_schema_1_database_on_postgresql_is_upgraded(pg_url):
     assert _version(pg_url) == "1"
 
     upgraded = Store(pg_url)
-    assert _version(pg_url) == str(SCHEMA_VERSION) == "4"
+    assert _version(pg_url) == str(SCHEMA_VERSION) == "5"
     assert [r.experiment for r in upgraded.runs()] == ["base", "local", "sweep[optimizer.lr=0.1]", "broken"]
     assert count_metrics(upgraded, 1) == 7
     assert upgraded.tag_run(2, ["again"]) == ["again"]
@@ -377,17 +378,18 @@ def test_many_processes_write_at_once(db_url, tmp_path):
 
 def test_many_processes_open_a_schema_1_database_at_once(db_url, tmp_path):
     """The first to open it upgrades it; the others wait for it, then write."""
-    from dsgd_cli.results.store import Store
+    from dsgd_cli.results.store import SCHEMA_VERSION, Store
 
     store = Store(db_url)
-    with store.engine.begin() as connection:
+    with store.engine.begin() as connection:  # back to schema 1: without the later tables
+        connection.exec_driver_sql("DROP TABLE slurm_jobs")
         connection.exec_driver_sql("DROP TABLE tags")
         connection.exec_driver_sql("DROP TABLE checkpoints")
         connection.exec_driver_sql("UPDATE meta SET value = '1'")
     store.engine.dispose()
     run_writers(db_url, tmp_path)
     check_everything_written(db_url)
-    assert _version(db_url) == "4"
+    assert _version(db_url) == str(SCHEMA_VERSION)
 
 
 def test_targets_and_curves_are_the_same_from_sqlite_and_postgresql(tmp_path, pg_url):
