@@ -12,6 +12,14 @@ first interval's warm-up included, medians over ranks, then the median over the 
 * `compress_seconds` as a share of the step: what the compression arithmetic costs.
 
     python benchmarks/compression.py [--steps 20] [--workers 4] [--bandwidth 100Mbit] [--repeat 3]
+
+`--step-only` times the compression arithmetic alone instead, without a run: one
+`compressed_average` call (compress, collectives of one worker, decompress or combine, error
+feedback where the compressor requires it) on the gradients of CIFAR ResNet-20 (59 tensors,
+0.27M parameters), the median over `--steps` calls after warm-up, per compressor. It uses only
+the API that existed before buckets, so the same script times an older checkout.
+
+    python benchmarks/compression.py --step-only [--steps 50]
 """
 
 from __future__ import annotations
@@ -50,13 +58,68 @@ def per_step(store: Results, run_id: int, name: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+STEP_COMPRESSORS = {
+    "fp16": {"name": "fp16"}, "bf16": {"name": "bf16"},
+    "qsgd": {"name": "qsgd", "levels": 16, "bucket_size": 512}, "dqsgd": {"name": "dqsgd"},
+    "terngrad": {"name": "terngrad"}, "sign": {"name": "sign"}, "ef_sign": {"name": "ef_sign"},
+    "onebit": {"name": "onebit"}, "topk": {"name": "topk", "ratio": 0.01},
+    "randomk": {"name": "randomk", "ratio": 0.01}, "powersgd": {"name": "powersgd", "rank": 2},
+}
+
+
+class _OneWorker:
+    world_size = 1
+
+    def all_reduce(self, tensor, op="sum"):
+        pass
+
+    def all_gather(self, tensor):
+        return [tensor]
+
+
+def step_only(steps: int) -> None:
+    """Milliseconds of one `compressed_average` on ResNet-20's gradients, per compressor."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from dsgd_cli.api import ErrorFeedback, compressed_average
+    from dsgd_cli.spec.experiments import build_plugin
+    from plugins.tasks.resnet import CifarResNet
+
+    torch.manual_seed(0)
+    params = list(CifarResNet(20, 10, (0.5,) * 3, (0.25,) * 3).parameters())
+    grads = [torch.randn(p.shape) * 0.01 for p in params]
+    keys = [f"param{i}" for i in range(len(grads))]
+    print(f"CIFAR ResNet-20 gradients ({len(grads)} tensors, "
+          f"{sum(g.numel() for g in grads):,} parameters), 1 worker, torch threads "
+          f"{torch.get_num_threads()}: ms per compressed_average, median of {steps}")
+    for name, section in STEP_COMPRESSORS.items():
+        compressor = build_plugin("compressor", dict(section))
+        compressor.setup(SimpleNamespace(seed=0, rank=0, world_size=1, metrics=SimpleNamespace(
+            log=lambda *a: None)))
+        memory = ErrorFeedback() if compressor.requires_error_feedback else None
+        times = []
+        for step in range(steps + 5):
+            started = time.perf_counter()
+            compressed_average(compressor, _OneWorker(), grads, keys, step, memory)
+            times.append(time.perf_counter() - started)
+        print(f"{name:<10} {statistics.median(times[5:]) * 1e3:8.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step-only", action="store_true",
+                        help="time one compressed_average on ResNet-20's gradients, no run")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--bandwidth", default="100Mbit")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of all compressors")
     args = parser.parse_args()
+    if args.step_only:
+        step_only(args.steps)
+        return
     workdir = Path(tempfile.mkdtemp(prefix="dsgd-bench-compression-"))
     experiments = "\n".join(
         f"  - name: {name}-{round}\n    aggregator: {{name: allreduce, compressor: {c}}}"

@@ -9,11 +9,16 @@ the same float32 tensor (``dst.copy_(src)``).  CPU always; CUDA too when
 
     python benchmarks/kernels.py                       # 1M and 16M elements
     python benchmarks/kernels.py --sizes 1M --repeats 3
+
+A second table times the segmented kernels on one bucket of CIFAR ResNet-20's 59 gradient
+tensors (0.27M elements, the sizes of its parameters), one call for the bucket against one
+call per tensor, as compressors made them before buckets (``--no-buckets`` leaves it out).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -217,6 +222,69 @@ def _code_cases(q, bits, norms, levels, bucket, byte_shifts, out):
     ]
 
 
+RESNET20_SIZES = None  # filled on first use: the parameter sizes of CIFAR ResNet-20
+
+
+def bucket_cases(device):
+    """(name, bucket fn, per-tensor fn) on one bucket of ResNet-20's parameter sizes."""
+    global RESNET20_SIZES
+    if RESNET20_SIZES is None:
+        from plugins.tasks.resnet import CifarResNet
+
+        RESNET20_SIZES = [p.numel() for p in CifarResNet(20, 10, (0.5,) * 3, (0.25,) * 3).parameters()]
+    sizes = RESNET20_SIZES
+    table = nk.Segments(sizes, device)
+    x = torch.randn(sum(sizes), device=device)
+    parts = list(x.split(sizes))
+    seeds = list(range(len(sizes)))
+    bits = nk.code_bits(16)
+    norms, q = nk.qsgd_quantize_segments(x, table, 16, BUCKET, seeds)
+    packed = nk.pack_codes_segments(q, table, bits)
+    q_parts = list(q.split(sizes))
+    per_tensor = [nk.qsgd_quantize(t, 16, BUCKET, s) for t, s in zip(parts, seeds)]
+    packed_parts = [nk.pack_codes(qq, bits) for _, qq in per_tensor]
+    signs = nk.sign_pack_segments(x, table)
+    sign_parts = [nk.sign_pack(t) for t in parts]
+    ones, out = torch.ones(len(sizes), device=device), torch.zeros_like(x)
+    out_parts = list(out.split(sizes))
+    ks = [max(1, math.ceil(K_FRAC * n)) for n in sizes]
+    return [
+        ("qsgd_quantize", lambda: nk.qsgd_quantize_segments(x, table, 16, BUCKET, seeds),
+         lambda: [nk.qsgd_quantize(t, 16, BUCKET, s) for t, s in zip(parts, seeds)]),
+        (f"pack_codes({bits} bit)", lambda: nk.pack_codes_segments(q, table, bits),
+         lambda: [nk.pack_codes(qq, bits) for qq in q_parts]),
+        (f"dequantize_add({bits} bit)",
+         lambda: nk.dequantize_segments(norms, packed, table, bits, 16, BUCKET, out=out, add=True),
+         lambda: [nk.dequantize_add(nn, pp, bits, 16, BUCKET, o)
+                  for (nn, _), pp, o in zip(per_tensor, packed_parts, out_parts)]),
+        ("terngrad_quantize", lambda: nk.terngrad_quantize_segments(x, table, seeds),
+         lambda: [nk.terngrad_quantize(t, s) for t, s in zip(parts, seeds)]),
+        ("sign_pack", lambda: nk.sign_pack_segments(x, table),
+         lambda: [nk.sign_pack(t) for t in parts]),
+        ("sign_unpack", lambda: nk.sign_unpack_segments(signs, table, ones, -ones, out=out),
+         lambda: [nk.sign_unpack(p, t.numel(), 1.0, out=o)
+                  for p, t, o in zip(sign_parts, parts, out_parts)]),
+        (f"topk(k={K_FRAC:g}d)", lambda: nk.topk_segments(x, table, ks),
+         lambda: [nk.topk(t, k) for t, k in zip(parts, ks)]),
+        (f"randomk(k={K_FRAC:g}d)", lambda: nk.randomk_segments(x, table, ks, seeds),
+         lambda: [nk.randomk(t, k, s) for t, k, s in zip(parts, ks, seeds)]),
+    ]
+
+
+def run_buckets(device, repeats, warmup):
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = bucket_cases(device)
+    print(f"\n== {device}: one bucket of ResNet-20's {len(RESNET20_SIZES)} tensors "
+          f"({sum(RESNET20_SIZES):,} elements) ==")
+    hdr = f"{'kernel':<22}{'bucket ms':>10}{'per-tensor ms':>14}{'per-tensor/bucket':>19}"
+    print(hdr)
+    print("-" * len(hdr))
+    for name, bucket, per_tensor in rows:
+        t_bucket = timeit(bucket, repeats, warmup, sync)
+        t_tensors = timeit(per_tensor, repeats, warmup, sync)
+        print(f"{name:<22}{t_bucket * 1e3:>10.3f}{t_tensors * 1e3:>14.3f}{t_tensors / t_bucket:>18.1f}x")
+
+
 def run(device, sizes, repeats, warmup):
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     hdr = (f"{'kernel':<22}{'size':>6}{'numba ms':>10}{'torch ms':>10}{'numba GB/s':>11}"
@@ -247,6 +315,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=9, help="timed runs per measurement (median)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", choices=["all", "cpu", "cuda"], default="all")
+    ap.add_argument("--no-buckets", action="store_true", help="leave out the bucket table")
     ap.add_argument("--stat", choices=["median", "min"], default="median",
                     help="statistic over the repeats (min is more robust on a shared machine)")
     args = ap.parse_args(argv)
@@ -258,13 +327,15 @@ def main(argv=None):
           f"loadavg {os.getloadavg()[0]:.2f}, {args.stat} of {args.repeats} runs")
     print("GB/s = input bytes / time; numba/torch = speed-up; in/copy = input bandwidth / copy's; "
           "rw/copy = (input+output) bandwidth / copy's (read+write)")
-    if args.device in ("all", "cpu"):
-        run("cpu", sizes, args.repeats, args.warmup)
-    if args.device in ("all", "cuda"):
-        if torch.cuda.is_available():
-            run("cuda", sizes, args.repeats, args.warmup)
-        elif args.device == "cuda":
-            print("CUDA not available")
+    devices = [d for d in ("cpu", "cuda") if args.device in ("all", d)]
+    for device in devices:
+        if device == "cuda" and not torch.cuda.is_available():
+            if args.device == "cuda":
+                print("CUDA not available")
+            continue
+        run(device, sizes, args.repeats, args.warmup)
+        if not args.no_buckets:
+            run_buckets(device, args.repeats, args.warmup)
     print(f"\nloadavg at end {os.getloadavg()[0]:.2f}")
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from dsgd_cli.comm.batching import all_gather_flat, all_reduce_flat
-from dsgd_cli.comm.compressed import compressed_average
+from dsgd_cli.comm.compressed import BucketLayout, bucket_layout, compressed_average
 from dsgd_cli.comm.communicator import Comm, Group, Handle, NetworkModel, SharedCounter, Traffic
 from dsgd_cli.emulation.clock import Clock
 from dsgd_cli.options import option
@@ -61,7 +61,7 @@ __all__ = [
     "Guarantee", "Handle", "LRSchedule", "MetricsLogger", "NetworkModel", "NoOptions",
     "OptimizerPlugin", "Payload", "Plugin", "RunLength", "ScheduleOptions", "SharedCounter", "Task",
     "TaskData", "Traffic", "WorkerContext",
-    "all_gather_flat", "compressed_average",
+    "all_gather_flat", "compressed_average", "BucketLayout", "bucket_layout",
     "all_reduce_flat", "build_optimizer", "build_plugin", "flatten", "option", "unflatten_into",
 ]
 

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol
 import torch
 from torch import nn
 
-from dsgd_cli.comm.compressed import (average_with_memory, delegated,
+from dsgd_cli.comm.compressed import (average_with_memory, combine_segments,
+                                      compress_segments, decompress_segments, delegated,
                                       exchange_in_one_collective)
 from dsgd_cli.comm.communicator import Comm, SharedCounter
 from dsgd_cli.emulation.clock import Clock
@@ -24,6 +25,7 @@ from dsgd_cli.spec.run_plan import NO_RUN, RunPlan
 from dsgd_cli.plugin_state import default_state, load_default_state
 
 if TYPE_CHECKING:
+    from dsgd_cli.comm.compressed import BucketLayout
     from dsgd_cli.spec.resolved import ResolvedExperiment
 
 
@@ -229,8 +231,10 @@ class Guarantee:
 
 class Compressor(Plugin):
     """Turns a tensor into a `Payload` and back. Aggregators average through
-    `compressed_average(compressor, comm, tensors, keys, step, memory)`, which compresses each
-    tensor on its own and chooses the collective from what the compressor declares:
+    `compressed_average(compressor, comm, tensors, keys, step, memory)`, which lays the
+    tensors end to end in buckets (`BucketLayout`: one segment per tensor), compresses each
+    bucket into one payload (`compress_bucket`: by default `compress` on each tensor) and
+    chooses the collective from what the compressor declares:
     `summable = True`: the payload tensors of all workers may be summed elementwise (an
     all-reduce) and the sum decompressed once, giving the sum of the workers' values.
     Otherwise the payloads are all-gathered and `combine` turns them into the average.
@@ -288,6 +292,23 @@ class Compressor(Plugin):
         for payload in payloads:
             total += self.decompress(payload, like)
         return total.div_(len(payloads))
+
+    # A bucket: `flat` holds the tensors `layout` describes end to end (`layout.keys`,
+    # `layout.shapes`, `layout.views(flat)`). These defaults call the per-tensor methods on
+    # each segment; a compressor that does a whole bucket at once overrides all three.
+
+    def compress_bucket(self, flat: torch.Tensor, layout: BucketLayout, step: int) -> Payload:
+        """One payload for the whole bucket."""
+        parts = compress_segments(self, flat, layout, step)
+        return Payload(parts.tensors(), context=parts)
+
+    def decompress_bucket(self, payload: Payload, layout: BucketLayout) -> torch.Tensor:
+        """The flat bucket a bucket's payload stands for."""
+        return decompress_segments(self, payload, layout)
+
+    def combine_bucket(self, payloads: list[Payload], layout: BucketLayout) -> torch.Tensor:
+        """The flat average of the workers' buckets, from their gathered payloads."""
+        return combine_segments(self, payloads, layout)
 
     @delegated
     def average_many(self, tensors: list[torch.Tensor], keys: list[str], step: int, comm: Comm,

@@ -30,6 +30,16 @@ Public API
 ``weighted_sum(tensors, weights, out=None) -> out``
 ``derive_seed(*parts) -> int``
 
+Buckets: ``Segments(sizes, device)`` describes a flat bucket of consecutive tensors (made
+once per bucket); ``qsgd_quantize_segments``, ``pack_codes_segments``,
+``dequantize_segments``, ``terngrad_quantize_segments``, ``sign_pack_segments``,
+``sign_unpack_segments``, ``sign_vote_segments``, ``topk_segments`` and
+``randomk_segments`` do in one call what the per-tensor function does for each segment
+alone, bit for bit (each segment with its own seed). The CPU backend runs one compiled loop
+over the segments; the CUDA backend launches one or two kernels for the whole bucket, each
+thread finding its segment by a binary search (top-k and random-k: torch ops on the device,
+one ``torch.topk`` per segment, without synchronising).
+
 Randomness
 ----------
 Every random draw is a pure function of ``(seed, element index)`` (a
@@ -53,7 +63,18 @@ functions and signatures; ``_host``: host-side code both backends share
 """
 
 from ._dispatch import (
+    Segments,
     code_bits,
+    dequantize_segments,
+    pack_codes_segments,
+    qsgd_quantize_segments,
+    randomk_segments,
+    runs_on_gpu,
+    sign_pack_segments,
+    sign_unpack_segments,
+    sign_vote_segments,
+    terngrad_quantize_segments,
+    topk_segments,
     dequantize_add,
     pack_codes,
     packed_size,
@@ -92,4 +113,15 @@ __all__ = [
     "scatter",
     "weighted_sum",
     "derive_seed",
+    "Segments",
+    "qsgd_quantize_segments",
+    "pack_codes_segments",
+    "dequantize_segments",
+    "terngrad_quantize_segments",
+    "sign_pack_segments",
+    "sign_unpack_segments",
+    "sign_vote_segments",
+    "topk_segments",
+    "randomk_segments",
+    "runs_on_gpu",
 ]

@@ -174,9 +174,8 @@ _qsgd_tasks_p, _qsgd_tasks_s = _twins(_qsgd_tasks_k)
 _qsgd_dequant_p, _qsgd_dequant_s = _twins(_qsgd_dequant_k)
 
 
-@_entry
 @njit(cache=True)
-def qsgd_quantize(x, levels, bs, key, norms, q):
+def _qsgd_quantize(x, levels, bs, key, norms, q):
     """QSGD: per-bucket L2 norms (float64 accumulation) and stochastic levels
     (see :func:`_quantize_run`), uniform draws ``uniform(key, index)``."""
     d = x.size
@@ -196,9 +195,11 @@ def qsgd_quantize(x, levels, bs, key, norms, q):
     _qsgd_tasks_p(x, norms, levels, bs, nsub, sub, key, q)
 
 
-@_entry
+qsgd_quantize = _entry(_qsgd_quantize)
+
+
 @njit(cache=True)
-def qsgd_dequantize(norms, q, levels, bs, out):
+def _qsgd_dequantize(norms, q, levels, bs, out):
     """out = q * float32(norm / levels)."""
     d = q.size
     nsub, sub = split(bs, CHUNK)
@@ -206,6 +207,9 @@ def qsgd_dequantize(norms, q, levels, bs, out):
         _qsgd_dequant_p(norms, q, levels, bs, nsub, sub, out)
     else:
         _qsgd_dequant_s(norms, q, levels, bs, nsub, sub, out)
+
+
+qsgd_dequantize = _entry(_qsgd_dequantize)
 
 
 # ---------------------------------------------------------------------------
@@ -254,9 +258,8 @@ _terngrad_p, _terngrad_s = _twins(_terngrad_k)
 _scale_int8_p, _scale_int8_s = _twins(_scale_int8_k)
 
 
-@_entry
 @njit(cache=True)
-def terngrad_quantize(x, key, scale, t):
+def _terngrad_quantize(x, key, scale, t):
     """scale[0] = max |x| (NaN entries ignored; an integer max on the uint32
     view, which vectorises); t = sign(x) if u * scale < |x| (exact in float64)
     else 0."""
@@ -266,6 +269,9 @@ def terngrad_quantize(x, key, scale, t):
         _terngrad_p(x, scale[0], key, t)
     else:
         _terngrad_s(x, scale[0], key, t)
+
+
+terngrad_quantize = _entry(_terngrad_quantize)
 
 
 @_entry
@@ -310,10 +316,10 @@ def _sign_pack_k(x, out):
         ro[i] = np.uint8(b)
 
 
-def _sign_unpack_k(packed, d, scale, out):
+def _sign_unpack_k(packed, d, scale, neg, out):
+    # a set bit gives `scale`, a clear one `neg` (-scale, or onebit's mean of the negatives)
     nw = d // 64
     p64 = packed[: 8 * nw].view(np.uint64)
-    neg = -scale
     nch = (nw + _WORDS - 1) // _WORDS
     for c in prange(nch):
         lo = c * _WORDS
@@ -388,9 +394,8 @@ _sign_unpack_p, _sign_unpack_s = _twins(_sign_unpack_k)
 _sign_vote_p, _sign_vote_s = _twins(_sign_vote_k)
 
 
-@_entry
 @njit(cache=True)
-def sign_pack(x, out):
+def _sign_pack(x, out):
     """out[i] bit j = (x[8i+j] >= 0), little-endian bit order."""
     if x.size > CHUNK:
         _sign_pack_p(x, out)
@@ -398,24 +403,33 @@ def sign_pack(x, out):
         _sign_pack_s(x, out)
 
 
-@_entry
 @njit(cache=True)
-def sign_unpack(packed, scale, out):
-    """out[i] = +scale[0] if bit i is set else -scale[0]."""
+def _sign_unpack(packed, scale, neg, out):
+    """out[i] = scale if bit i is set else neg."""
     if out.size > CHUNK:
-        _sign_unpack_p(packed, out.size, scale[0], out)
+        _sign_unpack_p(packed, out.size, scale, neg, out)
     else:
-        _sign_unpack_s(packed, out.size, scale[0], out)
+        _sign_unpack_s(packed, out.size, scale, neg, out)
 
 
-@_entry
 @njit(cache=True)
-def sign_vote(packed, out):
+def _sign_vote(packed, out):
     """packed: uint8 [n, ceil(d/8)]; out[i] = +1 if 2*#set >= n else -1."""
     if out.size > CHUNK:
         _sign_vote_p(packed, out.size, out)
     else:
         _sign_vote_s(packed, out.size, out)
+
+
+sign_pack = _entry(_sign_pack)
+sign_vote = _entry(_sign_vote)
+
+
+@_entry
+@njit(cache=True)
+def sign_unpack(packed, scale, out):
+    """out[i] = +scale[0] if bit i is set else -scale[0]."""
+    _sign_unpack(packed, scale[0], -scale[0], out)
 
 
 # ---------------------------------------------------------------------------
@@ -682,9 +696,8 @@ def _gather(x, idx, out):
 gather = _entry(_gather)
 
 
-@_entry
 @njit(cache=True)
-def topk(x, k, idx_out, val_out):
+def _topk(x, k, idx_out, val_out):
     """Exact top-k by magnitude: sampled threshold, parallel count + filter
     pass, exact fix-up on the candidates; 1 <= k < d.  Ties at the k-th
     magnitude go to the lowest indices."""
@@ -726,6 +739,9 @@ def topk(x, k, idx_out, val_out):
         _gather_ge_s(xb, t, offsets, cidx, ckey)
     _keep_extreme(cidx, ckey, k, True, 32, idx_out)
     _gather(x, idx_out, val_out)
+
+
+topk = _entry(_topk)
 
 
 @njit(cache=True, inline="always")
@@ -881,3 +897,250 @@ def weighted_sum(xs, ws, out):
     serial = out.size <= CHUNK
     for args in _host.wsum_passes(xs, ws, out):
         _WSUM[len(args) // 2][serial](*args, out)
+
+
+# ---------------------------------------------------------------------------
+# segmented kernels: a flat bucket of consecutive segments (one per tensor)
+# ---------------------------------------------------------------------------
+# One call does the work of one call per segment, with each segment's own seed, levels,
+# norms and code width, so the results are those of the per-tensor kernels bit for bit: each
+# segment is handed to the same per-tensor kernel as a slice. ``starts``/``sizes`` are the
+# segments' element ranges, ``*_starts`` where each segment's part of another output begins
+# (its first norm, byte, kept entry). Empty segments are skipped.
+
+_PACK1, _PACK2, _PACK3, _PACK4, _PACK5, _PACK6, _PACK7, _PACK8 = (_PACK_CODES[b] for b in range(1, 9))
+_UNPACK1, _UNPACK2, _UNPACK3, _UNPACK4, _UNPACK5, _UNPACK6, _UNPACK7, _UNPACK8 = (
+    _UNPACK_CODES[b] for b in range(1, 9))
+_DQADD1, _DQADD2, _DQADD3, _DQADD4, _DQADD5, _DQADD6, _DQADD7, _DQADD8 = (
+    _DEQUANTIZE_ADD[b] for b in range(1, 9))
+
+
+@njit(cache=True)
+def _pack_bits(bits, qs, os):
+    """pack_codes of one segment at a width known only at run time."""
+    if bits == 1:
+        _PACK1(qs, os)
+    elif bits == 2:
+        _PACK2(qs, os)
+    elif bits == 3:
+        _PACK3(qs, os)
+    elif bits == 4:
+        _PACK4(qs, os)
+    elif bits == 5:
+        _PACK5(qs, os)
+    elif bits == 6:
+        _PACK6(qs, os)
+    elif bits == 7:
+        _PACK7(qs, os)
+    else:
+        _PACK8(qs, os)
+
+
+@njit(cache=True)
+def _unpack_bits(bits, ps, qs):
+    if bits == 1:
+        _UNPACK1(ps, qs)
+    elif bits == 2:
+        _UNPACK2(ps, qs)
+    elif bits == 3:
+        _UNPACK3(ps, qs)
+    elif bits == 4:
+        _UNPACK4(ps, qs)
+    elif bits == 5:
+        _UNPACK5(ps, qs)
+    elif bits == 6:
+        _UNPACK6(ps, qs)
+    elif bits == 7:
+        _UNPACK7(ps, qs)
+    else:
+        _UNPACK8(ps, qs)
+
+
+@njit(cache=True)
+def _dequantize_add_bits(bits, norms, ps, levels, bs, os):
+    if bits == 1:
+        _DQADD1(norms, ps, levels, bs, os)
+    elif bits == 2:
+        _DQADD2(norms, ps, levels, bs, os)
+    elif bits == 3:
+        _DQADD3(norms, ps, levels, bs, os)
+    elif bits == 4:
+        _DQADD4(norms, ps, levels, bs, os)
+    elif bits == 5:
+        _DQADD5(norms, ps, levels, bs, os)
+    elif bits == 6:
+        _DQADD6(norms, ps, levels, bs, os)
+    elif bits == 7:
+        _DQADD7(norms, ps, levels, bs, os)
+    else:
+        _DQADD8(norms, ps, levels, bs, os)
+
+
+@njit(cache=True)
+def _segment_buckets(n, bucket_size):
+    """(number of buckets, bucket size) of a segment of n > 0 elements (``_host.buckets``)."""
+    bs = n if bucket_size <= 0 or bucket_size > n else bucket_size
+    return (n + bs - 1) // bs, bs
+
+
+@_entry
+@njit(cache=True)
+def qsgd_quantize_segments(x, starts, sizes, norm_starts, keys, levels, bucket_size, norms, q):
+    """qsgd_quantize of each segment, with its own key and levels."""
+    keys = keys.view(np.uint64)
+    for s in range(starts.size):
+        n = sizes[s]
+        if n == 0:
+            continue
+        lo = starts[s]
+        nb, bs = _segment_buckets(n, bucket_size)
+        n0 = norm_starts[s]
+        _qsgd_quantize(x[lo : lo + n], levels[s], bs, keys[s], norms[n0 : n0 + nb], q[lo : lo + n])
+
+
+@_entry
+@njit(cache=True)
+def pack_codes_segments(q, starts, sizes, byte_starts, bits, out):
+    """pack_codes of each segment at its own width, each starting on a byte."""
+    for s in range(starts.size):
+        n = sizes[s]
+        if n == 0:
+            continue
+        lo = starts[s]
+        b0 = byte_starts[s]
+        _pack_bits(bits[s], q[lo : lo + n], out[b0 : b0 + (n * bits[s] + 7) // 8])
+
+
+@_entry
+@njit(cache=True)
+def dequantize_segments(norms, packed, starts, sizes, norm_starts, byte_starts, bits, levels,
+                        bucket_size, add, scratch, out):
+    """Each segment's codes times float32(norm of its bucket / levels), written into ``out``
+    (qsgd_dequantize of unpack_codes) or, with ``add``, added to it (dequantize_add).
+    ``scratch``: int8, one per element (codes unpacked before dequantizing)."""
+    for s in range(starts.size):
+        n = sizes[s]
+        if n == 0:
+            continue
+        lo = starts[s]
+        nb, bs = _segment_buckets(n, bucket_size)
+        n0 = norm_starts[s]
+        b0 = byte_starts[s]
+        ns = norms[n0 : n0 + nb]
+        ps = packed[b0 : b0 + (n * bits[s] + 7) // 8]
+        os = out[lo : lo + n]
+        if add and (nb == 1 or bs % 8 == 0):  # whole groups of 8 codes per bucket: one pass
+            _dequantize_add_bits(bits[s], ns, ps, levels[s], bs, os)
+            continue
+        qs = scratch[lo : lo + n]
+        _unpack_bits(bits[s], ps, qs)
+        if add:
+            flev = np.float32(levels[s])
+            for b in range(nb):
+                sc = ns[b] / flev
+                qb = qs[b * bs : min(n, b * bs + bs)]
+                ob = os[b * bs : min(n, b * bs + bs)]
+                for i in range(qb.size):
+                    ob[i] += np.float32(qb[i]) * sc
+        else:
+            _qsgd_dequantize(ns, qs, levels[s], bs, os)
+
+
+@_entry
+@njit(cache=True)
+def terngrad_quantize_segments(x, starts, sizes, keys, scales, t):
+    """terngrad_quantize of each segment: one scale (max |x|) per segment."""
+    keys = keys.view(np.uint64)
+    for s in range(starts.size):
+        n = sizes[s]
+        lo = starts[s]
+        if n:
+            _terngrad_quantize(x[lo : lo + n], keys[s], scales[s : s + 1], t[lo : lo + n])
+
+
+@_entry
+@njit(cache=True)
+def sign_pack_segments(x, starts, sizes, byte_starts, out):
+    """sign_pack of each segment, each starting on a byte."""
+    for s in range(starts.size):
+        n = sizes[s]
+        lo = starts[s]
+        b0 = byte_starts[s]
+        if n:
+            _sign_pack(x[lo : lo + n], out[b0 : b0 + (n + 7) // 8])
+
+
+@_entry
+@njit(cache=True)
+def sign_unpack_segments(packed, starts, sizes, byte_starts, high, low, out):
+    """Segment s: high[s] where the bit is set, low[s] where it is not."""
+    for s in range(starts.size):
+        n = sizes[s]
+        lo = starts[s]
+        b0 = byte_starts[s]
+        if n:
+            _sign_unpack(packed[b0 : b0 + (n + 7) // 8], high[s], low[s], out[lo : lo + n])
+
+
+@_entry
+@njit(cache=True)
+def sign_vote_segments(packed, starts, sizes, byte_starts, out):
+    """sign_vote of each segment; packed: uint8 [workers, bytes of the bucket]."""
+    for s in range(starts.size):
+        n = sizes[s]
+        lo = starts[s]
+        b0 = byte_starts[s]
+        if n:
+            _sign_vote(packed[:, b0 : b0 + (n + 7) // 8], out[lo : lo + n])
+
+
+@_entry
+@njit(cache=True)
+def topk_segments(x, starts, sizes, ks, k_starts, idx_out, val_out):
+    """topk of each segment (ks[s] entries); indices are the bucket's, ascending."""
+    for s in range(starts.size):
+        n = sizes[s]
+        k = ks[s]
+        if k == 0:
+            continue
+        lo = starts[s]
+        k0 = k_starts[s]
+        io = idx_out[k0 : k0 + k]
+        vo = val_out[k0 : k0 + k]
+        xs = x[lo : lo + n]
+        if k == n:
+            for i in range(n):
+                io[i] = i
+                vo[i] = xs[i]
+        else:
+            _topk(xs, k, io, vo)
+        for i in range(k):
+            io[i] += lo
+
+
+@_entry
+@njit(cache=True)
+def randomk_segments(x, starts, sizes, ks, k_starts, keys, shifts, thresholds, idx_out,
+                     val_out):
+    """randomk of each segment (ks[s] entries, its own key); indices are the bucket's.
+    ``shifts``: [segments, 2] (_host.randomk_shifts), ``thresholds``: [segments, 3]."""
+    keys = keys.view(np.uint64)
+    shifts = shifts.view(np.uint64)
+    thresholds = thresholds.view(np.uint64)
+    for s in range(starts.size):
+        n = sizes[s]
+        k = ks[s]
+        if k == 0:
+            continue
+        lo = starts[s]
+        k0 = k_starts[s]
+        io = idx_out[k0 : k0 + k]
+        if k == n:
+            for i in range(n):
+                io[i] = i
+        else:
+            _randomk(keys[s], n, k, shifts[s, 0], shifts[s, 1], thresholds[s, 0],
+                     thresholds[s, 1], thresholds[s, 2], io)
+        for i in range(k):
+            io[i] += lo
+    _gather(x, idx_out, val_out)

@@ -16,9 +16,11 @@ order-preserving block compaction (block-wide scans in shared memory) plus a
 radix select on the candidates, so their results are identical to the CPU
 kernels' (exact selection, lowest index first among equal magnitudes).
 
-Top-k and random-k copy small arrays (per-block counts, radix histograms, the
-top-k threshold sample) to the host and therefore synchronise the stream; all
-other helpers are asynchronous.
+The per-tensor top-k and random-k copy small arrays (per-block counts, radix
+histograms, the top-k threshold sample) to the host and therefore synchronise
+the stream; all other helpers are asynchronous. The compressors use
+``topk_segments`` / ``randomk_segments`` of :mod:`._dispatch` instead, which
+select with torch ops on the device and never synchronise.
 """
 
 from __future__ import annotations
@@ -888,3 +890,257 @@ def randomk_indices(d, k, key, idx_out, stream, alloc):
     ckey = alloc(C, np.uint64)
     _k_rk_write[nb, TPB, stream](key, d, sh_hi, sh_lo, T, _offsets(hc, alloc, stream), cidx, ckey)
     _select(ckey, cidx, k, False, 64, idx_out, alloc, stream)
+
+
+# ---------------------------------------------------------------------------
+# segmented kernels: a whole bucket of tensors per launch
+# ---------------------------------------------------------------------------
+# The same functions as the CPU backend's ``*_segments``: each segment (tensor) of a flat
+# bucket is computed as the per-tensor kernel computes it alone (its own key, levels, QSGD
+# buckets, first byte), but one launch covers the whole bucket instead of one per tensor.
+# A thread finds its segment by a binary search over the segments' first elements (or first
+# bytes, first norms): a few dozen segments cost a handful of steps. Compiled with
+# ``cache=True``: the first run on a machine compiles, later processes load them.
+
+
+@cuda.jit(device=True)
+def _find(table, i):
+    """The last s with table[s] <= i (table ascending; empty segments share their start with
+    the next one, so the search lands on the segment that holds i)."""
+    lo = 0
+    hi = table.size - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if table[mid] <= i:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@cuda.jit(device=True)
+def _seg_bs(n, bucket_size):
+    return n if bucket_size <= 0 or bucket_size > n else bucket_size
+
+
+@cuda.jit(cache=True)
+def _k_seg_norms(x, starts, sizes, norm_starts, levels, bucket_size, norms, scales):
+    # one block per QSGD bucket (grid-stride over buckets): float64 block sum of squares
+    sm = cuda.shared.array(TPB, np.float64)
+    tid = cuda.threadIdx.x
+    g = cuda.blockIdx.x
+    while g < norms.size:
+        s = _find(norm_starts, g)
+        n = sizes[s]
+        bs = _seg_bs(n, bucket_size)
+        lo = starts[s] + (g - norm_starts[s]) * bs
+        hi = min(lo + bs, starts[s] + n)
+        acc = 0.0
+        i = lo + tid
+        while i < hi:
+            v = np.float64(x[i])
+            acc += v * v
+            i += TPB
+        tot = _block_sum(acc, sm)
+        if tid == 0:
+            nrm = np.float32(math.sqrt(tot))
+            norms[g] = nrm
+            sc = 0.0
+            if nrm > 0:
+                sc = np.float64(np.float32(levels[s]) / nrm)
+            scales[g] = sc
+        g += cuda.gridDim.x
+
+
+@cuda.jit(cache=True)
+def _k_seg_quant(x, starts, sizes, norm_starts, keys, levels, bucket_size, scales, q):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < x.size:
+        s = _find(starts, i)
+        j = i - starts[s]
+        bs = _seg_bs(sizes[s], bucket_size)
+        flev = np.float64(levels[s])
+        v = x[i]
+        a = np.float64(abs(v)) * scales[norm_starts[s] + j // bs]
+        if not (a >= 0.0):
+            a = 0.0
+        elif a > flev:
+            a = flev
+        fl = math.floor(a)
+        lvl = np.int32(fl) + np.int32(np.float64(_uniform(np.uint64(keys[s]), j)) < a - fl)
+        if v < 0:
+            lvl = -lvl
+        q[i] = np.int8(lvl)
+        i += stride
+
+
+@_entry
+def qsgd_quantize_segments(x, starts, sizes, norm_starts, keys, levels, bucket_size, norms, q,
+                           stream, alloc):
+    """Two launches for the whole bucket: the norms, then the codes."""
+    scales = alloc(norms.size, np.float64)
+    if norms.size:
+        _k_seg_norms[max(1, min(norms.size, 16 * MAX_BLOCKS)), TPB, stream](
+            x, starts, sizes, norm_starts, levels, bucket_size, norms, scales)
+    _k_seg_quant[_grid(x.size), TPB, stream](x, starts, sizes, norm_starts, keys, levels,
+                                             bucket_size, scales, q)
+
+
+@cuda.jit(cache=True)
+def _k_seg_pack(q, starts, sizes, byte_starts, bits, out):
+    # one thread per output byte: the codes whose bits fall in it
+    ob = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while ob < out.size:
+        s = _find(byte_starts, ob)
+        b = bits[s]
+        n = sizes[s]
+        mask = (np.int64(1) << b) - 1
+        first = 8 * (ob - byte_starts[s])  # the byte's first bit in the segment's stream
+        c = first // b
+        last = min(n - 1, (first + 7) // b)
+        acc = np.int64(0)
+        while c <= last:
+            v = np.int64(q[starts[s] + c]) & mask
+            pos = c * b - first
+            if pos >= 0:
+                acc |= v << pos
+            else:
+                acc |= v >> (-pos)
+            c += 1
+        out[ob] = np.uint8(acc & 0xFF)
+        ob += stride
+
+
+@_entry
+def pack_codes_segments(q, starts, sizes, byte_starts, bits, out, stream, alloc):
+    _k_seg_pack[_grid(out.size), TPB, stream](q, starts, sizes, byte_starts, bits, out)
+
+
+@cuda.jit(cache=True)
+def _k_seg_dequant(norms, packed, starts, sizes, norm_starts, byte_starts, bits, levels,
+                   bucket_size, add, out):
+    # one thread per element: its code read from the packed stream where it lies
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < out.size:
+        s = _find(starts, i)
+        j = i - starts[s]
+        b = bits[s]
+        n = sizes[s]
+        bit = j * b
+        byte = byte_starts[s] + bit // 8
+        word = np.int64(packed[byte])
+        if (bit % 8) + b > 8:  # the code runs into the next byte
+            word |= np.int64(packed[byte + 1]) << 8
+        code = (word >> (bit % 8)) & ((np.int64(1) << b) - 1)
+        code = code - ((code & (np.int64(1) << (b - 1))) << 1)
+        bs = _seg_bs(n, bucket_size)
+        value = np.float32(code) * (norms[norm_starts[s] + j // bs] / np.float32(levels[s]))
+        if add:
+            out[i] += value
+        else:
+            out[i] = value
+        i += stride
+
+
+@_entry
+def dequantize_segments(norms, packed, starts, sizes, norm_starts, byte_starts, bits, levels,
+                        bucket_size, add, scratch, out, stream, alloc):
+    """One launch; ``scratch`` is not needed (each thread decodes its own code)."""
+    _k_seg_dequant[_grid(out.size), TPB, stream](norms, packed, starts, sizes, norm_starts,
+                                                 byte_starts, bits, levels, bucket_size, add, out)
+
+
+@cuda.jit(cache=True)
+def _k_seg_maxabs(x, starts, scales):
+    # max |x| per segment (NaN left out, as on the CPU); scales start at 0
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < x.size:
+        a = abs(x[i])
+        if a <= np.float32(np.inf):
+            cuda.atomic.max(scales, _find(starts, i), a)
+        i += stride
+
+
+@cuda.jit(cache=True)
+def _k_seg_tern(x, starts, keys, scales, t):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < x.size:
+        s = _find(starts, i)
+        j = i - starts[s]
+        v = x[i]
+        keep = np.float64(_uniform(np.uint64(keys[s]), j)) * np.float64(scales[s]) < np.float64(abs(v))
+        r = np.int8(1) if v > 0 else np.int8(-1)
+        t[i] = r if keep else np.int8(0)
+        i += stride
+
+
+@_entry
+def terngrad_quantize_segments(x, starts, sizes, keys, scales, t, stream, alloc):
+    """Two launches: the scales (atomic max per segment), then the codes."""
+    _k_seg_maxabs[_grid(x.size), TPB, stream](x, starts, scales)
+    _k_seg_tern[_grid(x.size), TPB, stream](x, starts, keys, scales, t)
+
+
+@cuda.jit(cache=True)
+def _k_seg_sign_pack(x, starts, sizes, byte_starts, out):
+    ob = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while ob < out.size:
+        s = _find(byte_starts, ob)
+        base = 8 * (ob - byte_starts[s])
+        lo = starts[s] + base
+        b = np.uint32(0)
+        for j in range(min(8, sizes[s] - base)):
+            if x[lo + j] >= 0:
+                b |= np.uint32(1) << np.uint32(j)
+        out[ob] = np.uint8(b)
+        ob += stride
+
+
+@cuda.jit(cache=True)
+def _k_seg_sign_unpack(packed, starts, byte_starts, high, low, out):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < out.size:
+        s = _find(starts, i)
+        j = i - starts[s]
+        bit = (np.uint32(packed[byte_starts[s] + (j >> 3)]) >> np.uint32(j & 7)) & np.uint32(1)
+        out[i] = high[s] if bit else low[s]
+        i += stride
+
+
+@cuda.jit(cache=True)
+def _k_seg_sign_vote(packed, starts, byte_starts, out):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    n = packed.shape[0]
+    while i < out.size:
+        s = _find(starts, i)
+        j = i - starts[s]
+        byte = byte_starts[s] + (j >> 3)
+        sh = np.uint32(j & 7)
+        cnt = 0
+        for w in range(n):
+            cnt += np.int32((np.uint32(packed[w, byte]) >> sh) & np.uint32(1))
+        out[i] = np.float32(1.0) if 2 * cnt >= n else np.float32(-1.0)
+        i += stride
+
+
+@_entry
+def sign_pack_segments(x, starts, sizes, byte_starts, out, stream, alloc):
+    _k_seg_sign_pack[_grid(out.size), TPB, stream](x, starts, sizes, byte_starts, out)
+
+
+@_entry
+def sign_unpack_segments(packed, starts, sizes, byte_starts, high, low, out, stream, alloc):
+    _k_seg_sign_unpack[_grid(out.size), TPB, stream](packed, starts, byte_starts, high, low, out)
+
+
+@_entry
+def sign_vote_segments(packed, starts, sizes, byte_starts, out, stream, alloc):
+    _k_seg_sign_vote[_grid(out.size), TPB, stream](packed, starts, byte_starts, out)

@@ -11,14 +11,26 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
+
 import torch
 
 from . import _cpu, _host
 from ._random import seed_key
 
 
+#: Tests under the CUDA simulator set this: CPU tensors then go to the CUDA backend (and to
+#: the torch-on-device paths of the segmented functions), as CUDA tensors would.
+SIMULATE_CUDA = False
+
+
+def runs_on_gpu(t) -> bool:
+    """Whether work on ``t`` goes to the GPU (or, under the simulator's tests, would)."""
+    return t.is_cuda or SIMULATE_CUDA
+
+
 def _backend(t):
-    if t.is_cuda:
+    if t.is_cuda or SIMULATE_CUDA:
         from . import _cuda
 
         return _cuda
@@ -446,3 +458,344 @@ def weighted_sum(tensors, weights, out=None):
                 break
     _backend(out).weighted_sum(xs, weights, out)
     return result
+
+
+# ---------------------------------------------------------------------------
+# segmented kernels: one call per bucket of tensors
+# ---------------------------------------------------------------------------
+
+
+class Segments:
+    """A flat bucket cut into consecutive segments, one per tensor: the tables the segmented
+    kernels read. Make it once per bucket (it copies its tables to ``device`` once) and keep
+    it; tables derived from it (where each segment's norms or bytes start) are cached in it.
+
+    Every segmented function computes, for each segment, exactly what the per-tensor
+    function computes for that tensor alone: the same random draws (each segment has its own
+    seed), the same norms and bits. The payload of a bucket is the per-tensor payloads laid
+    end to end: segment s's norms start at ``norm_starts(b)[s]``, its packed bytes at
+    ``byte_starts(bits)[s]`` (each segment starts on a byte)."""
+
+    def __init__(self, sizes, device="cpu"):
+        self.sizes_list = [int(n) for n in sizes]
+        if any(n < 0 for n in self.sizes_list):
+            raise ValueError("segment sizes must be non-negative")
+        self.device = torch.device("cpu" if device is None else device)
+        self.count = len(self.sizes_list)
+        self.starts_list = _exclusive_cumsum(self.sizes_list)
+        self.numel = self.starts_list[-1] if self.count else 0
+        self.starts_list = self.starts_list[:-1]
+        self.starts = self.table(self.starts_list)
+        self.sizes = self.table(self.sizes_list)
+        self._cache: dict = {}
+
+    def table(self, values, dtype=torch.int64) -> torch.Tensor:
+        """A small per-segment table on the bucket's device (copied from the host once)."""
+        return torch.tensor(values, dtype=dtype).to(self.device)
+
+    def cached(self, name, make):
+        """``make()``, computed once per bucket and name."""
+        if name not in self._cache:
+            self._cache[name] = make()
+        return self._cache[name]
+
+    def norm_starts(self, bucket_size: int) -> tuple[torch.Tensor, int]:
+        """(where each segment's norms start, total norms) for QSGD buckets of ``bucket_size``
+        elements that never straddle two segments."""
+        bucket_size = _int(bucket_size, "bucket_size")
+
+        def make():
+            counts = [_host.buckets(n, bucket_size)[0] for n in self.sizes_list]
+            starts = _exclusive_cumsum(counts)
+            return self.table(starts[:-1]), starts[-1]
+
+        return self.cached(("norms", bucket_size), make)
+
+    def byte_starts(self, bits) -> tuple[torch.Tensor, int]:
+        """(where each segment's packed codes start, total bytes), ``bits`` per element (an
+        int, or one per segment)."""
+        bits = self.per_segment(bits, "bits")
+
+        def make():
+            starts = _exclusive_cumsum([_host.packed_bytes(n, b)
+                                        for n, b in zip(self.sizes_list, bits)])
+            return self.table(starts[:-1]), starts[-1]
+
+        return self.cached(("bytes", bits), make)
+
+    def per_segment(self, value, name) -> tuple:
+        """``value`` repeated per segment when it is one int, else checked to be one each."""
+        if isinstance(value, (list, tuple)):
+            if len(value) != self.count:
+                raise ValueError(f"{name}: expected one per segment ({self.count}), got {len(value)}")
+            return tuple(_int(v, name) for v in value)
+        return (_int(value, name),) * self.count
+
+    def k_starts(self, ks) -> tuple[torch.Tensor, torch.Tensor, int, tuple]:
+        """(k per segment, where each segment's kept entries start, total kept, the k per
+        segment on the host), each k clipped to its segment's size."""
+        ks = tuple(max(0, min(_int(k, "k"), n)) for k, n in zip(self.per_segment(ks, "k"),
+                                                                   self.sizes_list))
+
+        def make():
+            starts = _exclusive_cumsum(ks)
+            return self.table(ks), self.table(starts[:-1]), starts[-1], ks
+
+        return self.cached(("k", ks), make)
+
+    def int_table(self, name, values) -> torch.Tensor:
+        """A cached per-segment int64 table of ``values`` (levels, bits)."""
+        values = self.per_segment(values, name)
+        return self.cached((name, values), lambda: self.table(values))
+
+    def keys(self, seeds) -> torch.Tensor:
+        """The counter-based RNG's stream key of each segment's seed (int64 bit patterns of
+        the uint64 keys), on the bucket's device: changes every step, so not cached. On a GPU
+        it travels from pinned memory without waiting."""
+        if len(seeds) != self.count:
+            raise ValueError(f"seeds: expected one per segment ({self.count}), got {len(seeds)}")
+        host = torch.from_numpy(np.array([_seed(s) for s in seeds], dtype=np.uint64).view(np.int64))
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
+
+    def check(self, x, name="x"):
+        if x.numel() != self.numel:
+            raise ValueError(f"{name} has {x.numel()} elements, the segments {self.numel}")
+        if x.device != self.device:
+            raise ValueError(f"{name} is on {x.device}, the segments' tables on {self.device}")
+
+
+def _exclusive_cumsum(values) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + int(v))
+    return out
+
+
+def qsgd_quantize_segments(x, segments: Segments, levels, bucket_size: int, seeds):
+    """:func:`qsgd_quantize` of each segment of ``x`` with its own seed (and levels: an int
+    or one per segment). Returns ``(norms, q)`` for the whole bucket: segment s's norms from
+    ``segments.norm_starts(bucket_size)[0][s]``, its codes at its own elements."""
+    x = _flat(x, "x", torch.float32)
+    segments.check(x)
+    level_values = tuple(_check_levels(v) for v in segments.per_segment(levels, "levels"))
+    norm_starts, total = segments.norm_starts(bucket_size)
+    norms = torch.empty(total, dtype=torch.float32, device=x.device)
+    q = torch.empty(x.numel(), dtype=torch.int8, device=x.device)
+    if not x.numel():
+        return norms, q
+    _backend(x).qsgd_quantize_segments(
+        x, segments.starts, segments.sizes, norm_starts, segments.keys(seeds),
+        segments.int_table("levels", level_values), _int(bucket_size, "bucket_size"), norms, q)
+    return norms, q
+
+
+def pack_codes_segments(q, segments: Segments, bits):
+    """:func:`pack_codes` of each segment (``bits``: an int or one per segment), laid end to
+    end, each segment starting on a byte: uint8 [segments.byte_starts(bits)[1]]."""
+    q = _flat(q, "q", torch.int8)
+    segments.check(q, "q")
+    bits = tuple(_check_bits(b) for b in segments.per_segment(bits, "bits"))
+    byte_starts, total = segments.byte_starts(bits)
+    out = torch.empty(total, dtype=torch.uint8, device=q.device)
+    if not q.numel():
+        return out
+    _backend(q).pack_codes_segments(q, segments.starts, segments.sizes, byte_starts,
+                                    segments.int_table("bits", bits), out)
+    return out
+
+
+def dequantize_segments(norms, packed, segments: Segments, bits, levels, bucket_size: int,
+                        out=None, add: bool = False, scratch=None):
+    """The inverse of :func:`qsgd_quantize_segments` + :func:`pack_codes_segments`: each
+    segment's codes times float32(norm of its bucket / levels), written into ``out`` (a new
+    float32 [numel] when None) or, with ``add``, added to it (:func:`dequantize_add`, the
+    same float32 arithmetic). TernGrad is the case of 1 level and ``bucket_size`` 0.
+    ``scratch``: int8 [numel] for unpacked codes, allocated when None."""
+    packed = _flat(packed, "packed", torch.uint8)
+    norms = _flat(norms, "norms", torch.float32)
+    bits = tuple(_check_bits(b) for b in segments.per_segment(bits, "bits"))
+    level_values = tuple(_check_levels(v) for v in segments.per_segment(levels, "levels"))
+    byte_starts, total_bytes = segments.byte_starts(bits)
+    norm_starts, total_norms = segments.norm_starts(bucket_size)
+    if packed.numel() != total_bytes:
+        raise ValueError(f"packed has {packed.numel()} bytes, expected {total_bytes}")
+    if norms.numel() != total_norms:
+        raise ValueError(f"norms has {norms.numel()} elements, expected {total_norms}")
+    if add and out is None:
+        raise ValueError("add=True needs out")
+    out, result = _out(out, segments.numel, torch.float32, segments.device)
+    if not segments.numel:
+        return result
+    if scratch is None:
+        scratch = torch.empty(segments.numel, dtype=torch.int8, device=out.device)
+    _backend(out).dequantize_segments(
+        norms, packed, segments.starts, segments.sizes, norm_starts, byte_starts,
+        segments.int_table("bits", bits), segments.int_table("levels", level_values),
+        _int(bucket_size, "bucket_size"), bool(add), scratch, out)
+    return result
+
+
+def terngrad_quantize_segments(x, segments: Segments, seeds):
+    """:func:`terngrad_quantize` of each segment: ``(scales, t)``, one scale per segment."""
+    x = _flat(x, "x", torch.float32)
+    segments.check(x)
+    scales = torch.zeros(segments.count, dtype=torch.float32, device=x.device)
+    t = torch.empty(x.numel(), dtype=torch.int8, device=x.device)
+    if not x.numel():
+        return scales, t
+    _backend(x).terngrad_quantize_segments(x, segments.starts, segments.sizes,
+                                           segments.keys(seeds), scales, t)
+    return scales, t
+
+
+def sign_pack_segments(x, segments: Segments):
+    """:func:`sign_pack` of each segment, laid end to end (each starts on a byte)."""
+    x = _flat(x, "x", torch.float32)
+    segments.check(x)
+    byte_starts, total = segments.byte_starts(1)
+    out = torch.empty(total, dtype=torch.uint8, device=x.device)
+    if not x.numel():
+        return out
+    _backend(x).sign_pack_segments(x, segments.starts, segments.sizes, byte_starts, out)
+    return out
+
+
+def sign_unpack_segments(packed, segments: Segments, high, low, out=None):
+    """Segment s of the bucket: ``high[s]`` where its bit is set, ``low[s]`` where not
+    (float32 tensors of one value per segment; ``sign_unpack(p, d, scale)`` is high = scale,
+    low = -scale)."""
+    packed = _flat(packed, "packed", torch.uint8)
+    byte_starts, total = segments.byte_starts(1)
+    if packed.numel() != total:
+        raise ValueError(f"packed has {packed.numel()} bytes, expected {total}")
+    high = _flat(high, "high", torch.float32)
+    low = _flat(low, "low", torch.float32)
+    if high.numel() != segments.count or low.numel() != segments.count:
+        raise ValueError("high and low need one value per segment")
+    out, result = _out(out, segments.numel, torch.float32, segments.device)
+    if not segments.numel:
+        return result
+    _backend(packed).sign_unpack_segments(packed, segments.starts, segments.sizes, byte_starts,
+                                          high, low, out)
+    return result
+
+
+def sign_vote_segments(packed_rows, segments: Segments, out=None):
+    """:func:`sign_vote` of each segment; ``packed_rows``: uint8 [workers, bucket's bytes]."""
+    p = packed_rows
+    if not isinstance(p, torch.Tensor) or p.dtype != torch.uint8 or not p.is_contiguous():
+        raise TypeError("packed_rows must be a contiguous uint8 torch.Tensor")
+    if p.dim() == 1:
+        p = p.view(1, -1)
+    byte_starts, total = segments.byte_starts(1)
+    if p.dim() != 2 or p.shape[1] != total:
+        raise ValueError(f"packed_rows must be [workers, {total}]")
+    out, result = _out(out, segments.numel, torch.float32, segments.device)
+    if not segments.numel:
+        return result
+    if p.shape[0] == 0:
+        out.fill_(1.0)
+        return result
+    _backend(p).sign_vote_segments(p, segments.starts, segments.sizes, byte_starts, out)
+    return result
+
+
+def topk_segments(x, segments: Segments, ks):
+    """:func:`topk` of each segment (``ks``: an int or one per segment, clipped to its size):
+    ``(indices, values)`` laid end to end, indices into the bucket, ascending per segment.
+    On a GPU it is ``torch.topk`` per segment, all on the device (no synchronisation; among
+    equal magnitudes the pick is torch's, not necessarily the lowest index). The CPU runs
+    the exact selection of :func:`topk` on each segment, in one compiled loop."""
+    x = _flat(x, "x", torch.float32)
+    segments.check(x)
+    k_table, k_starts, total, ks = segments.k_starts(ks)
+    idx = torch.empty(total, dtype=torch.int64, device=x.device)
+    vals = torch.empty(total, dtype=torch.float32, device=x.device)
+    if not total:
+        return idx, vals
+    if not runs_on_gpu(x):
+        _cpu.topk_segments(x, segments.starts, segments.sizes, k_table, k_starts, idx, vals)
+        return idx, vals
+    o = 0
+    for lo, n, k in zip(segments.starts_list, segments.sizes_list, ks):
+        if k:
+            chosen = torch.topk(x[lo:lo + n].abs(), k, sorted=False).indices.sort().values
+            torch.add(chosen, lo, out=idx[o:o + k])
+            o += k
+    torch.index_select(x, 0, idx, out=vals)
+    return idx, vals
+
+
+def randomk_segments(x, segments: Segments, ks, seeds):
+    """:func:`randomk` of each segment with its own seed: ``(indices, values)`` laid end to
+    end, indices into the bucket. The indices are those of :func:`randomk_indices` for each
+    segment alone. On a GPU the keys are hashed and the k smallest chosen with torch ops on
+    the device (``torch.topk``), which selects the same indices: the keys are distinct."""
+    x = _flat(x, "x", torch.float32)
+    segments.check(x)
+    k_table, k_starts, total, ks = segments.k_starts(ks)
+    idx = torch.empty(total, dtype=torch.int64, device=x.device)
+    vals = torch.empty(total, dtype=torch.float32, device=x.device)
+    if not total:
+        return idx, vals
+    if not runs_on_gpu(x):
+        shifts, thresholds = segments.cached(("randomk", ks), lambda: _randomk_tables(segments, ks))
+        _cpu.randomk_segments(x, segments.starts, segments.sizes, k_table, k_starts,
+                              segments.keys(seeds), shifts, thresholds, idx, vals)
+        return idx, vals
+    keys = segments.keys(seeds)
+    o = 0
+    for s, (lo, n, k) in enumerate(zip(segments.starts_list, segments.sizes_list, ks)):
+        if not k:
+            continue
+        if k == n:
+            torch.arange(lo, lo + n, out=idx[o:o + k])
+        else:
+            chosen = torch.topk(randomk_keys(keys[s], n), k, largest=False, sorted=False).indices
+            torch.add(chosen.sort().values, lo, out=idx[o:o + k])
+        o += k
+    torch.index_select(x, 0, idx, out=vals)
+    return idx, vals
+
+
+def _randomk_tables(segments, ks):
+    shifts, thresholds = [], []
+    for n, k in zip(segments.sizes_list, ks):
+        if 0 < k < n:
+            shifts.append([int(v) for v in _host.randomk_shifts(n)])
+            thresholds.append([int(v) for v in _host.randomk_thresholds(n, k)])
+        else:
+            shifts.append([0, 0])
+            thresholds.append([0, 0, 0])
+    as_int64 = lambda rows: torch.from_numpy(np.array(rows, dtype=np.uint64).view(np.int64))  # noqa: E731
+    return as_int64(shifts).to(segments.device), as_int64(thresholds).to(segments.device)
+
+
+_MASK = {bits: (1 << (64 - bits)) - 1 for bits in range(64)}
+
+
+def _shr(z, bits):
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (z >> bits) & _MASK[bits]
+
+
+def _wrap(v: int) -> int:
+    """A uint64 constant as the int64 of the same bits."""
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def randomk_keys(key, d: int):
+    """Random-k's unique 63-bit sort keys of indices 0..d-1 (``_cpu._rk_key``) in torch int64
+    arithmetic, on ``key``'s device: ``key`` is a 0-d int64 tensor holding the stream key's
+    bits. Multiplication wraps modulo 2^64 in int64 as in uint64, so the bits are the same."""
+    from ._random import _GAMMA_INT, _M1_INT, _M2_INT
+
+    i = torch.arange(d, dtype=torch.int64, device=key.device)
+    z = key + (i + 1) * _wrap(_GAMMA_INT)
+    z = (z ^ _shr(z, 30)) * _wrap(_M1_INT)
+    z = (z ^ _shr(z, 27)) * _wrap(_M2_INT)
+    h = z ^ _shr(z, 31)
+    sh_hi, sh_lo = (int(v) for v in _host.randomk_shifts(d))
+    return (_shr(h, sh_hi) << sh_lo) | i

@@ -58,8 +58,11 @@ def _run(rank: int, n: int, aggregator_options: dict, compressor: dict) -> list[
         ctx.optimizer.step()
         aggregator.after_step(step)
         memory = aggregator.memory
-        residuals = ([memory.residuals[key].clone() for key in aggregator.keys]
-                     if memory is not None else None)
+        residuals = None
+        if memory is not None:  # one flat residual per bucket; the parameters make one bucket
+            [flat] = memory.residuals.values()
+            residuals = [part.view_as(p).clone()
+                         for part, p in zip(flat.split([p.numel() for p in params]), params)]
         records.append({"grads": grads, "residuals": residuals,
                         "model": flatten([p.detach() for p in params]).clone()})
     aggregator.finish()

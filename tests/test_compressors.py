@@ -192,8 +192,11 @@ def _average_many_against_one_by_one(rank, world_size, names):
         single = make(name, rank=rank)
         one_by_one = [single.average_many([t], [key], 5, comm, single_memory)[0]
                       for t, key in zip(tensors, keys)]
-        residuals = [(batched_memory.residuals[key], single_memory.residuals[key])
-                     for key in keys]
+        # one flat residual for the bucket of all the tensors, one per tensor one by one
+        [bucket] = batched_memory.residuals.values()
+        parts = bucket.split([t.numel() for t in tensors])
+        residuals = [(part.view(t.shape), single_memory.residuals[key])
+                     for part, t, key in zip(parts, tensors, keys)]
         results[name] = (batched, one_by_one, residuals, calls)
     return results
 

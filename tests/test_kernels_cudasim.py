@@ -312,6 +312,44 @@ def randomk_matches_cpu():
         assert len(np.unique(idx)) == k and np.all(np.diff(idx) > 0)
 
 
+@check
+def segments_match_cpu():
+    # A bucket of tensors, empty ones included, in one launch per kernel: each segment as the
+    # CPU kernels compute it (dyadic inputs: every float64 sum of squares is exact, so the
+    # norms agree whatever the order of the additions).
+    from numba_kernels import _dispatch
+    sizes = [5, 0, 70, 9, 0, 33]
+    x = T((np.random.default_rng(3).integers(-255, 256, sum(sizes)) / 64).astype(np.float32))
+    table = nk.Segments(sizes)
+    seeds = [101 + s for s in range(len(sizes))]
+    levels = [4, 1, 127, 16, 2, 8]
+
+    def both(fn):
+        _dispatch.SIMULATE_CUDA = False
+        cpu = fn()
+        _dispatch.SIMULATE_CUDA = True
+        try:
+            gpu = fn()
+        finally:
+            _dispatch.SIMULATE_CUDA = False
+        for a, b in zip(cpu if isinstance(cpu, tuple) else (cpu,), gpu if isinstance(gpu, tuple) else (gpu,)):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+        return cpu
+
+    for bucket_size in (8, 0, 20):
+        norms, q = both(lambda: nk.qsgd_quantize_segments(x, table, levels, bucket_size, seeds))
+        bits = [nk.code_bits(v) for v in levels]
+        packed = both(lambda: nk.pack_codes_segments(q, table, bits))
+        both(lambda: nk.dequantize_segments(norms, packed, table, bits, levels, bucket_size))
+        both(lambda: nk.dequantize_segments(norms, packed, table, bits, levels, bucket_size,
+                                            out=torch.ones(x.numel()), add=True))
+    scales, t = both(lambda: nk.terngrad_quantize_segments(x, table, seeds))
+    signs = both(lambda: nk.sign_pack_segments(x, table))
+    both(lambda: nk.sign_unpack_segments(signs, table, scales, -scales))
+    rows = torch.stack([signs, signs, both(lambda: nk.sign_pack_segments(-x, table))])
+    both(lambda: nk.sign_vote_segments(rows, table))
+
+
 print("RESULTS " + json.dumps(results))
 '''
 
@@ -327,13 +365,14 @@ CHECKS = [
     "topk_exact",
     "topk_sampled_threshold_and_retry",
     "randomk_matches_cpu",
+    "segments_match_cpu",
 ]
 # The checks split in two groups of about equal running time, one subprocess each.
 GROUPS = [
     ["qsgd_matches_cpu", "topk_exact", "sign_pack_unpack_vote", "pack_codes_matches_cpu",
      "terngrad_matches_cpu", "scatter_gather"],
     ["randomk_matches_cpu", "topk_sampled_threshold_and_retry", "rng_bit_identical",
-     "weighted_sum", "dequantize_add_matches_cpu"],
+     "weighted_sum", "dequantize_add_matches_cpu", "segments_match_cpu"],
 ]
 assert sorted(sum(GROUPS, [])) == sorted(CHECKS)
 

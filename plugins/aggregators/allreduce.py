@@ -5,10 +5,12 @@ produces them, and each bucket's all-reduce starts as soon as its last gradient 
 so communication overlaps with the rest of backward.
 
 With a compressor, the gradients are averaged after backward through
-`compressed_average`: each parameter's gradient is compressed on its own (compressors such
-as PowerSGD need the tensor's shape), and all payloads travel together in one collective (two
-for PowerSGD and dqsgd). Error feedback applies when the spec asks for it or the compressor
-requires it.
+`compressed_average`: they are laid end to end in one flat bucket (per dtype), the compressor
+turns the bucket into one payload, keeping per parameter what its algorithm defines per tensor
+(QSGD's norms, ef_sign's scale, top-k's k; PowerSGD gets each gradient with its shape), and
+all payloads travel together in one collective (two for PowerSGD and dqsgd). Error feedback
+applies when the spec asks for it or the compressor requires it, with one flat residual per
+bucket.
 
 `hierarchical: true` averages each bucket in three collectives over the nodes of the spec's
 `cluster` (as NCCL and Horovod do on clusters of multi-GPU nodes): a reduce-scatter inside

@@ -2,10 +2,11 @@
 
 import torch
 
-from dsgd_cli.api import Compressor, Guarantee, Payload
+from dsgd_cli.api import Guarantee, Payload
+from plugins.compressors._common import BucketCompressor
 
 
-class NoCompression(Compressor):
+class NoCompression(BucketCompressor):
     """`none`: the tensor travels as it is."""
 
     summable = True
@@ -20,8 +21,14 @@ class NoCompression(Compressor):
     def decompress(self, payload, like):
         return payload.tensors[0]
 
+    def compress_bucket(self, flat, layout, step):
+        return Payload([flat])
 
-class _Cast(Compressor):
+    def decompress_bucket(self, payload, layout):
+        return payload.tensors[0]
+
+
+class _Cast(BucketCompressor):
     """Sends the tensor in a narrower float format; sums are taken in that format.
 
     Rounding to nearest changes each entry by at most u·|x_k|, u the format's unit roundoff
@@ -41,6 +48,12 @@ class _Cast(Compressor):
 
     def decompress(self, payload, like):
         return payload.tensors[0].to(like.dtype)
+
+    def compress_bucket(self, flat, layout, step):
+        return Payload([flat.to(self.wire_dtype)])
+
+    def decompress_bucket(self, payload, layout):
+        return payload.tensors[0].to(layout.dtype)
 
 
 class Float16(_Cast):

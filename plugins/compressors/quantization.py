@@ -14,8 +14,9 @@ import torch
 
 import numba_kernels as nk
 from dsgd_cli.api import Guarantee, Payload, option
-from plugins.compressors._common import (KernelCompressor, decoded_average, tensor_seed, warm_up_codes,
-                                        warm_up_quantization, warm_up_terngrad)
+from plugins.compressors._common import (KernelCompressor, bucket_seeds, decoded_average,
+                                        segments, warm_up_codes, warm_up_quantization,
+                                        warm_up_terngrad)
 
 
 def qsgd_omega(levels: int, bucket_size: int, numel: int) -> float:
@@ -48,37 +49,70 @@ class QSGD(KernelCompressor):
     Options = QSGDOptions
     summable = False
 
-    def warm_up(self) -> None:
-        warm_up_quantization()
-        warm_up_codes(nk.code_bits(self.options.levels))
+    def warm_up(self, device=None) -> None:
+        warm_up_quantization(device)
+        warm_up_codes(nk.code_bits(self.options.levels), device)
 
     def guarantee(self, numel):
         omega = qsgd_omega(self.options.levels, self.options.bucket_size, numel)
         return Guarantee(delta=1.0 / (1.0 + omega)) if self.options.rescale else Guarantee(omega=omega)
 
-    def compress(self, tensor, key, step):
-        seed = tensor_seed(self.ctx, key, step, per_worker=True)
-        levels = self.options.levels
-        norms, q = nk.qsgd_quantize(tensor.reshape(-1), levels, self.options.bucket_size, seed)
+    def compress_bucket(self, flat, layout, step):
+        """Per tensor, as QSGD defines it: its own buckets of `bucket_size` (none straddles two
+        tensors) and its own seed; the norms and the packed codes of all tensors end to end."""
+        levels, bucket_size = self.options.levels, self.options.bucket_size
+        table = segments(layout)
+        norms, q = nk.qsgd_quantize_segments(flat, table, levels, bucket_size,
+                                             bucket_seeds(self.ctx, layout, step, per_worker=True))
         if self.options.rescale:
-            omega = qsgd_omega(levels, self.options.bucket_size, tensor.numel())
-            norms = norms * (1.0 / (1.0 + omega))
-        return Payload([norms, nk.pack_codes(q, nk.code_bits(levels))])
+            norms = self._rescale(norms, layout)
+        return Payload([norms, nk.pack_codes_segments(q, table, nk.code_bits(levels))])
 
-    def decompress(self, payload, like):
+    def _rescale(self, norms, layout):
+        """Each norm times 1/(1 + ω), ω of its own tensor's size."""
+        def factors():
+            per_segment = [1.0 / (1.0 + qsgd_omega(self.options.levels, self.options.bucket_size, n))
+                           for n in layout.sizes]
+            if len(set(per_segment)) == 1:
+                return per_segment[0]
+            counts = [_bucket_count(n, self.options.bucket_size) for n in layout.sizes]
+            return torch.tensor(per_segment, dtype=torch.float32, device=layout.device
+                                ).repeat_interleave(torch.tensor(counts, device=layout.device))
+
+        scale = layout.cached(("qsgd-rescale", self.options.levels, self.options.bucket_size),
+                              factors)
+        return norms * scale
+
+    def decompress_bucket(self, payload, layout):
         norms, packed = payload.tensors
         levels = self.options.levels
-        q = nk.unpack_codes(packed, like.numel(), nk.code_bits(levels))
-        return nk.qsgd_dequantize(norms, q, levels, self.options.bucket_size).view(like.shape)
+        return nk.dequantize_segments(norms, packed, segments(layout), nk.code_bits(levels),
+                                      levels, self.options.bucket_size, scratch=_codes(layout))
 
-    def combine(self, payloads, like):
+    def combine_bucket(self, payloads, layout):
         levels, bucket_size = self.options.levels, self.options.bucket_size
+        table, scratch = segments(layout), _codes(layout)
 
         def decode(payload, total):
             norms, packed = payload.tensors
-            nk.dequantize_add(norms, packed, nk.code_bits(levels), levels, bucket_size, total)
+            nk.dequantize_segments(norms, packed, table, nk.code_bits(levels), levels,
+                                   bucket_size, out=total, add=True, scratch=scratch)
 
-        return decoded_average(payloads, like, decode)
+        return decoded_average(payloads, layout, decode)
+
+
+def _bucket_count(n: int, bucket_size: int) -> int:
+    """QSGD buckets (norms) of a tensor of n elements."""
+    if n == 0:
+        return 0
+    size = n if bucket_size <= 0 or bucket_size > n else bucket_size
+    return -(-n // size)
+
+
+def _codes(layout) -> torch.Tensor:
+    """int8 scratch of one code per element of the bucket (unpacked codes), kept per bucket."""
+    return layout.cached("int8 codes", lambda: torch.empty(layout.numel, dtype=torch.int8,
+                                                           device=layout.device))
 
 
 @dataclass
@@ -114,8 +148,9 @@ class DQSGD(KernelCompressor):
     summable = False
     uniform_payload = False  # the packed codes' length follows each worker's levels
 
-    def warm_up(self) -> None:
-        warm_up_quantization()  # the packing kernels load per width, at a width's first use
+    def warm_up(self, device=None) -> None:
+        warm_up_quantization(device)  # on the CPU the packing kernels load per width, at a
+        # width's first use
 
     def guarantee(self, numel):
         worst = qsgd_omega(self.options.max_levels, self.options.bucket_size, numel)
@@ -130,28 +165,34 @@ class DQSGD(KernelCompressor):
                 return levels
         return self.options.max_levels
 
-    def compress(self, tensor, key, step):
-        levels = self.choose_levels(tensor)
-        self.ctx.metrics.log("dqsgd_levels", levels)
-        seed = tensor_seed(self.ctx, key, step, per_worker=True)
-        norms, q = nk.qsgd_quantize(tensor.reshape(-1), levels, self.options.bucket_size, seed)
-        levels_tensor = torch.tensor([levels], dtype=torch.int8, device=tensor.device)
-        return Payload([levels_tensor, norms, nk.pack_codes(q, nk.code_bits(levels))])
+    def compress_bucket(self, flat, layout, step):
+        """Levels chosen per tensor; the payload: the levels (int8, one per tensor), the norms
+        and the packed codes, each tensor's codes at its own width."""
+        levels = [self.choose_levels(view) if view.numel() else 1 for view in layout.views(flat)]
+        for view, chosen in zip(layout.views(flat), levels):
+            if view.numel():
+                self.ctx.metrics.log("dqsgd_levels", chosen)
+        table = segments(layout)
+        norms, q = nk.qsgd_quantize_segments(flat, table, levels, self.options.bucket_size,
+                                             bucket_seeds(self.ctx, layout, step, per_worker=True))
+        levels_tensor = torch.tensor(levels, dtype=torch.int8, device=flat.device)
+        return Payload([levels_tensor, norms,
+                        nk.pack_codes_segments(q, table, [nk.code_bits(v) for v in levels])])
 
-    def decompress(self, payload, like):
+    def _decode(self, payload, layout, out=None, add=False):
         levels_tensor, norms, packed = payload.tensors
-        levels = int(levels_tensor[0])
-        q = nk.unpack_codes(packed, like.numel(), nk.code_bits(levels))
-        return nk.qsgd_dequantize(norms, q, levels, self.options.bucket_size).view(like.shape)
+        levels = levels_tensor.tolist()  # each worker's own: read on the host to find the bytes
+        return nk.dequantize_segments(norms, packed, segments(layout),
+                                      [nk.code_bits(v) for v in levels], levels,
+                                      self.options.bucket_size, out=out, add=add,
+                                      scratch=_codes(layout))
 
-    def combine(self, payloads, like):
-        def decode(payload, total):
-            levels_tensor, norms, packed = payload.tensors
-            levels = int(levels_tensor[0])
-            nk.dequantize_add(norms, packed, nk.code_bits(levels), levels,
-                              self.options.bucket_size, total)
+    def decompress_bucket(self, payload, layout):
+        return self._decode(payload, layout)
 
-        return decoded_average(payloads, like, decode)
+    def combine_bucket(self, payloads, layout):
+        return decoded_average(payloads, layout,
+                               lambda payload, total: self._decode(payload, layout, total, True))
 
 
 TERNARY_BITS = 2  # {-1, 0, 1} as 2-bit two's complement
@@ -166,27 +207,34 @@ class TernGrad(KernelCompressor):
 
     summable = False
 
-    def warm_up(self) -> None:
-        warm_up_terngrad()
-        warm_up_codes(TERNARY_BITS)
+    def warm_up(self, device=None) -> None:
+        warm_up_terngrad(device)
+        warm_up_codes(TERNARY_BITS, device)
 
     def guarantee(self, numel):
         return Guarantee(omega=math.sqrt(max(numel, 1)) - 1.0)
 
-    def compress(self, tensor, key, step):
-        seed = tensor_seed(self.ctx, key, step, per_worker=True)
-        scale, t = nk.terngrad_quantize(tensor.reshape(-1), seed)
-        return Payload([scale, nk.pack_codes(t, TERNARY_BITS)])
+    def compress_bucket(self, flat, layout, step):
+        """One scale (max |v|) per tensor, each tensor with its own seed."""
+        table = segments(layout)
+        scales, t = nk.terngrad_quantize_segments(
+            flat, table, bucket_seeds(self.ctx, layout, step, per_worker=True))
+        if 0 in layout.sizes:  # an empty tensor has no scale (nor a QSGD bucket) to send
+            scales = scales[[s for s, n in enumerate(layout.sizes) if n]]
+        return Payload([scales, nk.pack_codes_segments(t, table, TERNARY_BITS)])
 
-    def decompress(self, payload, like):
-        scale, packed = payload.tensors
-        t = nk.unpack_codes(packed, like.numel(), TERNARY_BITS)
-        return nk.terngrad_dequantize(scale, t).view(like.shape)
+    def decompress_bucket(self, payload, layout):
+        # scale · t is QSGD's decoding with one level and one bucket per tensor
+        scales, packed = payload.tensors
+        return nk.dequantize_segments(scales, packed, segments(layout), TERNARY_BITS, 1, 0,
+                                      scratch=_codes(layout))
 
-    def combine(self, payloads, like):
-        # scale · t is QSGD's decoding with one level and one bucket
+    def combine_bucket(self, payloads, layout):
+        table, scratch = segments(layout), _codes(layout)
+
         def decode(payload, total):
-            scale, packed = payload.tensors
-            nk.dequantize_add(scale, packed, TERNARY_BITS, 1, 0, total)
+            scales, packed = payload.tensors
+            nk.dequantize_segments(scales, packed, table, TERNARY_BITS, 1, 0, out=total,
+                                   add=True, scratch=scratch)
 
-        return decoded_average(payloads, like, decode)
+        return decoded_average(payloads, layout, decode)

@@ -9,7 +9,10 @@ import torch
 
 import numba_kernels as nk
 from dsgd_cli.api import Guarantee, Payload
-from plugins.compressors._common import KernelCompressor, warm_up_signs
+from plugins.compressors._common import KernelCompressor, segments, warm_up_signs
+
+
+_on_gpu = nk.runs_on_gpu
 
 
 class Sign(KernelCompressor):
@@ -21,18 +24,21 @@ class Sign(KernelCompressor):
 
     summable = False
 
-    def warm_up(self) -> None:
-        warm_up_signs()
+    def warm_up(self, device=None) -> None:
+        warm_up_signs(device)
 
-    def compress(self, tensor, key, step):
-        return Payload([nk.sign_pack(tensor.reshape(-1))])
+    def compress_bucket(self, flat, layout, step):
+        return Payload([nk.sign_pack_segments(flat, segments(layout))])
 
-    def decompress(self, payload, like):
-        return nk.sign_unpack(payload.tensors[0], like.numel()).view(like.shape)
+    def decompress_bucket(self, payload, layout):
+        high, low = layout.cached("±1", lambda: (
+            torch.ones(len(layout.sizes), device=layout.device),
+            torch.full((len(layout.sizes),), -1.0, device=layout.device)))
+        return nk.sign_unpack_segments(payload.tensors[0], segments(layout), high, low)
 
-    def combine(self, payloads, like):
+    def combine_bucket(self, payloads, layout):
         stacked = torch.stack([p.tensors[0] for p in payloads])
-        return nk.sign_vote(stacked, like.numel()).view(like.shape)
+        return nk.sign_vote_segments(stacked, segments(layout))
 
 
 class EFSign(KernelCompressor):
@@ -45,20 +51,26 @@ class EFSign(KernelCompressor):
     summable = False
     requires_error_feedback = True
 
-    def warm_up(self) -> None:
-        warm_up_signs()
+    def warm_up(self, device=None) -> None:
+        warm_up_signs(device)
 
     def guarantee(self, numel):
         return Guarantee(delta=1.0 / max(numel, 1))
 
-    def compress(self, tensor, key, step):
-        flat = tensor.reshape(-1)
-        scale = flat.abs().mean().reshape(1)
-        return Payload([scale, nk.sign_pack(flat)])
+    def compress_bucket(self, flat, layout, step):
+        """One scale per tensor, ‖v‖₁/d of that tensor."""
+        views = layout.views(flat)
+        if _on_gpu(flat):  # one multi-tensor kernel
+            sizes = layout.cached("sizes", lambda: torch.tensor([max(n, 1) for n in layout.sizes],
+                                                            device=flat.device))
+            scales = torch.stack(torch._foreach_norm(views, 1)) / sizes
+        else:  # tensor by tensor: torch's mean, bit for bit what it was per tensor
+            scales = torch.stack([v.abs().mean() if v.numel() else v.new_zeros(()) for v in views])
+        return Payload([scales.float(), nk.sign_pack_segments(flat, segments(layout))])
 
-    def decompress(self, payload, like):
-        scale, packed = payload.tensors
-        return nk.sign_unpack(packed, like.numel(), scale).view(like.shape)
+    def decompress_bucket(self, payload, layout):
+        scales, packed = payload.tensors
+        return nk.sign_unpack_segments(packed, segments(layout), scales, -scales)
 
 
 class OneBit(KernelCompressor):
@@ -72,20 +84,37 @@ class OneBit(KernelCompressor):
     summable = False
     requires_error_feedback = True
 
-    def warm_up(self) -> None:
-        warm_up_signs()
+    def warm_up(self, device=None) -> None:
+        warm_up_signs(device)
 
     def guarantee(self, numel):
         return Guarantee(delta=1.0 / max(numel, 1))
 
-    def compress(self, tensor, key, step):
-        flat = tensor.reshape(-1)
-        positive = flat >= 0
-        high = flat[positive].mean() if positive.any() else flat.new_zeros(())
-        low = flat[~positive].mean() if (~positive).any() else flat.new_zeros(())
-        return Payload([torch.stack([high, low]).float(), nk.sign_pack(flat)])
+    def compress_bucket(self, flat, layout, step):
+        """Per tensor, the mean of its entries >= 0 and of its negative ones: (high, low)
+        pairs end to end."""
+        means = [_class_means(v.reshape(-1)) for v in layout.views(flat)]
+        levels = torch.stack([m for pair in means for m in pair]).float()
+        return Payload([levels, nk.sign_pack_segments(flat, segments(layout))])
 
-    def decompress(self, payload, like):
+    def decompress_bucket(self, payload, layout):
         levels, packed = payload.tensors
-        is_positive = nk.sign_unpack(packed, like.numel()) > 0
-        return torch.where(is_positive, levels[0], levels[1]).view(like.shape)
+        return nk.sign_unpack_segments(packed, segments(layout), levels[0::2].contiguous(),
+                                       levels[1::2].contiguous())
+
+
+def _class_means(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean of the entries >= 0, mean of the negative ones), 0 for an empty class."""
+    positive = flat >= 0
+    if _on_gpu(flat):  # masked sums: no synchronisation for the classes' sizes
+        count = positive.sum()
+        total = flat.sum()
+        high_sum = torch.where(positive, flat, 0).sum()
+        high = torch.where(count > 0, high_sum / count.clamp(min=1), 0.0)
+        others = flat.numel() - count
+        low = torch.where(others > 0, (total - high_sum) / others.clamp(min=1), 0.0)
+        return high, low
+    # on the CPU, torch's mean of the selected entries, as it always was
+    high = flat[positive].mean() if positive.any() else flat.new_zeros(())
+    low = flat[~positive].mean() if (~positive).any() else flat.new_zeros(())
+    return high, low

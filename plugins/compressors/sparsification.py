@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 import numba_kernels as nk
 from dsgd_cli.api import Guarantee, Payload, option
-from plugins.compressors._common import (KernelCompressor, decoded_average, tensor_seed,
-                                        warm_up_sparsification)
+from plugins.compressors._common import (KernelCompressor, bucket_seeds, decoded_average,
+                                        segments, warm_up_sparsification)
 
 
 @dataclass
@@ -32,27 +34,29 @@ class TopK(KernelCompressor):
     Options = SparsityOptions
     summable = False
 
-    def warm_up(self) -> None:
-        warm_up_sparsification()
+    def warm_up(self, device=None) -> None:
+        warm_up_sparsification(device)
 
     def guarantee(self, numel):
         d = max(numel, 1)
         return Guarantee(delta=kept(self.options.ratio, d) / d)
 
-    def compress(self, tensor, key, step):
-        indices, values = nk.topk(tensor.reshape(-1), kept(self.options.ratio, tensor.numel()))
+    def compress_bucket(self, flat, layout, step):
+        """k = ⌈ratio · d⌉ of each tensor's own d entries; indices into the bucket (int32)."""
+        ks = [kept(self.options.ratio, n) if n else 0 for n in layout.sizes]
+        indices, values = nk.topk_segments(flat, segments(layout), ks)
         return Payload([indices.int(), values])
 
-    def decompress(self, payload, like):
+    def decompress_bucket(self, payload, layout):
         indices, values = payload.tensors
-        return nk.scatter(indices.long(), values, like.numel()).view(like.shape)
+        return nk.scatter(indices.long(), values, layout.numel)
 
-    def combine(self, payloads, like):
+    def combine_bucket(self, payloads, layout):
         def add(payload, total):
             indices, values = payload.tensors
-            nk.scatter(indices.long(), values, like.numel(), out=total, accumulate=True)
+            nk.scatter(indices.long(), values, layout.numel, out=total, accumulate=True)
 
-        return decoded_average(payloads, like, add)
+        return decoded_average(payloads, layout, add)
 
 
 @dataclass
@@ -73,21 +77,33 @@ class RandomK(KernelCompressor):
     Options = RandomKOptions
     summable = True
 
-    def warm_up(self) -> None:
-        warm_up_sparsification()
+    def warm_up(self, device=None) -> None:
+        warm_up_sparsification(device)
 
     def guarantee(self, numel):
         d = max(numel, 1)
         k = kept(self.options.ratio, d)
         return Guarantee(omega=d / k - 1) if self.options.unbiased else Guarantee(delta=k / d)
 
-    def compress(self, tensor, key, step):
-        flat = tensor.reshape(-1)
-        k = kept(self.options.ratio, flat.numel())
-        indices, values = nk.randomk(flat, k, tensor_seed(self.ctx, key, step, per_worker=False))
+    def compress_bucket(self, flat, layout, step):
+        """k = ⌈ratio · d⌉ of each tensor's d entries, from each tensor's own seed (the same on
+        every worker); the indices stay here as the payload's context, into the bucket."""
+        ks = [kept(self.options.ratio, n) if n else 0 for n in layout.sizes]
+        indices, values = nk.randomk_segments(flat, segments(layout), ks,
+                                              bucket_seeds(self.ctx, layout, step, per_worker=False))
         if self.options.unbiased:
-            values = values * (flat.numel() / k)
+            values = values * layout.cached(("randomk-scale", tuple(ks)),
+                                            lambda: _scales(layout, ks))
         return Payload([values], context=indices)
 
-    def decompress(self, payload, like):
-        return nk.scatter(payload.context, payload.tensors[0], like.numel()).view(like.shape)
+    def decompress_bucket(self, payload, layout):
+        return nk.scatter(payload.context, payload.tensors[0], layout.numel)
+
+
+def _scales(layout, ks) -> torch.Tensor | float:
+    """d/k of each tensor, repeated for its k kept entries (one number when all agree)."""
+    per_segment = [n / k for n, k in zip(layout.sizes, ks) if k]
+    if len(set(per_segment)) == 1:
+        return per_segment[0]
+    return torch.tensor(per_segment, dtype=torch.float32, device=layout.device).repeat_interleave(
+        torch.tensor([k for k in ks if k], device=layout.device))

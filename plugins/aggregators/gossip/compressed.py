@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dsgd_cli.api import Aggregator, Compressor, Payload, WorkerContext
+from dsgd_cli.api import Aggregator, Compressor, Payload, WorkerContext, bucket_layout
 from dsgd_cli.topology import Topology, mixing_matrix
 
 from plugins.aggregators.gossip import graph
@@ -80,7 +80,11 @@ class CompressedExchange:
     holding exactly the payload's tensors. Compression runs on float32 (the kernels' type;
     models are float32); `none` sends the vector in its own dtype. A received payload is
     decoded with this worker's own payload's `context`, which must not depend on the data
-    (random-k's indices: drawn from a seed all workers share)."""
+    (random-k's indices: drawn from a seed all workers share).
+
+    The vector is compressed as one bucket of one segment (`Compressor.compress_bucket`), the
+    path `allreduce` takes: the model is one tensor here, as CHOCO-SGD and DCD-PSGD define the
+    compression (one QSGD norm per bucket of the vector, one ef_sign scale for all of it)."""
 
     KEY = "model"  # the compressor's name for the vector (it seeds random draws)
 
@@ -103,9 +107,10 @@ class CompressedExchange:
         compressor, comm = self.compressor, self.ctx.comm
         dtype = vector.dtype
         compressed_dtype = dtype if compressor.identity else torch.float32
-        source = vector.to(compressed_dtype)
-        payload = compressor.compress(source, self.KEY, step)
-        own = compressor.decompress(payload, source).to(dtype)
+        source = vector.to(compressed_dtype).reshape(-1)
+        layout = bucket_layout([self.KEY], [source])
+        payload = compressor.compress_bucket(source, layout, step)
+        own = compressor.decompress_bucket(payload, layout).view(vector.shape).to(dtype)
         if self.group is None or not self.neighbours:
             return PendingRound(own, {}, [], lambda tensors: tensors)
         wire = [to_wire(t) for t in payload.tensors]
@@ -117,7 +122,8 @@ class CompressedExchange:
 
         def decode(tensors: list[torch.Tensor]) -> torch.Tensor:
             tensors = [t.to(vector.device) for t in tensors]
-            return compressor.decompress(Payload(tensors, payload.context), source).to(dtype)
+            theirs = compressor.decompress_bucket(Payload(tensors, payload.context), layout)
+            return theirs.view(vector.shape).to(dtype)
 
         return PendingRound(own, receives, sends, decode)
 
