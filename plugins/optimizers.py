@@ -1,6 +1,7 @@
 """Built-in local optimizers: thin, validated wrappers over torch.optim."""
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -194,3 +195,90 @@ class LARS(OptimizerPlugin):
         o = self.options
         return LARSOptimizer(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
                              trust_coefficient=o.trust_coefficient)
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon (Jordan et al., 2024) for the model's hidden 2-D weights and AdamW for every other
+    parameter, in one optimizer, as Muon's authors advise. It is `torch.optim.Muon` and
+    `torch.optim.AdamW` side by side: one param group each, stepped by those classes, so each
+    part is exactly torch's. The runtime and the schedule see two param groups with their own
+    learning rates (a schedule scales both, keeping their ratio), and one state dict."""
+
+    def __init__(self, matrices: list[torch.Tensor], others: list[torch.Tensor],
+                 muon: dict, adamw: dict):
+        parts = {}
+        if matrices:  # torch refuses an optimizer over nothing
+            parts["muon"] = torch.optim.Muon(matrices, **muon)
+        if others:
+            parts["adamw"] = torch.optim.AdamW(others, **adamw)
+        groups = []
+        for kind, part in parts.items():
+            for group in part.param_groups:
+                group["kind"] = kind  # kept through state_dict / load_state_dict
+                groups.append(group)
+        super().__init__(groups, {})
+        self.parts = parts
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for kind, part in self.parts.items():
+            # load_state_dict replaces the groups and the state: hand the current ones over
+            part.param_groups = [g for g in self.param_groups if g["kind"] == kind]
+            part.state = self.state
+            part.step()
+        return loss
+
+
+@dataclass
+class MuonOptions:
+    lr: float = option(0.001, min=0.0, help="Muon's learning rate for the hidden 2-D weights "
+                                            "(torch.optim.Muon's default)")
+    momentum: float = option(0.95, min=0.0, max=1.0, help="Muon's momentum μ")
+    nesterov: bool = option(True, help="Nesterov momentum: orthogonalise g + μB instead of B")
+    weight_decay: float = option(0.1, min=0.0, help="Muon's decoupled weight decay (torch's default)")
+    ns_steps: int = option(5, min=1, max=99, help="Newton–Schulz iterations")
+    adjust_lr: Literal["original", "match_rms_adamw"] = option(
+        "original", help="Muon's rate per matrix of shape A×B: original, lr·√max(1, A/B) "
+                         "(Keller Jordan's); match_rms_adamw, 0.2·lr·√max(A, B) (Moonshot's)")
+    adamw_lr: float = option(0.001, min=0.0, help="AdamW's learning rate for the other parameters")
+    adamw_beta1: float = option(0.9, min=0.0, max=1.0, help="AdamW's first-moment decay, below 1")
+    adamw_beta2: float = option(0.999, min=0.0, max=1.0, help="AdamW's second-moment decay, below 1")
+    adamw_eps: float = option(1e-8, min=0.0, help="AdamW's denominator term")
+    adamw_weight_decay: float = option(0.01, min=0.0, help="AdamW's decoupled weight decay")
+    adamw_first: int = option(0, min=0, help="the first N 2-D parameters in model order take "
+                                             "AdamW, not Muon: input embeddings (text_lm: 2)")
+    adamw_last: int = option(0, min=0, help="the last N 2-D parameters in model order take "
+                                            "AdamW, not Muon: an output layer not tied to the embedding")
+
+    def __post_init__(self):
+        _check_below_one(adamw_beta1=self.adamw_beta1, adamw_beta2=self.adamw_beta2)
+
+
+class Muon(OptimizerPlugin):
+    """Muon for 2-D weights (torch.optim.Muon), AdamW for the rest (torch.optim.AdamW).
+
+    The optimizer receives the parameters without their names, so "hidden" is decided by
+    shape and position: every parameter that is not 2-D (biases, norms, convolution kernels)
+    takes AdamW, and so do the first `adamw_first` and last `adamw_last` 2-D ones in model
+    order (embeddings, an output layer)."""
+
+    Options = MuonOptions
+
+    def build(self, params) -> torch.optim.Optimizer:
+        o = self.options
+        params = list(params)
+        matrices = [p for p in params if p.ndim == 2]
+        last = matrices[len(matrices) - o.adamw_last:] if o.adamw_last else []
+        to_adamw = {id(p) for p in matrices[:o.adamw_first] + last}
+        hidden = [p for p in matrices if id(p) not in to_adamw]
+        others = [p for p in params if p.ndim != 2 or id(p) in to_adamw]
+        return MuonWithAdamW(
+            hidden, others,
+            muon=dict(lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
+                      weight_decay=o.weight_decay, ns_steps=o.ns_steps, adjust_lr_fn=o.adjust_lr),
+            adamw=dict(lr=o.adamw_lr, betas=(o.adamw_beta1, o.adamw_beta2), eps=o.adamw_eps,
+                       weight_decay=o.adamw_weight_decay))

@@ -13,7 +13,7 @@ import pytest
 from conftest import compare_json, dsgd_in_process, write_spec
 from dsgd_cli.comm.cluster import LEVELS
 from dsgd_cli.results.store import Store
-from test_step_bytes import LOG_INTERVAL, STEPS, builtin_aggregators
+from test_step_bytes import LOG_INTERVAL, OPTIMIZERS, STEPS, builtin_aggregators
 
 PER_STEP = [f"bytes_sent_{level}" for level in LEVELS]
 PER_RUN = [f"total_bytes_sent_{level}" for level in LEVELS]
@@ -23,6 +23,8 @@ PER_RUN = [f"total_bytes_sent_{level}" for level in LEVELS]
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("level_bytes")
     names = builtin_aggregators()
+    extra = "".join(f"\n          - {{name: levels-{name}, aggregator: {name}, optimizer: {optimizer}}}"
+                    for name, optimizer in OPTIMIZERS.items())
     spec = write_spec(tmp, f"""
         defaults:
           task: {{name: logreg}}
@@ -34,7 +36,7 @@ def runs(tmp_path_factory):
             links: {{intra_node: {{bandwidth: 10GB/s}}, inter_node: {{bandwidth: 1Gbit}}}}
         experiments:
           - name: levels
-            grid: {{aggregator.name: [{", ".join(names)}]}}
+            grid: {{aggregator.name: [{", ".join(n for n in names if n not in OPTIMIZERS)}]}}{extra}
     """)
     db = tmp / "results.db"
     result = dsgd_in_process("run", str(spec), "--db", str(db))

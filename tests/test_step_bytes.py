@@ -25,10 +25,16 @@ def builtin_aggregators() -> list[str]:
                   if entry.distribution == "dsgd")
 
 
+# Aggregators that refuse the default optimizer (plain SGD): desloc averages Adam's moments.
+OPTIMIZERS = {"desloc": "adamw"}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("step_bytes")
     names = builtin_aggregators()
+    extra = "".join(f"\n          - {{name: bytes-{name}, aggregator: {name}, optimizer: {optimizer}}}"
+                    for name, optimizer in OPTIMIZERS.items())
     spec = write_spec(tmp, f"""
         defaults:
           task: {{name: logreg}}
@@ -37,7 +43,7 @@ def runs(tmp_path_factory):
           log_interval: {LOG_INTERVAL}
         experiments:
           - name: bytes
-            grid: {{aggregator.name: [{", ".join(names)}]}}
+            grid: {{aggregator.name: [{", ".join(n for n in names if n not in OPTIMIZERS)}]}}{extra}
     """)
     db = tmp / "results.db"
     result = dsgd_in_process("run", str(spec), "--db", str(db))

@@ -168,7 +168,7 @@ class DiLoCo(Aggregator):
 
     def setup(self, ctx):
         super().setup(ctx)
-        self.outer = OuterParameters(ctx.parameters(), self.options.outer_optimizer)
+        self.outer = OuterParameters(ctx.parameters(), self.outer_optimizer_section())
         self.keys = parameter_names(ctx)
         self.exchange = DeltaExchange(ctx, self.options.error_feedback)
         self.rounds = 0
@@ -186,14 +186,13 @@ class DiLoCo(Aggregator):
             self.outer.set_model()
             self.ctx.optimizer.state.clear()
 
+    def outer_optimizer_section(self) -> dict:
+        """The outer optimizer's section; a variant may derive it from its own options
+        (sparseloco: plain SGD at its `outer_lr`)."""
+        return self.options.outer_optimizer
+
     def round(self, step: int) -> None:
-        deltas = self.outer.pseudo_gradients()
-        if self.under_failures:
-            averaged = self.exchange.live_average(deltas, self.keys, step,
-                                                  live=not self.missed_round)
-            self.missed_round = False
-        else:
-            averaged = self.exchange.average(deltas, self.keys, step)
+        averaged = self.average_deltas(self.outer.pseudo_gradients(), step)
         if averaged is not None:
             self.outer.outer_step(averaged)
         self.outer.set_model()
@@ -201,6 +200,16 @@ class DiLoCo(Aggregator):
             average_buffers(self.ctx)
         self.rounds += 1
         self.ctx.metrics.log("outer_rounds", self.rounds)
+
+    def average_deltas(self, deltas: list[torch.Tensor], step: int) -> list[torch.Tensor] | None:
+        """The workers' average Δ, the outer step's gradient (None: no live worker's counts).
+        A variant that sends Δ its own way (sparseloco) overrides this."""
+        if self.under_failures:
+            averaged = self.exchange.live_average(deltas, self.keys, step,
+                                                  live=not self.missed_round)
+            self.missed_round = False
+            return averaged
+        return self.exchange.average(deltas, self.keys, step)
 
 
 def average_buffers(ctx) -> None:

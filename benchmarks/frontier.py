@@ -1,0 +1,106 @@
+"""The 2025–2026 frontier at a CPU's scale (issue 50): DeMo, SparseLoCo, MuLoCo and DES-LOC,
+each against its paper's baseline, from the example specs (examples/demo.yaml,
+sparseloco.yaml, muloco.yaml, desloc.yaml: text_lm, 4 workers, an emulated 1 Gbit/s network
+and a compute model).
+
+Each spec runs with `dsgd run` (epochs and the compute model's time scale set on the command
+line), then per comparison one markdown table: the final train and test loss, the bytes one
+worker sends per step (the run's total over workers and steps) and per round, how many times fewer than the
+baseline's, and the bytes (all workers) until the test loss first reached the worst final
+test loss of the comparison (`dsgd compare --target`: "at equal loss"; test loss is evaluated
+once per epoch).
+
+    python benchmarks/frontier.py --text corpus.txt [--epochs 6] [--time-scale 3] [--only demo]
+    python benchmarks/frontier.py --dbdir DIR --no-run     # tables from earlier runs in DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from dsgd_cli.results.reader import Results
+
+ROOT = Path(__file__).resolve().parent.parent
+# spec -> (baseline experiment, round length of each experiment with rounds)
+COMPARISONS = {
+    "demo": ("adamw-ddp", {}),
+    "sparseloco": ("diloco", {"diloco": 10, "sparseloco": 10, "sparseloco-3pct": 10, "diloco-topk": 10}),
+    "muloco": ("diloco-adamw", {name: 10 for name in (
+        "diloco-adamw", "muloco", "diloco-adamw-8bit", "muloco-8bit", "diloco-adamw-2bit", "muloco-2bit")}),
+    "desloc": ("allreduce", {}),
+}
+
+
+def run(spec: str, db: Path, text: Path, epochs: int, time_scale: float) -> None:
+    data = Path(tempfile.mkdtemp(prefix="dsgd-frontier-"))
+    shutil.copy(text, data / "tinyshakespeare.txt")  # the specs' file name
+    env = {**os.environ, "DSGD_DATA": str(data)}
+    result = subprocess.run(
+        [sys.executable, "-m", "dsgd_cli", "run", str(ROOT / "examples" / f"{spec}.yaml"),
+         "--db", str(db), "--set", f"epochs={epochs}", "--set", f"compute.time_scale={time_scale}"],
+        env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"dsgd run {spec} failed:\n{result.stderr}")
+
+
+def bytes_to_target(db: Path, target: float) -> dict[str, float]:
+    result = subprocess.run([sys.executable, "-m", "dsgd_cli", "compare", "--db", str(db),
+                             "--target", f"test_loss={target}", "-f", "csv"],
+                            capture_output=True, text=True, check=True)
+    rows = csv.DictReader(io.StringIO(result.stdout))
+    return {row["experiment"]: float(row["bytes_to_target"] or "nan") for row in rows}
+
+
+def table(spec: str, db: Path) -> str:
+    baseline, periods = COMPARISONS[spec]
+    store = Results(str(db))
+    runs = {run.experiment: run for run in store.runs()}
+    finals = {name: {s.name: s.final for s in run.summaries} for name, run in runs.items()}
+    for name, run in runs.items():  # bytes_sent is logged per interval: use the run's total
+        steps = max(record.step for record in store.metric_history(run.id, "bytes_sent"))
+        finals[name]["bytes_sent"] = finals[name]["total_bytes_sent"] / (run.config["workers"] * steps)
+    target = max(f["test_loss"] for f in finals.values())
+    reached = bytes_to_target(db, target)
+    base = finals[baseline]["bytes_sent"]
+    lines = [f"| run | train loss | test loss | bytes/step/worker | × fewer than {baseline} "
+             f"| bytes/round/worker | bytes to test loss {target:.3f} |",
+             "|---|---|---|---|---|---|---|"]
+    for name, final in finals.items():
+        per_step = final["bytes_sent"]
+        per_round = f"{per_step * periods[name]:,.0f}" if name in periods else "—"
+        lines.append(f"| {name} | {final['train_loss']:.3f} | {final['test_loss']:.3f} | "
+                     f"{per_step:,.0f} | {base / per_step if per_step else float('inf'):.1f} | "
+                     f"{per_round} | {reached.get(name, float('nan')) / 1e6:,.1f} MB |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--text", type=Path, help="a UTF-8 text file, in place of tiny Shakespeare")
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--time-scale", type=float, default=3.0,
+                        help="compute.time_scale: raise it on a loaded machine")
+    parser.add_argument("--only", action="append", choices=sorted(COMPARISONS))
+    parser.add_argument("--dbdir", type=Path, help="where the results databases go (or are)")
+    parser.add_argument("--no-run", action="store_true", help="only print the tables")
+    args = parser.parse_args()
+    dbdir = args.dbdir or Path(tempfile.mkdtemp(prefix="dsgd-frontier-db-"))
+    for spec in args.only or list(COMPARISONS):
+        db = dbdir / f"bench_{spec}.db"
+        if not args.no_run:
+            if args.text is None:
+                sys.exit("--text is needed to run")
+            run(spec, db, args.text, args.epochs, args.time_scale)
+        print(f"\n{spec}:\n\n{table(spec, db)}")
+
+
+if __name__ == "__main__":
+    main()
