@@ -18,6 +18,19 @@ from dsgd_cli.results.store import Store
 from dsgd_cli.spec.sharding import Shard
 
 
+def planned_devices(monkeypatch) -> list[str]:
+    """The device each launch's plan names, as the workers read it, in launch order."""
+    seen = []
+    write_plan = torchrun.Torchrun.write_plan
+
+    def spy(self, plan):
+        seen.append(plan["device"])
+        write_plan(self, plan)
+
+    monkeypatch.setattr(torchrun.Torchrun, "write_plan", spy)
+    return seen
+
+
 @pytest.fixture
 def gpus(monkeypatch):
     """Pretend this machine has CUDA with `gpus(n)` devices."""
@@ -99,14 +112,7 @@ def test_a_shared_gpu_run_records_how_many_workers_shared_each(tmp_path, gpus, m
          compute: {step_seconds: 0.01}}
     """)
     (experiment,) = load_spec(spec)
-    seen = []
-    write_plan = torchrun.Torchrun.write_plan
-
-    def spy(self, plan):
-        seen.append(plan["device"])
-        write_plan(self, plan)
-
-    monkeypatch.setattr(torchrun.Torchrun, "write_plan", spy)
+    seen = planned_devices(monkeypatch)
     store = Store(str(tmp_path / "r.db"))
     result = launcher.launch(experiment, store, str(spec))
     assert seen == ["cuda_shared"]
@@ -122,14 +128,7 @@ def test_the_launchers_choice_reaches_the_workers(tmp_path, gpus, monkeypatch):
       - {name: cpu, task: {name: logreg}, workers: 2, steps_per_epoch: 2}
     """)
     (experiment,) = load_spec(spec)
-    seen = []
-    write_plan = torchrun.Torchrun.write_plan
-
-    def spy(self, plan):
-        seen.append(plan["device"])
-        write_plan(self, plan)
-
-    monkeypatch.setattr(torchrun.Torchrun, "write_plan", spy)
+    seen = planned_devices(monkeypatch)
     result = launcher.launch(experiment, Store(str(tmp_path / "r.db")), str(spec))
     assert seen == ["cpu"]
     assert result.status == "completed", result.reason

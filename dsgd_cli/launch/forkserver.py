@@ -69,6 +69,17 @@ def send_request(connection: socket.socket, module: str, args: list[str],
     connection.sendall(body)
 
 
+def read_exactly(connection: socket.socket, count: int, cut_short: str) -> bytes:
+    """`count` bytes from `connection`; ConnectionError(`cut_short`) if it ends first."""
+    data = bytearray()
+    while len(data) < count:
+        chunk = connection.recv(count - len(data))
+        if not chunk:
+            raise ConnectionError(cut_short)
+        data += chunk
+    return bytes(data)
+
+
 def read_request(connection: socket.socket) -> tuple[dict, list[int]]:
     """A request and the relay's stream descriptors (now this process's)."""
     head, fds, _, _ = socket.recv_fds(connection, _LENGTH.size, STREAMS)
@@ -76,13 +87,7 @@ def read_request(connection: socket.socket) -> tuple[dict, list[int]]:
         if len(head) != _LENGTH.size or len(fds) != STREAMS:
             raise ConnectionError("incomplete request")
         (length,) = _LENGTH.unpack(head)
-        body = bytearray()
-        while len(body) < length:
-            chunk = connection.recv(length - len(body))
-            if not chunk:
-                raise ConnectionError("incomplete request")
-            body += chunk
-        return json.loads(body), fds
+        return json.loads(read_exactly(connection, length, "incomplete request")), fds
     except BaseException:
         for fd in fds:
             os.close(fd)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from dsgd_cli.launch.forkserver import read_exactly
 from dsgd_cli.launch.local_store import (ADD, CHECK, COMPARE_SET, DELETE, GET, MISSING, NUM_KEYS,
                                          OK, SET, TIMED_OUT, WAIT, request)
 
@@ -100,16 +101,6 @@ def _bytes(value) -> bytes:
 
 
 def _read_frame(connection: socket.socket) -> bytes:
-    header = _read_exactly(connection, 4)
-    (length,) = _LENGTH.unpack(header)
-    return _read_exactly(connection, length)
-
-
-def _read_exactly(connection: socket.socket, count: int) -> bytes:
-    data = bytearray()
-    while len(data) < count:
-        chunk = connection.recv(count - len(data))
-        if not chunk:
-            raise ConnectionError("dsgd's store closed the connection")
-        data += chunk
-    return bytes(data)
+    closed = "dsgd's store closed the connection"
+    (length,) = _LENGTH.unpack(read_exactly(connection, 4, closed))
+    return read_exactly(connection, length, closed)
