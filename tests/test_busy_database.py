@@ -68,14 +68,16 @@ def test_an_interrupt_ends_the_wait(tmp_path, quick_busy):
     holder.join()
 
 
-def test_a_run_completes_while_another_process_holds_the_lock(tmp_path):
-    """A real run of 8 modeled steps of 0.5 s, each logged; the lock is taken once the run is
-    recorded and held past SQLite's busy timeout (5 s), so that the next metrics wait for it
-    longer than the notice's 5 s and the run ends while it is held."""
+def test_a_run_completes_while_another_process_holds_the_lock(tmp_path, monkeypatch):
+    """A real run of 8 modeled steps of 0.25 s, each logged; the lock is taken once the run is
+    recorded and held past SQLite's busy timeout (made 1 s here, as the notice's wait), so
+    that the next metrics wait for it longer than both and the run ends while it is held."""
+    monkeypatch.setattr(database, "SQLITE_BUSY_TIMEOUT", 1.0)
+    monkeypatch.setattr(busy, "NOTICE_AFTER_S", 1.0)
     db = tmp_path / "r.db"
     spec = write_spec(tmp_path, """
         defaults: {task: logreg, workers: 2, epochs: 1, steps_per_epoch: 8, log_interval: 1,
-                   compute: {step_seconds: 0.5}}
+                   compute: {step_seconds: 0.25}}
         experiments:
           - {name: plain}
     """)
@@ -92,7 +94,7 @@ def test_a_run_completes_while_another_process_holds_the_lock(tmp_path):
             except sqlite3.Error:
                 pass
             time.sleep(0.05)
-        holders.append(_hold_lock(str(db), database.SQLITE_BUSY_TIMEOUT + 6, held))
+        holders.append(_hold_lock(str(db), 4.0, held))
 
     watcher = threading.Thread(target=lock_once_recorded)
     watcher.start()
