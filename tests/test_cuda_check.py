@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import write_spec
 
 WITHOUT_ROW_STACK = "import numpy; del numpy.row_stack\n"
@@ -84,6 +86,7 @@ def test_a_cuda_run_without_kernels_is_not_held_up_by_them(tmp_path):
     assert result.stdout.strip() == "cuda None"
 
 
+@pytest.mark.slow  # the same kernels run under the simulator in test_kernels_cudasim
 def test_the_probe_kernel_runs_under_the_simulator():
     result = subprocess.run(
         [sys.executable, "-c", "from numba_kernels.cuda_check import problem; print(problem())"],

@@ -5,6 +5,8 @@ definitions in test_demo.py, test_sparseloco.py, test_desloc.py and test_muon.py
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import dsgd_in_process, write_spec
 from dsgd_cli.results.store import Store
 
@@ -31,6 +33,7 @@ experiments:
 """
 
 
+@pytest.mark.slow  # each plugin's own reference and resume tests run in the default suite
 def test_the_frontier_plugins_run_and_record_their_options(tmp_path):
     db = tmp_path / "r.db"
     result = dsgd_in_process("run", str(write_spec(tmp_path, SPEC)), "--db", str(db))

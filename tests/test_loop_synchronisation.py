@@ -12,6 +12,7 @@ import math
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from distributed import run_workers
@@ -94,6 +95,7 @@ def test_losses_stay_on_the_device_between_log_intervals(tmp_path):
     assert reads[LOG_INTERVAL - 1] == 1
 
 
+@pytest.mark.slow  # the CPU's per-step check: test_faults' diverging runs take it by default
 def test_on_the_cpu_each_steps_loss_is_read_before_its_backward(tmp_path):
     """The CPU keeps the exact, immediate check (a read costs nothing there)."""
     _spec(tmp_path)
