@@ -702,17 +702,25 @@ def sign_vote_segments(packed_rows, segments: Segments, out=None):
     return result
 
 
+def _selection(x, segments: Segments, ks):
+    """What a per-segment selection starts from: `x` checked and flat, the segments' k
+    table (`Segments.k_starts`), and the empty index and value outputs."""
+    x = _flat(x, "x", torch.float32)
+    segments.check(x)
+    table = segments.k_starts(ks)
+    total = table[2]
+    idx = torch.empty(total, dtype=torch.int64, device=x.device)
+    vals = torch.empty(total, dtype=torch.float32, device=x.device)
+    return x, table, idx, vals
+
+
 def topk_segments(x, segments: Segments, ks):
     """:func:`topk` of each segment (``ks``: an int or one per segment, clipped to its size):
     ``(indices, values)`` laid end to end, indices into the bucket, ascending per segment.
     On a GPU it is ``torch.topk`` per segment, all on the device (no synchronisation; among
     equal magnitudes the pick is torch's, not necessarily the lowest index). The CPU runs
     the exact selection of :func:`topk` on each segment, in one compiled loop."""
-    x = _flat(x, "x", torch.float32)
-    segments.check(x)
-    k_table, k_starts, total, ks = segments.k_starts(ks)
-    idx = torch.empty(total, dtype=torch.int64, device=x.device)
-    vals = torch.empty(total, dtype=torch.float32, device=x.device)
+    x, (k_table, k_starts, total, ks), idx, vals = _selection(x, segments, ks)
     if not total:
         return idx, vals
     if not runs_on_gpu(x):
@@ -733,11 +741,7 @@ def randomk_segments(x, segments: Segments, ks, seeds):
     end, indices into the bucket. The indices are those of :func:`randomk_indices` for each
     segment alone. On a GPU the keys are hashed and the k smallest chosen with torch ops on
     the device (``torch.topk``), which selects the same indices: the keys are distinct."""
-    x = _flat(x, "x", torch.float32)
-    segments.check(x)
-    k_table, k_starts, total, ks = segments.k_starts(ks)
-    idx = torch.empty(total, dtype=torch.int64, device=x.device)
-    vals = torch.empty(total, dtype=torch.float32, device=x.device)
+    x, (k_table, k_starts, total, ks), idx, vals = _selection(x, segments, ks)
     if not total:
         return idx, vals
     if not runs_on_gpu(x):

@@ -4,7 +4,8 @@ SQLite lets one writer in at a time; another waits up to the busy timeout
 (`database.SQLITE_BUSY_TIMEOUT`) and then fails with "database is locked". A `dsgd run` whose
 workers had finished used to give up there and call its run stopped. Its records are safe in
 the workers' event files, so a write of the results store instead tries again for as long as
-the database stays busy, and says so on one line once it has waited `NOTICE_AFTER_S`; only
+the database stays busy, and says so on one line once it has waited `NOTICE_AFTER_S` (at the
+refusal that ends the wait's first SQLite busy timeout past it); only
 an interrupt (`ResultsWriter.interrupted`, set by the launcher while its signals are noted)
 ends the wait, with the error the launcher reports as a database that cannot be written.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import sys
-import threading
+import time
 
 from sqlalchemy.exc import OperationalError
 
@@ -28,21 +29,21 @@ def is_busy(error: OperationalError) -> bool:
 
 
 def while_busy(write):
-    """Decorate a `ResultsWriter` method: run it again while the database is busy."""
+    """Decorate a `ResultsWriter` method: run it again while the database is busy. A write
+    that is not refused costs nothing more (the launcher writes metrics many times a second);
+    each refusal comes after SQLite's own busy wait, so the notice needs no timer."""
     @functools.wraps(write)
     def waiting(writer, *args, **kwargs):
-        notice = threading.Timer(NOTICE_AFTER_S, _say_busy, args=(writer.shown_url,))
-        notice.daemon = True
-        notice.start()
-        try:
-            while True:
-                try:
-                    return write(writer, *args, **kwargs)
-                except OperationalError as error:
-                    if not is_busy(error) or writer.interrupted():
-                        raise
-        finally:
-            notice.cancel()
+        started, said = time.monotonic(), False
+        while True:
+            try:
+                return write(writer, *args, **kwargs)
+            except OperationalError as error:
+                if not is_busy(error) or writer.interrupted():
+                    raise
+                if not said and time.monotonic() - started >= NOTICE_AFTER_S:
+                    _say_busy(writer.shown_url)
+                    said = True
     return waiting
 
 
