@@ -22,13 +22,18 @@ CONFIG = {"task": {"name": "logreg"}, "aggregator": {"name": "allreduce"},
           "compressor": {"name": "none"}, "optimizer": {"name": "sgd"}, "workers": 1}
 
 
-def _hold_lock(path, seconds: float, held: threading.Event) -> threading.Thread:
-    """Another connection takes the database's exclusive lock for `seconds`."""
+def _hold_lock(path, seconds: float, held: threading.Event,
+               until: threading.Event | None = None) -> threading.Thread:
+    """Another connection takes the database's exclusive lock for `seconds`, or, given
+    `until`, until that event is set (at most a minute)."""
     def hold():
         connection = sqlite3.connect(path, timeout=30, isolation_level=None)
         connection.execute("BEGIN EXCLUSIVE")
         held.set()
-        time.sleep(seconds)
+        if until is None:
+            time.sleep(seconds)
+        else:
+            until.wait(60)
         connection.execute("COMMIT")
         connection.close()
     thread = threading.Thread(target=hold)
@@ -70,10 +75,19 @@ def test_an_interrupt_ends_the_wait(tmp_path, quick_busy):
 
 def test_a_run_completes_while_another_process_holds_the_lock(tmp_path, monkeypatch):
     """A real run of 8 modeled steps of 0.25 s, each logged; the lock is taken once the run is
-    recorded and held past SQLite's busy timeout (made 1 s here, as the notice's wait), so
-    that the next metrics wait for it longer than both and the run ends while it is held."""
+    recorded and held until the run has said it waits (past SQLite's busy timeout, made 1 s
+    here, as the notice's wait). Released on the notice, not after a fixed time: a loaded
+    machine can take longer to start the workers than any fixed hold."""
     monkeypatch.setattr(database, "SQLITE_BUSY_TIMEOUT", 1.0)
     monkeypatch.setattr(busy, "NOTICE_AFTER_S", 1.0)
+    noticed = threading.Event()
+    say_busy = busy._say_busy
+
+    def say_and_note(shown_url):
+        say_busy(shown_url)
+        noticed.set()
+
+    monkeypatch.setattr(busy, "_say_busy", say_and_note)
     db = tmp_path / "r.db"
     spec = write_spec(tmp_path, """
         defaults: {task: logreg, workers: 2, epochs: 1, steps_per_epoch: 8, log_interval: 1,
@@ -94,11 +108,12 @@ def test_a_run_completes_while_another_process_holds_the_lock(tmp_path, monkeypa
             except sqlite3.Error:
                 pass
             time.sleep(0.05)
-        holders.append(_hold_lock(str(db), 4.0, held))
+        holders.append(_hold_lock(str(db), 0.0, held, until=noticed))
 
     watcher = threading.Thread(target=lock_once_recorded)
     watcher.start()
     result = dsgd_in_process("run", str(spec), "--db", str(db))
+    noticed.set()  # frees the holder should the run have ended without waiting
     watcher.join()
     for holder in holders:
         holder.join()
