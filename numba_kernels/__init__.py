@@ -38,7 +38,10 @@ once per bucket); ``qsgd_quantize_segments``, ``pack_codes_segments``,
 alone, bit for bit (each segment with its own seed). The CPU backend runs one compiled loop
 over the segments; the CUDA backend launches one or two kernels for the whole bucket, each
 thread finding its segment by a binary search (top-k and random-k: torch ops on the device,
-one ``torch.topk`` per segment, without synchronising).
+one ``torch.topk`` per segment, without synchronising). ``qsgd_packed_segments`` and
+``terngrad_packed_segments`` return the packed codes directly: on a GPU QSGD's norms, codes
+and packing are one fused kernel (a warp per QSGD bucket), TernGrad's codes are computed
+where they are packed; on the CPU they are the two calls above.
 
 Randomness
 ----------
@@ -52,7 +55,10 @@ across workers; leave it out for random-k, whose index set must agree across
 workers).
 
 Kernels are compiled on first use with ``cache=True`` (cached next to the
-sources), so the JIT cost is paid once per machine.
+sources), so the JIT cost is paid once per machine. The CUDA kernels of the
+compressors' step are declared with one explicit signature each
+(``_cuda.KERNELS``): no type inference at a launch, and a test compiles each to
+PTX for a real GPU on a machine without one (tests/test_kernels_ptx.py).
 
 Modules
 -------
@@ -63,16 +69,19 @@ functions and signatures; ``_host``: host-side code both backends share
 """
 
 from ._dispatch import (
+    TERNARY_BITS,
     Segments,
     code_bits,
     dequantize_segments,
     pack_codes_segments,
+    qsgd_packed_segments,
     qsgd_quantize_segments,
     randomk_segments,
     runs_on_gpu,
     sign_pack_segments,
     sign_unpack_segments,
     sign_vote_segments,
+    terngrad_packed_segments,
     terngrad_quantize_segments,
     topk_segments,
     dequantize_add,
@@ -115,13 +124,16 @@ __all__ = [
     "derive_seed",
     "Segments",
     "qsgd_quantize_segments",
+    "qsgd_packed_segments",
     "pack_codes_segments",
     "dequantize_segments",
     "terngrad_quantize_segments",
+    "terngrad_packed_segments",
     "sign_pack_segments",
     "sign_unpack_segments",
     "sign_vote_segments",
     "topk_segments",
     "randomk_segments",
     "runs_on_gpu",
+    "TERNARY_BITS",
 ]

@@ -130,6 +130,84 @@ def _upload(host, alloc, stream):
 
 
 # ---------------------------------------------------------------------------
+# kernels declared with their signature
+# ---------------------------------------------------------------------------
+#
+# The kernels of the compressors' step are declared with one explicit signature each
+# (`_kernel`): numba compiles exactly that signature, once per process (loaded from its
+# on-disk cache where an earlier process compiled it), so a launch infers no types and never
+# compiles. The launch configurations (grid, block, stream) are kept per kernel. Under the
+# simulator, signatures are not enforced by numba: each launch checks its arguments against
+# the declared signature instead, so that the simulator's tests catch a signature a GPU would
+# refuse (`KERNELS` is what tests/test_kernels_ptx.py compiles for real GPUs).
+
+#: every kernel declared with `_kernel`, by name
+KERNELS: dict = {}
+
+
+class _Kernel:
+    """A kernel of one signature: compiled on first use, launched as ``kernel[grid, block,
+    stream](*args)``."""
+
+    def __init__(self, pyfunc, signature: str):
+        self.pyfunc = pyfunc
+        self.signature = signature
+        self.name = pyfunc.__name__
+        self._dispatcher = None
+        self._launchers: dict = {}
+
+    def dispatcher(self):
+        if self._dispatcher is None:
+            self._dispatcher = cuda.jit(self.signature, cache=not SIM)(self.pyfunc)
+        return self._dispatcher
+
+    def __getitem__(self, config):
+        launcher = self._launchers.get(config)
+        if launcher is None:
+            launcher = self.dispatcher()[config]
+            if SIM:
+                launcher = _checked(launcher, self)
+            self._launchers[config] = launcher
+        return launcher
+
+
+#: the argument types of the declared kernels: contiguous 1-D arrays, one 2-D, scalars
+F32, F64, I8, U8, I64 = "float32[::1]", "float64[::1]", "int8[::1]", "uint8[::1]", "int64[::1]"
+U8_2D, INT, FLOAT, BOOL = "uint8[:, ::1]", "int64", "float32", "boolean"
+
+
+def _sig(*argtypes: str) -> str:
+    return f"void({', '.join(argtypes)})"
+
+
+def _kernel(signature: str):
+    """Declare a kernel with its signature (see `_Kernel`)."""
+    def declare(pyfunc):
+        kernel = _Kernel(pyfunc, signature)
+        KERNELS[kernel.name] = kernel
+        return kernel
+    return declare
+
+
+def _checked(launch, kernel: _Kernel):
+    """The simulator's launch of ``kernel``, refusing arguments its signature does not name
+    (a GPU would refuse them: no matching definition)."""
+    from numba import typeof
+    from numba.core import sigutils
+
+    expected, _ = sigutils.normalize_signature(kernel.signature)
+
+    def call(*args):
+        got = tuple(typeof(getattr(a, "_ary", a)) for a in args)
+        if len(got) != len(expected) or any(g != e for g, e in zip(got, expected)):
+            raise TypeError(f"kernel {kernel.name} launched with ({', '.join(map(str, got))}); "
+                            f"its signature is {kernel.signature}")
+        return launch(*args)
+
+    return call
+
+
+# ---------------------------------------------------------------------------
 # device helpers
 # ---------------------------------------------------------------------------
 
@@ -182,6 +260,34 @@ def _block_scan2(a, b, sa, sb):
     tot_b = sb[TPB - 1]
     cuda.syncthreads()
     return ia - a, ib - b, tot_a, tot_b
+
+
+if SIM:
+    @cuda.jit(device=True)
+    def _warp_sum(v, sm):
+        """The butterfly of `_warp_sum` below through shared memory (the simulator has no
+        warp shuffles): the same additions in the same order. Every thread of the block must
+        call it."""
+        tid = cuda.threadIdx.x
+        off = 16
+        while off > 0:
+            sm[tid] = v
+            cuda.syncthreads()
+            v += sm[tid ^ off]
+            cuda.syncthreads()
+            off //= 2
+        return v
+else:
+    @cuda.jit(device=True)
+    def _warp_sum(v, sm):
+        """Sum of ``v`` over the 32 lanes of a warp, by a butterfly of shuffles: every lane
+        gets the same bits (each addition is of the same two partial sums on both lanes).
+        All 32 lanes must call it."""
+        off = 16
+        while off > 0:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+            off //= 2
+        return v
 
 
 # ---------------------------------------------------------------------------
@@ -544,7 +650,7 @@ def scatter(idx, vals, out, accumulate, stream, alloc):
     _k_scatter[_grid(idx.size), TPB, stream](idx, vals, out, accumulate)
 
 
-@cuda.jit
+@_kernel(_sig(F32, FLOAT, F32))
 def _k_wsum1(x0, w0, out):
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
@@ -553,7 +659,7 @@ def _k_wsum1(x0, w0, out):
         i += stride
 
 
-@cuda.jit
+@_kernel(_sig(F32, FLOAT, F32, FLOAT, F32))
 def _k_wsum2(x0, w0, x1, w1, out):
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
@@ -562,7 +668,7 @@ def _k_wsum2(x0, w0, x1, w1, out):
         i += stride
 
 
-@cuda.jit
+@_kernel(_sig(F32, FLOAT, F32, FLOAT, F32, FLOAT, F32))
 def _k_wsum3(x0, w0, x1, w1, x2, w2, out):
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
@@ -571,7 +677,7 @@ def _k_wsum3(x0, w0, x1, w1, x2, w2, out):
         i += stride
 
 
-@cuda.jit
+@_kernel(_sig(F32, FLOAT, F32, FLOAT, F32, FLOAT, F32, FLOAT, F32))
 def _k_wsum4(x0, w0, x1, w1, x2, w2, x3, w3, out):
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
@@ -923,7 +1029,7 @@ def _seg_bs(n, bucket_size):
     return n if bucket_size <= 0 or bucket_size > n else bucket_size
 
 
-@cuda.jit(cache=True)
+@_kernel(_sig(F32, I64, I64, I64, I64, INT, F32, F64))
 def _k_seg_norms(x, starts, sizes, norm_starts, levels, bucket_size, norms, scales):
     # one block per QSGD bucket (grid-stride over buckets): float64 block sum of squares
     sm = cuda.shared.array(TPB, np.float64)
@@ -952,7 +1058,23 @@ def _k_seg_norms(x, starts, sizes, norm_starts, levels, bucket_size, norms, scal
         g += cuda.gridDim.x
 
 
-@cuda.jit(cache=True)
+@cuda.jit(device=True)
+def _qsgd_code(v, scale, flev, key, j):
+    """Element j's QSGD code: |v| scaled to [0, levels], rounded up with probability its
+    fraction (uniform draw j of the segment's stream ``key``), signed like v."""
+    a = np.float64(abs(v)) * scale
+    if not (a >= 0.0):
+        a = 0.0
+    elif a > flev:
+        a = flev
+    fl = math.floor(a)
+    lvl = np.int32(fl) + np.int32(np.float64(_uniform(key, j)) < a - fl)
+    if v < 0:
+        lvl = -lvl
+    return lvl
+
+
+@_kernel(_sig(F32, I64, I64, I64, I64, I64, INT, F64, I8))
 def _k_seg_quant(x, starts, sizes, norm_starts, keys, levels, bucket_size, scales, q):
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
@@ -960,18 +1082,8 @@ def _k_seg_quant(x, starts, sizes, norm_starts, keys, levels, bucket_size, scale
         s = _find(starts, i)
         j = i - starts[s]
         bs = _seg_bs(sizes[s], bucket_size)
-        flev = np.float64(levels[s])
-        v = x[i]
-        a = np.float64(abs(v)) * scales[norm_starts[s] + j // bs]
-        if not (a >= 0.0):
-            a = 0.0
-        elif a > flev:
-            a = flev
-        fl = math.floor(a)
-        lvl = np.int32(fl) + np.int32(np.float64(_uniform(np.uint64(keys[s]), j)) < a - fl)
-        if v < 0:
-            lvl = -lvl
-        q[i] = np.int8(lvl)
+        q[i] = np.int8(_qsgd_code(x[i], scales[norm_starts[s] + j // bs], np.float64(levels[s]),
+                                  np.uint64(keys[s]), j))
         i += stride
 
 
@@ -987,7 +1099,7 @@ def qsgd_quantize_segments(x, starts, sizes, norm_starts, keys, levels, bucket_s
                                              bucket_size, scales, q)
 
 
-@cuda.jit(cache=True)
+@_kernel(_sig(I8, I64, I64, I64, I64, U8))
 def _k_seg_pack(q, starts, sizes, byte_starts, bits, out):
     # one thread per output byte: the codes whose bits fall in it
     ob = cuda.grid(1)
@@ -1018,7 +1130,7 @@ def pack_codes_segments(q, starts, sizes, byte_starts, bits, out, stream, alloc)
     _k_seg_pack[_grid(out.size), TPB, stream](q, starts, sizes, byte_starts, bits, out)
 
 
-@cuda.jit(cache=True)
+@_kernel(_sig(F32, U8, I64, I64, I64, I64, I64, I64, INT, BOOL, F32))
 def _k_seg_dequant(norms, packed, starts, sizes, norm_starts, byte_starts, bits, levels,
                    bucket_size, add, out):
     # one thread per element: its code read from the packed stream where it lies
@@ -1053,7 +1165,7 @@ def dequantize_segments(norms, packed, starts, sizes, norm_starts, byte_starts, 
                                                  byte_starts, bits, levels, bucket_size, add, out)
 
 
-@cuda.jit(cache=True)
+@_kernel(_sig(F32, I64, F32))
 def _k_seg_maxabs(x, starts, scales):
     # max |x| per segment (NaN left out, as on the CPU); scales start at 0
     i = cuda.grid(1)
@@ -1065,7 +1177,7 @@ def _k_seg_maxabs(x, starts, scales):
         i += stride
 
 
-@cuda.jit(cache=True)
+@_kernel(_sig(F32, I64, I64, F32, I8))
 def _k_seg_tern(x, starts, keys, scales, t):
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
@@ -1086,7 +1198,7 @@ def terngrad_quantize_segments(x, starts, sizes, keys, scales, t, stream, alloc)
     _k_seg_tern[_grid(x.size), TPB, stream](x, starts, keys, scales, t)
 
 
-@cuda.jit(cache=True)
+@_kernel(_sig(F32, I64, I64, I64, U8))
 def _k_seg_sign_pack(x, starts, sizes, byte_starts, out):
     ob = cuda.grid(1)
     stride = cuda.gridsize(1)
@@ -1102,7 +1214,7 @@ def _k_seg_sign_pack(x, starts, sizes, byte_starts, out):
         ob += stride
 
 
-@cuda.jit(cache=True)
+@_kernel(_sig(U8, I64, I64, F32, F32, F32))
 def _k_seg_sign_unpack(packed, starts, byte_starts, high, low, out):
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
@@ -1114,7 +1226,7 @@ def _k_seg_sign_unpack(packed, starts, byte_starts, high, low, out):
         i += stride
 
 
-@cuda.jit(cache=True)
+@_kernel(_sig(U8_2D, I64, I64, F32))
 def _k_seg_sign_vote(packed, starts, byte_starts, out):
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
@@ -1144,3 +1256,105 @@ def sign_unpack_segments(packed, starts, sizes, byte_starts, high, low, out, str
 @_entry
 def sign_vote_segments(packed, starts, sizes, byte_starts, out, stream, alloc):
     _k_seg_sign_vote[_grid(out.size), TPB, stream](packed, starts, byte_starts, out)
+
+
+# -- fused: QSGD's norm, codes and packing in one pass per bucket -------------------------
+#
+# One warp per QSGD bucket (the loop over buckets is uniform per block, as the simulator's
+# stand-in for shuffles needs): the lanes sum the bucket's squares (float64, a shuffle
+# butterfly), then each lane takes 8 consecutive elements, computes their codes and writes
+# their `bits` bytes. The x it reads twice is the warp's own bucket (2 KiB at 512 elements),
+# so the second read comes from cache; no int8 codes go through memory. It needs every
+# bucket to start on a byte (bucket_size * bits a multiple of 8, `_dispatch` checks).
+
+
+@_kernel(_sig(F32, I64, I64, I64, I64, I64, I64, I64, INT, F32, U8))
+def _k_seg_qsgd_packed(x, starts, sizes, norm_starts, byte_starts, keys, levels, bits,
+                       bucket_size, norms, packed):
+    sm = cuda.shared.array(TPB, np.float64)
+    lane = cuda.threadIdx.x % 32
+    warps_per_block = cuda.blockDim.x // 32
+    first = cuda.blockIdx.x * warps_per_block
+    while first < norms.size:
+        g = first + cuda.threadIdx.x // 32
+        active = g < norms.size
+        acc = 0.0
+        if active:
+            s = _find(norm_starts, g)
+            n = sizes[s]
+            bs = _seg_bs(n, bucket_size)
+            base = starts[s]
+            j0 = (g - norm_starts[s]) * bs
+            j1 = min(j0 + bs, n)
+            j = j0 + lane
+            while j < j1:
+                v = np.float64(x[base + j])
+                acc += v * v
+                j += 32
+        acc = _warp_sum(acc, sm)
+        if active:
+            nrm = np.float32(math.sqrt(acc))
+            if lane == 0:
+                norms[g] = nrm
+            scale = 0.0
+            if nrm > 0:
+                scale = np.float64(np.float32(levels[s]) / nrm)
+            flev = np.float64(levels[s])
+            key = np.uint64(keys[s])
+            b = bits[s]
+            mask = (np.int64(1) << b) - 1
+            c = j0 + 8 * lane
+            while c < j1:
+                m = min(8, j1 - c)
+                word = np.int64(0)
+                for k in range(m):
+                    code = np.int64(_qsgd_code(x[base + c + k], scale, flev, key, c + k))
+                    word |= (code & mask) << (k * b)
+                byte = byte_starts[s] + (c * b) // 8
+                for k in range((m * b + 7) // 8):
+                    packed[byte + k] = np.uint8((word >> (8 * k)) & 0xFF)
+                c += 256
+        first += cuda.gridDim.x * warps_per_block
+
+
+@_entry
+def qsgd_packed_segments(x, starts, sizes, norm_starts, byte_starts, keys, levels, bits,
+                         bucket_size, norms, packed, stream, alloc):
+    """One launch for the whole bucket: norms and packed codes."""
+    warps_per_block = TPB // 32
+    blocks = max(1, min(-(-norms.size // warps_per_block), 16 * MAX_BLOCKS))
+    _k_seg_qsgd_packed[blocks, TPB, stream](x, starts, sizes, norm_starts, byte_starts, keys,
+                                            levels, bits, bucket_size, norms, packed)
+
+
+# -- fused: TernGrad's codes and packing (after the scales) ---------------------------------
+
+
+@_kernel(_sig(F32, I64, I64, I64, I64, F32, U8))
+def _k_seg_tern_packed(x, starts, sizes, byte_starts, keys, scales, packed):
+    # one thread per output byte: the 4 two-bit codes it holds, computed where they are packed
+    ob = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while ob < packed.size:
+        s = _find(byte_starts, ob)
+        j0 = 4 * (ob - byte_starts[s])
+        base = starts[s]
+        scale = np.float64(scales[s])
+        key = np.uint64(keys[s])
+        byte = np.uint32(0)
+        for k in range(min(4, sizes[s] - j0)):
+            v = x[base + j0 + k]
+            code = np.uint32(0)
+            if np.float64(_uniform(key, j0 + k)) * scale < np.float64(abs(v)):
+                code = np.uint32(1) if v > 0 else np.uint32(3)  # -1 in two bits
+            byte |= code << np.uint32(2 * k)
+        packed[ob] = np.uint8(byte)
+        ob += stride
+
+
+@_entry
+def terngrad_packed_segments(x, starts, sizes, byte_starts, keys, scales, packed, stream, alloc):
+    """Two launches: the scales (atomic max per segment), then the packed codes."""
+    _k_seg_maxabs[_grid(x.size), TPB, stream](x, starts, scales)
+    _k_seg_tern_packed[_grid(packed.size), TPB, stream](x, starts, sizes, byte_starts, keys,
+                                                        scales, packed)

@@ -606,6 +606,59 @@ def pack_codes_segments(q, segments: Segments, bits):
     return out
 
 
+#: bits of TernGrad's codes {-1, 0, 1}
+TERNARY_BITS = 2
+
+#: the largest QSGD bucket the fused GPU kernel takes (one warp per bucket); larger buckets
+#: (and `bucket_size` 0: a whole tensor) go through the two-pass kernels
+FUSED_BUCKET_MAX = 8192
+
+
+def qsgd_packed_segments(x, segments: Segments, levels, bucket_size: int, seeds):
+    """:func:`qsgd_quantize_segments` then :func:`pack_codes_segments` at ``code_bits`` of
+    each segment's levels: ``(norms, packed)``, the same bits. On a GPU one fused kernel
+    computes both where every QSGD bucket starts on a byte (``bucket_size * bits`` a
+    multiple of 8, as for the default 512), with no int8 codes in memory between them."""
+    x = _flat(x, "x", torch.float32)
+    segments.check(x)
+    level_values = tuple(_check_levels(v) for v in segments.per_segment(levels, "levels"))
+    bits = tuple(_host.code_bits(v) for v in level_values)
+    bucket_size = _int(bucket_size, "bucket_size")
+    fused = (runs_on_gpu(x) and 0 < bucket_size <= FUSED_BUCKET_MAX
+             and all(bucket_size * b % 8 == 0 for b in bits))
+    if not fused:
+        norms, q = qsgd_quantize_segments(x, segments, level_values, bucket_size, seeds)
+        return norms, pack_codes_segments(q, segments, bits)
+    norm_starts, total_norms = segments.norm_starts(bucket_size)
+    byte_starts, total_bytes = segments.byte_starts(bits)
+    norms = torch.empty(total_norms, dtype=torch.float32, device=x.device)
+    packed = torch.empty(total_bytes, dtype=torch.uint8, device=x.device)
+    if x.numel():
+        _backend(x).qsgd_packed_segments(
+            x, segments.starts, segments.sizes, norm_starts, byte_starts, segments.keys(seeds),
+            segments.int_table("levels", level_values), segments.int_table("bits", bits),
+            bucket_size, norms, packed)
+    return norms, packed
+
+
+def terngrad_packed_segments(x, segments: Segments, seeds):
+    """:func:`terngrad_quantize_segments` then :func:`pack_codes_segments` at 2 bits:
+    ``(scales, packed)``, the same bits; on a GPU the codes are computed where they are
+    packed (no int8 codes in memory)."""
+    if not runs_on_gpu(x):
+        scales, t = terngrad_quantize_segments(x, segments, seeds)
+        return scales, pack_codes_segments(t, segments, TERNARY_BITS)
+    x = _flat(x, "x", torch.float32)
+    segments.check(x)
+    byte_starts, total = segments.byte_starts(TERNARY_BITS)
+    scales = torch.zeros(segments.count, dtype=torch.float32, device=x.device)
+    packed = torch.empty(total, dtype=torch.uint8, device=x.device)
+    if x.numel():
+        _backend(x).terngrad_packed_segments(x, segments.starts, segments.sizes, byte_starts,
+                                             segments.keys(seeds), scales, packed)
+    return scales, packed
+
+
 def dequantize_segments(norms, packed, segments: Segments, bits, levels, bucket_size: int,
                         out=None, add: bool = False, scratch=None):
     """The inverse of :func:`qsgd_quantize_segments` + :func:`pack_codes_segments`: each

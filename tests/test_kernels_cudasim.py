@@ -344,10 +344,60 @@ def segments_match_cpu():
         both(lambda: nk.dequantize_segments(norms, packed, table, bits, levels, bucket_size,
                                             out=torch.ones(x.numel()), add=True))
     scales, t = both(lambda: nk.terngrad_quantize_segments(x, table, seeds))
+    both(lambda: nk.terngrad_packed_segments(x, table, seeds))
     signs = both(lambda: nk.sign_pack_segments(x, table))
     both(lambda: nk.sign_unpack_segments(signs, table, scales, -scales))
     rows = torch.stack([signs, signs, both(lambda: nk.sign_pack_segments(-x, table))])
     both(lambda: nk.sign_vote_segments(rows, table))
+
+
+@check
+def fused_segments_match_cpu():
+    # The fused QSGD kernel (one warp per bucket: norm, codes and packing in one pass) gives
+    # the two CPU kernels' bits: buckets of 8 and 16 elements (every bucket on a byte at any
+    # width) and of 512 (two rounds of the lanes' groups of 8), segments shorter than a bucket
+    # and empty ones; and a bucket size the fused kernel does not take (20 at 3 bits).
+    from numba_kernels import _cuda, _dispatch
+    sizes = [5, 0, 70, 9, 0, 600, 33]
+    x = T((np.random.default_rng(4).integers(-255, 256, sum(sizes)) / 64).astype(np.float32))
+    table = nk.Segments(sizes)
+    seeds = [201 + s for s in range(len(sizes))]
+    levels = [4, 1, 127, 16, 2, 2, 8]
+    launches = []
+    real = _cuda._Kernel.__getitem__
+
+    def counted(kernel, config):
+        if kernel.name == "_k_seg_qsgd_packed":
+            launches.append(config)
+        return real(kernel, config)
+
+    _cuda._Kernel.__getitem__ = counted
+    for bucket_size in (8, 16, 512, 20):
+        _dispatch.SIMULATE_CUDA = False
+        cpu = nk.qsgd_packed_segments(x, table, levels, bucket_size, seeds)
+        _dispatch.SIMULATE_CUDA = True
+        try:
+            gpu = nk.qsgd_packed_segments(x, table, levels, bucket_size, seeds)
+        finally:
+            _dispatch.SIMULATE_CUDA = False
+        for a, b in zip(cpu, gpu):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert len(launches) == 3, launches  # 20 codes of 3 bits do not end on a byte
+
+
+@check
+def declared_signatures_refuse_other_types():
+    # Under the simulator each launch of a declared kernel checks its arguments against the
+    # signature, as a GPU's dispatcher would: an int32 table where int64 is declared fails.
+    from numba_kernels import _cuda
+    x = np.zeros(8, np.float32)
+    try:
+        _cuda.KERNELS["_k_seg_maxabs"][1, 32, 0](x, np.zeros(1, np.int32), np.zeros(1, np.float32))
+    except TypeError as error:
+        assert "_k_seg_maxabs" in str(error) and "int64" in str(error), error
+    else:
+        raise AssertionError("an int32 table was accepted")
+    _cuda.KERNELS["_k_seg_maxabs"][1, 32, 0](x, np.zeros(1, np.int64), np.zeros(1, np.float32))
 
 
 print("RESULTS " + json.dumps(results))
@@ -366,13 +416,16 @@ CHECKS = [
     "topk_sampled_threshold_and_retry",
     "randomk_matches_cpu",
     "segments_match_cpu",
+    "fused_segments_match_cpu",
+    "declared_signatures_refuse_other_types",
 ]
 # The checks split in two groups of about equal running time, one subprocess each.
 GROUPS = [
     ["qsgd_matches_cpu", "topk_exact", "sign_pack_unpack_vote", "pack_codes_matches_cpu",
-     "terngrad_matches_cpu", "scatter_gather"],
+     "terngrad_matches_cpu", "scatter_gather", "fused_segments_match_cpu"],
     ["randomk_matches_cpu", "topk_sampled_threshold_and_retry", "rng_bit_identical",
-     "weighted_sum", "dequantize_add_matches_cpu", "segments_match_cpu"],
+     "weighted_sum", "dequantize_add_matches_cpu", "segments_match_cpu",
+     "declared_signatures_refuse_other_types"],
 ]
 assert sorted(sum(GROUPS, [])) == sorted(CHECKS)
 

@@ -61,12 +61,12 @@ class QSGD(KernelCompressor):
         """Per tensor, as QSGD defines it: its own buckets of `bucket_size` (none straddles two
         tensors) and its own seed; the norms and the packed codes of all tensors end to end."""
         levels, bucket_size = self.options.levels, self.options.bucket_size
-        table = segments(layout)
-        norms, q = nk.qsgd_quantize_segments(flat, table, levels, bucket_size,
-                                             bucket_seeds(self.ctx, layout, step, per_worker=True))
+        norms, packed = nk.qsgd_packed_segments(
+            flat, segments(layout), levels, bucket_size,
+            bucket_seeds(self.ctx, layout, step, per_worker=True))
         if self.options.rescale:
             norms = self._rescale(norms, layout)
-        return Payload([norms, nk.pack_codes_segments(q, table, nk.code_bits(levels))])
+        return Payload([norms, packed])
 
     def _rescale(self, norms, layout):
         """Each norm times 1/(1 + ω), ω of its own tensor's size."""
@@ -172,12 +172,11 @@ class DQSGD(KernelCompressor):
         for view, chosen in zip(layout.views(flat), levels):
             if view.numel():
                 self.ctx.metrics.log("dqsgd_levels", chosen)
-        table = segments(layout)
-        norms, q = nk.qsgd_quantize_segments(flat, table, levels, self.options.bucket_size,
-                                             bucket_seeds(self.ctx, layout, step, per_worker=True))
+        norms, packed = nk.qsgd_packed_segments(
+            flat, segments(layout), levels, self.options.bucket_size,
+            bucket_seeds(self.ctx, layout, step, per_worker=True))
         levels_tensor = torch.tensor(levels, dtype=torch.int8, device=flat.device)
-        return Payload([levels_tensor, norms,
-                        nk.pack_codes_segments(q, table, [nk.code_bits(v) for v in levels])])
+        return Payload([levels_tensor, norms, packed])
 
     def _decode(self, payload, layout, out=None, add=False):
         levels_tensor, norms, packed = payload.tensors
@@ -195,7 +194,7 @@ class DQSGD(KernelCompressor):
                                lambda payload, total: self._decode(payload, layout, total, True))
 
 
-TERNARY_BITS = 2  # {-1, 0, 1} as 2-bit two's complement
+TERNARY_BITS = nk.TERNARY_BITS  # {-1, 0, 1} as 2-bit two's complement
 
 
 class TernGrad(KernelCompressor):
@@ -216,12 +215,11 @@ class TernGrad(KernelCompressor):
 
     def compress_bucket(self, flat, layout, step):
         """One scale (max |v|) per tensor, each tensor with its own seed."""
-        table = segments(layout)
-        scales, t = nk.terngrad_quantize_segments(
-            flat, table, bucket_seeds(self.ctx, layout, step, per_worker=True))
+        scales, packed = nk.terngrad_packed_segments(
+            flat, segments(layout), bucket_seeds(self.ctx, layout, step, per_worker=True))
         if 0 in layout.sizes:  # an empty tensor has no scale (nor a QSGD bucket) to send
             scales = scales[[s for s, n in enumerate(layout.sizes) if n]]
-        return Payload([scales, nk.pack_codes_segments(t, table, TERNARY_BITS)])
+        return Payload([scales, packed])
 
     def decompress_bucket(self, payload, layout):
         # scale · t is QSGD's decoding with one level and one bucket per tensor
