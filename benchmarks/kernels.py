@@ -161,16 +161,24 @@ def cases(d, device):
     ws = [1.0 / N_AVG] * N_AVG
     nb = norms.numel()
     seed = iter(range(10**9))
+    whole = nk.Segments([d], device)  # the tensor as a bucket of one segment
     f4 = 4 * d
     rows = [
         ("qsgd_quantize", f4, d + 4 * nb,
          lambda: nk.qsgd_quantize(x, LEVELS, BUCKET, next(seed)),
+         lambda: torch_qsgd(x, LEVELS, BUCKET, g)),
+        # QSGD as the compressor runs it: norms, codes and packing (one fused kernel on a GPU)
+        (f"qsgd_packed({nk.code_bits(LEVELS)} bit)", f4, d * nk.code_bits(LEVELS) // 8 + 4 * nb,
+         lambda: nk.qsgd_packed_segments(x, whole, LEVELS, BUCKET, [next(seed)]),
          lambda: torch_qsgd(x, LEVELS, BUCKET, g)),
         ("qsgd_dequantize", d + 4 * nb, f4,
          lambda: nk.qsgd_dequantize(norms, q, LEVELS, BUCKET, out=out),
          lambda: torch_qsgd_dequant(norms, q, LEVELS, BUCKET)),
         ("terngrad_quantize", f4, d,
          lambda: nk.terngrad_quantize(x, next(seed)),
+         lambda: torch_terngrad(x, g)),
+        ("terngrad_packed(2 bit)", f4, d // 4,
+         lambda: nk.terngrad_packed_segments(x, whole, [next(seed)]),
          lambda: torch_terngrad(x, g)),
         ("terngrad_dequantize", d, f4,
          lambda: nk.terngrad_dequantize(scale, t, out=out),
@@ -251,6 +259,11 @@ def bucket_cases(device):
     return [
         ("qsgd_quantize", lambda: nk.qsgd_quantize_segments(x, table, 16, BUCKET, seeds),
          lambda: [nk.qsgd_quantize(t, 16, BUCKET, s) for t, s in zip(parts, seeds)]),
+        (f"qsgd_packed({bits} bit)", lambda: nk.qsgd_packed_segments(x, table, 16, BUCKET, seeds),
+         lambda: [nk.pack_codes(nk.qsgd_quantize(t, 16, BUCKET, s)[1], bits)
+                  for t, s in zip(parts, seeds)]),
+        ("terngrad_packed", lambda: nk.terngrad_packed_segments(x, table, seeds),
+         lambda: [nk.pack_codes(nk.terngrad_quantize(t, s)[1], 2) for t, s in zip(parts, seeds)]),
         (f"pack_codes({bits} bit)", lambda: nk.pack_codes_segments(q, table, bits),
          lambda: [nk.pack_codes(qq, bits) for qq in q_parts]),
         (f"dequantize_add({bits} bit)",
