@@ -52,7 +52,7 @@ from dsgd_cli.spec import registry
 # Reachable from here before the bases moved to plugin_base; kept for code that imports them.
 from dsgd_cli.comm.compressed import (average_with_memory, delegated,  # noqa: F401
                                       exchange_in_one_collective)
-from dsgd_cli.plugin_state import default_state, load_default_state  # noqa: F401
+from dsgd_cli.plugin_base.state import default_state, load_default_state  # noqa: F401
 from dsgd_cli.spec.resolved import ResolvedExperiment  # noqa: F401
 from dsgd_cli.spec.run_plan import NO_RUN, RunPlan  # noqa: F401
 
