@@ -9,7 +9,7 @@ processes talk) below them all, and `results` (the database and what is read fro
 At the top stand the doors. For users: cli.py. For plugin authors: api.py, the one module a
 plugin imports, with options.py (typed plugin options) and the plugin_base package (one
 module per plugin kind, and a plugin's default checkpoint state) behind it, and the two helper modules docs/writing-plugins.md lists for plugins,
-topology.py (communication graphs) and datacache.py (generated data sets cached on disk).
+topology/ (communication graphs and mixing weights) and datacache.py (generated data sets cached on disk).
 errors.py holds the errors a user can cause, with their exit codes.
 """
 

@@ -300,7 +300,7 @@ def test_random_regular_same_graph_in_another_process():
 
 def test_random_regular_retries_until_connected(monkeypatch):
     """A disconnected draw (two K4s) must be rejected and another seed tried."""
-    import dsgd_cli.topology as topology
+    import dsgd_cli.topology.graphs as topology
 
     real = topology._random_regular
     calls = []
