@@ -15,6 +15,7 @@ from sqlalchemy.exc import OperationalError
 
 from conftest import dsgd, dsgd_in_process
 from dsgd_cli.results.reader import Results
+from dsgd_cli.results import migrations
 from dsgd_cli.results import store as store_module
 from dsgd_cli.errors import StoreError
 from dsgd_cli.results.store import SCHEMA_VERSION, Store
@@ -138,8 +139,8 @@ def test_a_failed_migration_leaves_the_database_as_it_was(old_db, monkeypatch):
         real(connection)
         raise OperationalError("ALTER ...", {}, sqlite3.OperationalError("disk I/O error"))
 
-    real = store_module.MIGRATIONS[2]
-    monkeypatch.setitem(store_module.MIGRATIONS, 2, half_done)
+    real = migrations.MIGRATIONS[2]
+    monkeypatch.setitem(migrations.MIGRATIONS, 2, half_done)
     with pytest.raises(StoreError, match="cannot open results database .*disk I/O error"):
         Store(str(old_db))
     assert version(old_db) == "1" and "tags" not in tables(old_db)  # one transaction: all or nothing
@@ -159,7 +160,7 @@ def test_a_database_of_a_newer_schema_is_refused(old_db):
 
 
 def test_every_version_step_has_a_migration():
-    assert sorted(store_module.MIGRATIONS) == list(range(2, SCHEMA_VERSION + 1))
+    assert sorted(migrations.MIGRATIONS) == list(range(2, SCHEMA_VERSION + 1))
 
 
 # -- schema 3 to 4: run ids never given again ---------------------------------------------------
@@ -241,8 +242,8 @@ def test_a_failed_upgrade_to_schema_4_leaves_the_database_as_it_was(db_3, monkey
         raise OperationalError("ALTER ...", {}, sqlite3.OperationalError("disk I/O error"))
 
     before = every_row(db_3)
-    real = store_module.MIGRATIONS[4]
-    monkeypatch.setitem(store_module.MIGRATIONS, 4, half_done)
+    real = migrations.MIGRATIONS[4]
+    monkeypatch.setitem(migrations.MIGRATIONS, 4, half_done)
     with pytest.raises(StoreError, match="cannot open results database .*disk I/O error"):
         Store(str(db_3))
     assert every_row(db_3) == before and "AUTOINCREMENT" not in table_sql(db_3, "runs")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The newest schema. 2 added `tags`, 3 `checkpoints`, 4 made SQLite's run ids AUTOINCREMENT
-# (an id, once given, is never given again; see `store.MIGRATIONS`), 5 added `slurm_jobs`.
+# (an id, once given, is never given again; see `migrations.MIGRATIONS`), 5 added `slurm_jobs`.
 SCHEMA_VERSION = 5
 MAX_ID = 2**63 - 1  # the largest id a database integer holds
 

@@ -2,7 +2,7 @@
 
 A run's configuration (the resolved experiment as `Experiment.config`, the launch plan and
 the database's `runs.config` hold it) carries `config_version`. Each step of `UPGRADES`
-takes a configuration of one version to the next, as `results/store.py`'s `MIGRATIONS` do for
+takes a configuration of one version to the next, as `results/migrations.py`'s `MIGRATIONS` do for
 the database's schema: whoever reads a stored configuration calls `upgrade_config` once and
 then finds every key the current version has, with its meaning of today.
 
