@@ -6,9 +6,12 @@ regions, in node order. Three levels of link join them:
 
 * `intra_node`: two workers of one node (NVLink, PCIe);
 * `inter_node`: two nodes of one region (or of the cluster, without regions);
-* `inter_region`: two regions (a WAN).
+* `inter_region`: two regions (a WAN): one link for every pair of regions, or one per
+  ordered pair (`region_links[a][b]`: from region a to region b, as the geo-distributed
+  cluster of HALoS, Kim et al., ICML 2025, gives its bandwidths).
 
-A message takes the link of the highest level it crosses: latency + bytes / bandwidth. A
+A message takes the link of the highest level it crosses: latency + bytes / bandwidth; across
+regions, the link of its pair of regions (`link_between`). A
 node's messages that leave it (inter-node and inter-region) go through its NIC: with
 `nic: shared` (the default) the transfers leaving one node at once divide its bandwidth
 equally, with `nic: dedicated` each worker has a link of its own.
@@ -45,14 +48,19 @@ class Link:
 class Cluster:
     """`workers` ranks on `nodes` nodes; `regions`: nodes per region, in node order (empty:
     one region); `links`: level -> Link for the levels the cluster has; `speeds`: relative
-    compute speed per node."""
+    compute speed per node, each a number (all the node's workers) or a tuple of one per
+    worker of the node, in rank order; `region_links`: one Link per ordered pair of regions,
+    `region_links[a][b]` from region a to region b (None on the diagonal, whose pairs take
+    the intra-node or inter-node link), which replaces `links["inter_region"]` (empty: that
+    link for every pair)."""
 
     workers: int
     nodes: int
     links: dict[str, Link]
     regions: tuple[int, ...] = ()
     nic_shared: bool = True
-    speeds: tuple[float, ...] = ()
+    speeds: tuple[float | tuple[float, ...], ...] = ()
+    region_links: tuple[tuple[Link | None, ...], ...] = ()
 
     @property
     def workers_per_node(self) -> int:
@@ -70,8 +78,14 @@ class Cluster:
         return 0
 
     def speed(self, rank: int) -> float:
-        """The relative compute speed of the node `rank` is on (1: as `step_seconds` says)."""
-        return self.speeds[self.node(rank)] if self.speeds else 1.0
+        """The relative compute speed of `rank` (1: as `step_seconds` says): its node's, or
+        its own where the node's speeds are given per worker."""
+        if not self.speeds:
+            return 1.0
+        speed = self.speeds[self.node(rank)]
+        if isinstance(speed, tuple):
+            return speed[rank % self.workers_per_node]  # the worker's place in its node
+        return speed
 
     def level(self, source: int, destination: int) -> str:
         """The highest level a message from `source` to `destination` crosses."""
@@ -82,8 +96,17 @@ class Cluster:
         return INTRA_NODE
 
     def link(self, level: str) -> Link:
-        # A level the spec did not need (one worker per node has no intra-node link) is free.
+        """A level's one link. A level the spec did not need (one worker per node has no
+        intra-node link) is free. Across regions with `region_links`, ask `link_between`."""
         return self.links.get(level, Link())
+
+    def link_between(self, source: int, destination: int) -> Link:
+        """The link a message from `source` to `destination` takes: that of the highest level
+        it crosses, across regions the one of its ordered pair of regions."""
+        level = self.level(source, destination)
+        if level == INTER_REGION and self.region_links:
+            return self.region_links[self.region(source)][self.region(destination)]
+        return self.link(level)
 
     # -- one message ---------------------------------------------------------------------
 
@@ -92,9 +115,8 @@ class Cluster:
         """One message; `sharing`: the transfers leaving `source`'s node at the same time,
         this one included, which divide its NIC when it is shared (only messages that leave
         the node go through the NIC)."""
-        level = self.level(source, destination)
-        shared = self.nic_shared and level != INTRA_NODE
-        return self.link(level).seconds(nbytes, sharing if shared else 1)
+        shared = self.nic_shared and self.level(source, destination) != INTRA_NODE
+        return self.link_between(source, destination).seconds(nbytes, sharing if shared else 1)
 
     def p2p_sharing(self, source: int, destination: int) -> int:
         """The documented rule for a point-to-point message, whose concurrent transfers the
@@ -106,6 +128,10 @@ class Cluster:
         return self.workers_per_node
 
     def p2p_seconds(self, source: int, destination: int, nbytes: float) -> float:
+        """What the communicator charges one point-to-point message of `nbytes` from
+        `source` to `destination` (`Comm.isend`): its pair's link, the NIC shared by the
+        rule of `p2p_sharing`. In the cluster's time: modeled for a spec's cluster
+        (`spec.cluster_spec.cluster_model`), real for `Comm.cluster` (`real_cluster`)."""
         return self.message_seconds(source, destination, nbytes,
                                     self.p2p_sharing(source, destination))
 

@@ -2,8 +2,8 @@
 
 A step's modeled compute is `step_seconds × straggler factor × variation draw ÷ speed` (the
 spec's `compute` section, parsed by `spec.compute_model`); the draw comes from (seed, rank,
-step), so the same seed gives the same timeline, and `speed` is the relative speed of the
-worker's node (`cluster.speed`, 1 without it). The worker pads its real forward and backward
+step), so the same seed gives the same timeline, and `speed` is the worker's relative speed
+(`cluster.speed`: its node's, or its own where the node's are given per worker; 1 without). The worker pads its real forward and backward
 to that modeled time in real seconds (it sleeps the rest), and the network emulation
 stretches every link's time the same way (network.py), so the real timeline is the modeled
 one, `time_scale` times slower. Where the real work does not fit, the step lasts longer than
@@ -72,7 +72,7 @@ class PaddedCompute:
     def __init__(self, compute: dict, seed: int, rank: int, blocked: Callable[[], float],
                  speed: float = 1.0, clock: Clock | None = None):
         self.step_seconds = compute["step_seconds"]
-        self.speed = speed  # the node's relative compute speed: 0.5 takes twice as long
+        self.speed = speed  # the worker's relative compute speed: 0.5 takes twice as long
         self.variation = compute["variation"]
         self.clock = clock if clock is not None else Clock(compute["time_scale"])
         self.seed, self.rank = seed, rank

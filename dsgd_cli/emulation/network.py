@@ -47,11 +47,13 @@ def real_network(network: NetworkModel | None, clock: Clock | float) -> NetworkM
 
 def real_cluster(cluster: Cluster | None, clock: Clock) -> Cluster | None:
     """The same cluster (or None) in the real time of `clock`: every link's durations
-    `time_scale` times longer."""
+    `time_scale` times longer, those of each pair of regions too."""
     if cluster is None or clock.time_scale == 1:
         return cluster
     links = {level: _real_link(link, clock) for level, link in cluster.links.items()}
-    return dataclasses.replace(cluster, links=links)
+    region_links = tuple(tuple(None if link is None else _real_link(link, clock) for link in row)
+                         for row in cluster.region_links)
+    return dataclasses.replace(cluster, links=links, region_links=region_links)
 
 
 def _real_link(link, clock: Clock):

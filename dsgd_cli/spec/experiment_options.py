@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 
 from dsgd_cli.comm.cluster import INTER_NODE, INTER_REGION, INTRA_NODE, LEVELS
 from dsgd_cli.errors import SpecError
-from dsgd_cli.options import as_float, option, option_fields, show
+from dsgd_cli.options import as_float, option, option_fields, parse_options, show
 from dsgd_cli.emulation.failures import FailureOptions
 from dsgd_cli.spec.compute_model import ComputeOptions
 
@@ -148,25 +148,82 @@ _LINK_EXAMPLE = "{bandwidth: 10Gbit, latency: 50us}"
 
 @dataclass(frozen=True)
 class ClusterLinks:
-    """One link per level of the cluster, each what a `network` section takes."""
+    """One link per level of the cluster, each what a `network` section takes. Between
+    regions, one link for every pair or a matrix of them: `inter_region[a][b]` from region a
+    to region b (a list of rows, one row and one column per region; null on the diagonal,
+    whose pairs take the intra_node or inter_node link)."""
 
     spec_section: ClassVar[bool] = True
 
     intra_node: NetworkOptions | None = option(None, help="between workers of one node")
     inter_node: NetworkOptions | None = option(None, help="between nodes of one region")
-    inter_region: NetworkOptions | None = option(None, help="between regions (needs regions)")
+    # Typed Any and read in __post_init__: a link, or a matrix of links, one per pair.
+    inter_region: Any = option(
+        None, help="between regions (needs regions): one link for every pair of regions, or "
+                   "a matrix of links, [a][b] from region a to region b, null on the diagonal")
 
-    def given(self) -> dict[str, NetworkOptions]:
-        """The levels written, in level order."""
+    def __post_init__(self):
+        object.__setattr__(self, "inter_region", _checked_region_links(self.inter_region))
+
+    def given(self) -> dict[str, NetworkOptions | list[list[NetworkOptions | None]]]:
+        """The levels written, in level order (inter_region: a link or a matrix of links)."""
         return {level: getattr(self, level) for level in LEVELS
                 if getattr(self, level) is not None}
+
+
+def _checked_region_links(written: Any) -> NetworkOptions | list[list[NetworkOptions | None]] | None:
+    """`inter_region` as written: null, one link, or a square matrix of links whose diagonal
+    is null (checked against the regions by `ClusterOptions`)."""
+    path = INTER_REGION
+    if written is None or isinstance(written, NetworkOptions):
+        return written
+    if isinstance(written, dict):
+        return parse_options(NetworkOptions, written, path)
+    if not isinstance(written, list) or not written:
+        raise SpecError(f"expected a link such as {_LINK_EXAMPLE}, or a matrix of links (a list "
+                        f"of rows, one row and one column per region), got {show(written)}",
+                        path=path)
+    regions = len(written)
+    matrix = []
+    for a, row in enumerate(written):
+        if not isinstance(row, list) or len(row) != regions:
+            got = f"a row of {len(row)}" if isinstance(row, list) else show(row)
+            raise SpecError(f"expected a row of {regions} links, one per region (a square "
+                            f"matrix: as many columns as rows), got {got}", path=f"{path}[{a}]")
+        checked = []
+        for b, entry in enumerate(row):
+            where = f"{path}[{a}][{b}]"
+            if a == b:
+                if entry is not None:
+                    raise SpecError(f"expected null: two workers of region {a} take the "
+                                    f"intra_node or inter_node link, not an inter-region one",
+                                    path=where)
+                checked.append(None)
+            elif entry is None:
+                raise SpecError(f"required: the link from region {a} to region {b}, such as "
+                                f"{_LINK_EXAMPLE}", path=where)
+            elif not isinstance(entry, dict):
+                raise SpecError(f"expected a link such as {_LINK_EXAMPLE}, got {show(entry)}",
+                                path=where)
+            else:
+                checked.append(parse_options(NetworkOptions, entry, where))
+        matrix.append(checked)
+    return matrix
+
+
+def _resolved_link(link: NetworkOptions | list[list[NetworkOptions | None]]) -> Any:
+    """A link as the configuration holds it; a matrix of links entry by entry."""
+    if isinstance(link, list):
+        return [[None if entry is None else entry.resolved() for entry in row] for row in link]
+    return link.resolved()
 
 
 @dataclass(frozen=True)
 class ClusterOptions:
     """`{nodes: 4, regions: [2, 2], links: {intra_node: ..., inter_node: ...}, nic: shared,
     speed: [1, 1, 0.5, 1]}`: the workers split evenly over nodes (rank r on node
-    r // (workers / nodes)), nodes grouped into regions in node order.
+    r // (workers / nodes)), nodes grouped into regions in node order. A node's speed may
+    be a list, one per worker of the node (`speed: [1, [1, 0.5], 1, 1]`).
 
     `nodes`, `regions` and `speed` are typed `Any` and checked in `__post_init__`, because
     the option types would take or word them otherwise: `int` takes 2.0 as 2 and says only
@@ -186,7 +243,8 @@ class ClusterOptions:
     nic: Literal["shared", "dedicated"] = option(
         "shared", help="whether the workers of a node share its network card's bandwidth")
     speed: Any = option(None, help=f"a list of relative compute speeds, one per node, each "
-                                   f"> 0 and <= {MAX_NODE_SPEED:g}; null: all 1")
+                                   f"> 0 and <= {MAX_NODE_SPEED:g}, or for a node a list of "
+                                   f"one per worker of the node; null: all 1")
 
     def __post_init__(self):
         _check_nodes(self.nodes)
@@ -194,6 +252,11 @@ class ClusterOptions:
         if self.links is not None and self.links.inter_region is not None and self.regions is None:
             raise SpecError("an inter_region link needs regions (cluster.regions)",
                             path=f"links.{INTER_REGION}")
+        matrix = self.links.inter_region if self.links is not None else None
+        if isinstance(matrix, list) and len(matrix) != len(self.regions):
+            raise SpecError(f"expected a {len(self.regions)} × {len(self.regions)} matrix, one "
+                            f"row and one column per region (cluster.regions), got "
+                            f"{len(matrix)} × {len(matrix)}", path=f"links.{INTER_REGION}")
         object.__setattr__(self, "speed", _checked_speeds(self.speed, self.nodes))
 
     def check_workers(self, workers: int) -> None:
@@ -202,6 +265,12 @@ class ClusterOptions:
         if workers % self.nodes:
             raise SpecError(f"{workers} workers cannot be split evenly over {self.nodes} "
                             f"nodes: workers must be a multiple of nodes", path="nodes")
+        per_node = workers // self.nodes
+        for node, speed in enumerate(self.speed or []):
+            if isinstance(speed, list) and len(speed) != per_node:
+                raise SpecError(f"expected {per_node} speeds (one per worker of node {node}: "
+                                f"{workers} workers on {self.nodes} nodes), got {len(speed)}",
+                                path=f"speed[{node}]")
         given = self.links.given() if self.links is not None else {}
         for level in self.levels_crossed(workers // self.nodes):
             if level not in given:
@@ -222,7 +291,7 @@ class ClusterOptions:
         lacks may still be, for a grid over nodes) in bytes per second and seconds."""
         given = self.links.given() if self.links is not None else {}
         return {"nodes": self.nodes, "regions": self.regions,
-                "links": {level: link.resolved() for level, link in given.items()},
+                "links": {level: _resolved_link(link) for level, link in given.items()},
                 "nic": self.nic, "speed": self.speed}
 
 
@@ -248,7 +317,9 @@ def _checked_regions(regions: Any, nodes: int) -> list[int] | None:
     return list(regions)
 
 
-def _checked_speeds(speeds: Any, nodes: int) -> list[float] | None:
+def _checked_speeds(speeds: Any, nodes: int) -> list[float | list[float]] | None:
+    """One speed per node; a node's may be a list, one per worker (its length is checked
+    against the workers per node by `check_workers`)."""
     if speeds is None:
         return None
     if not isinstance(speeds, list):
@@ -259,12 +330,23 @@ def _checked_speeds(speeds: Any, nodes: int) -> list[float] | None:
                         path="speed")
     checked = []
     for index, written in enumerate(speeds):
-        speed = as_float(written)
-        if speed is None or not 0 < speed <= MAX_NODE_SPEED:
-            raise SpecError(f"expected a number > 0 and <= {MAX_NODE_SPEED:g}, "
-                            f"got {show(written)}", path=f"speed[{index}]")
-        checked.append(speed)
+        if isinstance(written, list):
+            if not written:
+                raise SpecError("expected a number, or a list of one speed per worker of the "
+                                "node, got []", path=f"speed[{index}]")
+            checked.append([_checked_speed(item, f"speed[{index}][{worker}]")
+                            for worker, item in enumerate(written)])
+        else:
+            checked.append(_checked_speed(written, f"speed[{index}]"))
     return checked
+
+
+def _checked_speed(written: Any, path: str) -> float:
+    speed = as_float(written)
+    if speed is None or not 0 < speed <= MAX_NODE_SPEED:
+        raise SpecError(f"expected a number > 0 and <= {MAX_NODE_SPEED:g}, got {show(written)}",
+                        path=path)
+    return speed
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,11 @@ class Compute:
 class Cluster:
     nodes: int
     regions: list[int] | None
-    links: dict[str, Link]  # by level, only those given
+    # By level, only those given; inter_region may be a matrix, one link per ordered pair of
+    # regions (row: from, column: to), None on its diagonal.
+    links: dict[str, Link | list[list[Link | None]]]
     nic: str
-    speed: list[float] | None
+    speed: list[float | list[float]] | None  # per node; a node's list: one per worker
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ class ResolvedExperiment:
             values["compute"] = Compute(**config["compute"])
         if config["cluster"] is not None:
             cluster = dict(config["cluster"])
-            cluster["links"] = {level: _link(link) for level, link in cluster["links"].items()}
+            cluster["links"] = {level: _links(link) for level, link in cluster["links"].items()}
             values["cluster"] = Cluster(**cluster)
         if config["budget"] is not None:
             values["budget"] = Budget(**config["budget"])
@@ -131,6 +133,13 @@ class ResolvedExperiment:
 
 def _link(section: Mapping[str, Any] | None) -> Link | None:
     return None if section is None else Link(**section)
+
+
+def _links(section: Any) -> Link | list[list[Link | None]]:
+    """A cluster level's link, or its matrix of links per pair of regions."""
+    if isinstance(section, list):
+        return [[_link(entry) for entry in row] for row in section]
+    return _link(section)
 
 
 def _stragglers(section: Mapping[str, Any] | None) -> Stragglers | None:

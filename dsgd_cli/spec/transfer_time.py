@@ -14,8 +14,10 @@ level that can carry parts of the model at once: one per node with `nic: shared`
 worker with `nic: dedicated` (one for `network:` and within a node). The run is refused when
 that reaches the `timeout`. With a compressor the bytes sent are known only when it runs:
 only the latency is checked. An algorithm that sends the model in parts over several steps
-(streaming_diloco) is held to the whole model all the same. docs/cluster.md ("Runs that
-could not make progress") says the same.
+(streaming_diloco) is held to the whole model all the same. With a link per pair of regions
+(`inter_region` a matrix), the crossing is the fastest any pair could be: the lowest latency
+and the highest bandwidth of the matrix, so that only a run no pair could serve in time is
+refused. docs/cluster.md ("Runs that could not make progress") says the same.
 """
 
 from __future__ import annotations
@@ -70,9 +72,20 @@ def widest_crossing(config: dict[str, Any]) -> Crossing | None:
         link = cluster["links"][INTRA_NODE]
         return Crossing(f"cluster.links.{INTRA_NODE}", link["latency_s"], link["bytes_per_second"])
     link = cluster["links"][level]
+    if isinstance(link, list):  # one link per pair of regions: the fastest any pair is
+        link = _fastest(entry for row in link for entry in row if entry is not None)
     cards_per_node = workers // nodes if cluster["nic"] == "dedicated" else 1
     return Crossing(f"cluster.links.{level}", link["latency_s"], link["bytes_per_second"],
                     nodes_on_one_side * cards_per_node)
+
+
+def _fastest(links) -> dict[str, Any]:
+    """A link at least as fast as each of `links`: their lowest latency, their highest bandwidth
+    (None, unlimited, when one is)."""
+    links = list(links)
+    rates = [link["bytes_per_second"] for link in links]
+    return {"latency_s": min(link["latency_s"] for link in links),
+            "bytes_per_second": None if None in rates else max(rates)}
 
 
 def needs_model_size(config: dict[str, Any]) -> bool:
