@@ -35,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dsgd_cli.emulation.failures import RestartTimeline, parse_failures  # noqa: E402
+from dsgd_cli.emulation.failures import RestartTimeline  # noqa: E402
+from dsgd_cli.spec.failures_spec import parse_failures  # noqa: E402
 
 
 def goodput(every: int, seed: int, *, steps: int, step_seconds: float, write: float,

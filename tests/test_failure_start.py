@@ -12,7 +12,8 @@ import torch
 
 from conftest import dsgd_in_process, write_spec
 from dsgd_cli.emulation.clock import Clock
-from dsgd_cli.emulation.failures import ContinueEmulation, RestartTimeline, parse_failures
+from dsgd_cli.emulation.failures import ContinueEmulation, RestartTimeline
+from dsgd_cli.spec.failures_spec import parse_failures
 from dsgd_cli.results.store import Store
 
 

@@ -1,5 +1,5 @@
-"""Failures on the modeled clock (dsgd_cli/emulation/failures.py, docs/failures.md): the
-spec section, the seeded schedule, the restart arithmetic driven by known step times, the
+"""Failures on the modeled clock (dsgd_cli/spec/failures_spec.py,
+dsgd_cli/emulation/failures.py, docs/failures.md): the spec section, the seeded schedule, the restart arithmetic driven by known step times, the
 refusals, and one `dsgd run` launch (two experiments) checked on its recorded values."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import statistics
 import pytest
 
 from conftest import dsgd, write_spec
-from dsgd_cli.emulation.failures import (
-    RestartTimeline, check_failures, first_failures, node_of, parse_failures)
+from dsgd_cli.emulation.failures import RestartTimeline, first_failures
+from dsgd_cli.spec.failures_spec import check_failures, node_of, parse_failures
 from dsgd_cli.errors import SpecError
 from dsgd_cli.results.store import Store
 from dsgd_cli.spec import registry

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal
 from dsgd_cli.comm.cluster import INTER_NODE, INTER_REGION, INTRA_NODE, LEVELS
 from dsgd_cli.errors import SpecError
 from dsgd_cli.options import as_float, option, option_fields, parse_options, show
-from dsgd_cli.emulation.failures import FailureOptions
+from dsgd_cli.spec.failures_spec import FailureOptions
 from dsgd_cli.spec.compute_model import ComputeOptions
 
 MAX_WORKERS = 1024

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dsgd_cli.spec import registry, specfile
-from dsgd_cli.emulation.failures import check_failures
+from dsgd_cli.spec.failures_spec import check_failures
 from dsgd_cli.spec.cluster_spec import network_model, slowest_speed  # noqa: F401 (network_model: imported from here)
 from dsgd_cli.emulation.clock import Clock
 from dsgd_cli.spec.directories import problem_without_creating, shared_problem

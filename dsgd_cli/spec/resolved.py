@@ -93,7 +93,7 @@ class ResolvedExperiment:
     lr_scaling: str
     lr_schedule: PluginSection
     nnodes: int | None = None  # a run over several machines: how many
-    failures: dict[str, Any] | None = None  # emulation/failures.py's section, in seconds
+    failures: dict[str, Any] | None = None  # spec/failures_spec.py's section, in seconds
     device: str = "auto"  # launch/devices.py
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,169 @@
+"""The spec's `failures:` section: its options, what each aggregator may be given, and the
+checks at validation (a schedule that leaves no time for steps, an aggregator that cannot be
+failed). The failures themselves happen on the modeled clock in
+`dsgd_cli.emulation.failures` (docs/failures.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from dsgd_cli.errors import SpecError
+from dsgd_cli.options import option, options_to_dict, parse_options, show
+from dsgd_cli.units import parse_duration, readable_duration
+
+FAILURE_MODES = ("restart", "continue")
+# Without a compute model a step lasts the machine's real time, unknown before the run; the
+# refusal of failures faster than steps counts such a step as this long. The shortest real
+# steps are shorter (2 logreg workers: about 0.6 ms under diloco, 3 ms under allreduce, on a
+# 2-core machine), but an mtbf this short on the real clock is no experiment.
+UNMODELED_STEP_S = 0.01
+
+
+@dataclass(frozen=True)
+class FixedFailure:
+    """One failure at a fixed modeled time: `{node: 1, time: 300s}`."""
+
+    spec_section: ClassVar[bool] = True
+
+    node: int = option(min=0, help="the node that fails (the worker without cluster.nodes)")
+    time: Any = option(help="modeled time since the start of training, such as 300s")
+
+    def __post_init__(self):
+        object.__setattr__(self, "time", parse_duration(self.time, "time"))
+
+
+@dataclass(frozen=True)
+class FailureOptions:
+    """The spec's `failures:` section. Durations are stored in seconds."""
+
+    spec_section: ClassVar[bool] = True
+
+    restart: Any = option(help="modeled time a failed node is away before it can rejoin")
+    mtbf: Any = option(None, help="mean modeled time between failures of one node (of one "
+                                  "worker without cluster.nodes), exponential; null: only `at`")
+    checkpoint_every: int | None = option(
+        None, min=1, max=2**31 - 1,
+        help="steps between the emulated checkpoints a restart rolls back to "
+             "(null: back to the start)")
+    checkpoint_seconds: Any = option(0.0, help="modeled cost of writing one checkpoint")
+    seed: int = option(0, min=0, max=2**32 - 1, help="same seed, same failure times")
+    at: list[Any] = option([], help="failures at fixed times: [{node: 1, time: 300s}]")
+
+    def __post_init__(self):
+        convert = object.__setattr__
+        if self.mtbf is not None:
+            convert(self, "mtbf", parse_duration(self.mtbf, "mtbf", positive=True))
+        convert(self, "restart", parse_duration(self.restart, "restart"))
+        convert(self, "checkpoint_seconds",
+                parse_duration(self.checkpoint_seconds, "checkpoint_seconds"))
+        fixed = []
+        for index, entry in enumerate(self.at):
+            if not isinstance(entry, dict):
+                raise SpecError(f"expected a mapping with keys node, time, got {show(entry)}",
+                                path=f"at[{index}]")
+            parsed = parse_options(FixedFailure, entry, f"at[{index}]")  # a path in the section
+            fixed.append({"node": parsed.node, "time": parsed.time})
+        convert(self, "at", fixed)
+        if self.mtbf is None and not self.at:
+            raise SpecError("no failure would ever happen: give mtbf, at, or both", path="mtbf")
+        if self.checkpoint_every is None and self.checkpoint_seconds > 0:
+            raise SpecError("checkpoint_seconds needs checkpoint_every (no checkpoint is "
+                            "written without it)", path="checkpoint_seconds")
+
+
+def parse_failures(raw: Any, path: str) -> dict[str, Any] | None:
+    """The spec's `failures` section as stored in the run's configuration (plain data,
+    seconds), or None without one."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise SpecError("expected a mapping with keys mtbf, restart, checkpoint_every, "
+                        "checkpoint_seconds, seed, at", path=path)
+    return options_to_dict(parse_options(FailureOptions, raw, path))
+
+
+def node_count(config: dict[str, Any]) -> int:
+    """The failure domains: the cluster's nodes, or one per worker without them."""
+    cluster = config.get("cluster")
+    return cluster["nodes"] if cluster else config["workers"]
+
+
+def node_of(rank: int, workers: int, nodes: int) -> int:
+    """The node rank `rank` runs on: workers are split over nodes in consecutive blocks."""
+    return rank // (workers // nodes)
+
+
+def check_failures(config: dict[str, Any], aggregator_cls: type, path: str) -> None:
+    """Refuse a failure model the run cannot emulate: a fixed failure of a node that does not
+    exist, an aggregator that cannot run under failures, a samples budget, failures that
+    would come faster than steps."""
+    failures = config.get("failures")
+    if failures is None:
+        return
+    nodes = node_count(config)
+    for index, fixed in enumerate(failures["at"]):
+        if fixed["node"] >= nodes:
+            domain = "cluster.nodes" if config.get("cluster") else "workers"
+            raise SpecError(f"expected a node between 0 and {nodes - 1} (the run has {nodes} "
+                            f"{domain}), got {fixed['node']}", path=f"{path}.at[{index}].node")
+    budget = config.get("budget")
+    if budget is not None and budget.get("samples") is not None:
+        raise SpecError("a samples budget would count the samples of rolled-back steps; use "
+                        "epochs or a seconds budget with failures", path=path)
+    reason = unsupported_reason(aggregator_cls)
+    if reason is not None:
+        raise SpecError(f"aggregator {aggregator_cls.plugin_name!r} cannot run under failures: "
+                        f"{reason}", path=path)
+    check_failures_leave_time_for_steps(config, failure_mode(aggregator_cls), path)
+
+
+def failure_mode(aggregator_cls: type) -> str | None:
+    """The aggregator's declared `failure_mode` (FAILURE_MODES, None: refused): `restart`
+    unless it says otherwise."""
+    return getattr(aggregator_cls, "failure_mode", "restart")
+
+
+def check_failures_leave_time_for_steps(config: dict[str, Any], mode: str, path: str) -> None:
+    """Refuse an `mtbf` not longer than one step: failures would come faster than steps. Under
+    `restart` any node's failure stops every worker, so the job fails every mtbf / nodes, and a
+    failure at nearly every step boundary rolls the run back for ever. Under `continue` a node
+    would be failing at nearly every step (and the schedule would draw many failures per step).
+    A step lasts at least `compute.step_seconds`; without a compute model, UNMODELED_STEP_S."""
+    mtbf = config["failures"]["mtbf"]
+    if mtbf is None:  # only the fixed failures of `at`: a finite number
+        return
+    compute = config.get("compute")
+    step = compute["step_seconds"] if compute else UNMODELED_STEP_S
+    step_is = ("compute.step_seconds" if compute else
+               "what a step without a compute model counts as")
+    nodes = node_count(config)
+    domain = "node" if config.get("cluster") else "worker"
+    if mode == "restart":
+        between = mtbf / nodes
+        failing = (f"the job would fail every {readable_duration(between)} on average (mtbf "
+                   f"{readable_duration(mtbf)} / {nodes} {domain}s: any {domain}'s failure "
+                   f"restarts every worker)")
+        outcome = "the run would be rolled back at nearly every step and never end"
+    else:
+        between = mtbf
+        failing = f"each {domain} would fail every {readable_duration(mtbf)} on average (mtbf)"
+        outcome = f"its {domain}s would be failing at nearly every step"
+    if between <= step:
+        raise SpecError(f"{failing}, not longer than one step ({readable_duration(step)}, "
+                        f"{step_is}): {outcome}; raise mtbf", path=f"{path}.mtbf")
+
+
+def unsupported_reason(aggregator_cls: type) -> str | None:
+    """Why `aggregator_cls` cannot run under the failure emulation, or None if it can."""
+    mode = failure_mode(aggregator_cls)
+    if mode is None:
+        return getattr(aggregator_cls, "failure_refusal", None) or "it declares failure_mode = None"
+    if mode == "continue":
+        return None  # it goes on without the down workers (ContinueEmulation)
+    if mode != "restart":
+        return f"unknown failure_mode {mode!r} (expected one of {', '.join(FAILURE_MODES)})"
+    if aggregator_cls.asynchronous or aggregator_cls.steps_may_differ or aggregator_cls.decides_stop:
+        return ("a restart rolls every worker back to the same step, and its workers do not "
+                "run in step (asynchronous, or steps that may differ)")
+    return None
