@@ -66,8 +66,8 @@ class WorkerContext:
     this launch of the run (`run.resuming`: the plugin's state comes from a checkpoint,
     `load_state_dict` after `setup`); `experiment` is the run's resolved experiment, typed
     (`ctx.experiment.workers`, `ctx.experiment.aggregator.options`; None outside a run).
-    `config` is the same configuration as a read-only mapping, kept for plugins written
-    against it.
+    `config` is the same configuration as a read-only mapping: deprecated, kept for plugins
+    written against it (the built-in ones read `experiment`).
     """
 
     rank: int
@@ -86,6 +86,20 @@ class WorkerContext:
     clock: Clock = field(default_factory=Clock)
     experiment: ResolvedExperiment | None = None
     up: bool = True  # False during a down step under `failures` with failure_mode "continue"
+
+    @property
+    def under_failures(self) -> bool:
+        """Whether the run has a `failures:` section (its emulation rolls models back)."""
+        if self.experiment is not None:
+            return self.experiment.failures is not None
+        return self.config.get("failures") is not None
+
+    @property
+    def experiment_name(self) -> str:
+        """The experiment's name ("" outside a run)."""
+        if self.experiment is not None:
+            return self.experiment.name
+        return str(self.config.get("name", ""))
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

@@ -92,7 +92,7 @@ class Backup(Aggregator):
         self.group = ctx.comm.new_group(range(n), backend="gloo") if n > 1 else None
         Backup.instances += 1  # every rank builds its aggregators in the same order
         self.published = ctx.comm.counter(
-            f"{ctx.config.get('name', '')}/backup{Backup.instances}/published")
+            f"{ctx.experiment_name}/backup{Backup.instances}/published")
         self.applied = 0  # updates applied: this worker's model version
         self.dropped = [0] * n  # per rank: the applied updates made without its gradient
         self._finished = False

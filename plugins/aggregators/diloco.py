@@ -172,7 +172,7 @@ class DiLoCo(Aggregator):
         self.keys = parameter_names(ctx)
         self.exchange = DeltaExchange(ctx, self.options.error_feedback)
         self.rounds = 0
-        self.under_failures = ctx.config.get("failures") is not None
+        self.under_failures = ctx.under_failures
         self.missed_round = False  # this worker was down at a step of the current round
 
     def after_step(self, step):

@@ -76,7 +76,7 @@ class SlowMo(Aggregator):
         self.buffers = ctx.buffers() if self.options.sync_buffers else []
         self.start = flatten(self.params)            # x_start
         self.velocity = torch.zeros_like(self.start)  # u
-        self.under_failures = ctx.config.get("failures") is not None
+        self.under_failures = ctx.under_failures
 
     def before_forward(self, step):
         self.base.before_forward(step)

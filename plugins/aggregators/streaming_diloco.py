@@ -105,7 +105,7 @@ class StreamingDiLoCo(Aggregator):
         self.keys = [[names[i] for i in group] for group in self.groups]
         self.exchange = DeltaExchange(ctx, o.error_feedback)
         self.pending: _Pending | None = None
-        self.under_failures = ctx.config.get("failures") is not None
+        self.under_failures = ctx.under_failures
         self.missed = [False] * o.fragments  # per fragment: this worker was down this round
 
     def worker_rejoined(self, rank, step, source):
