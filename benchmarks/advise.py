@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from results_row import print_rows
 
 ALGORITHMS = {
     "allreduce": {"name": "allreduce"},
@@ -92,12 +93,13 @@ def main() -> None:
             run(spec("check", check, args), directory, db)
         measured = measure(db, args.target)
         overruns = overrun_steps(db) if args.compute else {}
-    report(advice, measured, check, args)
+    headline = report(advice, measured, check, args)
     if overruns:  # how far the emulated cluster's timing can be trusted (docs/cluster.md)
         worst = max(overruns, key=overruns.get)
         print(f"overrun_steps (steps whose real work overran the model by > 5%): at most "
               f"{overruns[worst]:.1%} ({worst}); " + ", ".join(
                   f"{name} {value:.1%}" for name, value in overruns.items()))
+    print_rows(*headline)
 
 
 def measure(db: Path, target: str) -> dict[str, tuple[float | None, float | None]]:
@@ -124,7 +126,9 @@ def overrun_steps(db: Path) -> dict[str, float]:
 
 
 def report(advice: list[dict], measured: dict[str, tuple[float | None, float | None]],
-           check: list[int], args: argparse.Namespace) -> None:
+           check: list[int], args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Prints the table; returns one row for benchmarks/RESULTS.md per checked count."""
+    headline = []
     print(f"{args.task}, samples budget {args.samples}, target {args.target}; fitted on "
           f"n = {args.fit}{', compute model ' + args.compute if args.compute else ' (plain runs)'}")
     print("predicted and measured: seconds in training steps to the target (mean step_seconds "
@@ -152,13 +156,23 @@ def report(advice: list[dict], measured: dict[str, tuple[float | None, float | N
                   f"{fit_error:>7s}  {row['advice'] or ''}")
         ranked = sorted((k for k in predicted if predicted[k] is not None), key=predicted.get)
         truth = sorted((k for k in actual if actual[k] is not None), key=actual.get)
+        ratios = ", ".join(f"{name} {predicted[name] / actual[name]:.2f}" for name in ALGORITHMS
+                           if predicted[name] and actual[name])
+        figure = (f"`dsgd advise` at {n} workers"
+                  f"{' on the emulated cluster' if args.compute else ' (plain runs)'}: "
+                  f"predicted / measured time to {args.target}")
         if not ranked or not truth:
             print(f"n = {n}: no ranking to compare ({'no predictions' if not ranked else 'no run reached the target'})")
+            headline.append((figure, (ratios or "nothing to compare") + "; no ranking to compare"))
             continue
+        headline.append((figure, f"{ratios}; ranking "
+                         f"{'the same' if ranked == truth else 'different'}, best "
+                         f"{'the same' if ranked[0] == truth[0] else 'differs'}"))
         print(f"n = {n}: predicted ranking {' < '.join(ranked)}; measured {' < '.join(truth)}"
               f"{' (the others never reached it)' if len(truth) < len(ALGORITHMS) else ''}: "
               f"{'the same' if ranked == truth else 'different'}, "
               f"best {'the same' if ranked[0] == truth[0] else 'differs'}")
+    return headline
 
 
 def _seconds(value: float | None) -> str:

@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from results_row import print_rows
 
 TOP1 = {"name": "topk", "ratio": 0.01}
 RAND1 = {"name": "randomk", "ratio": 0.01, "unbiased": False}
@@ -105,6 +106,11 @@ def main() -> None:
               f"{_number(row['test_loss'], 10)} {row['total_bytes_sent'] / 1e6:9.3f} "
               f"{_number(to_target and to_target / 1e6, 12)} {ratio} "
               f"{'' if gamma is None else f'{gamma:7.4f}'}")
+    print_rows((f"CHOCO-SGD and DCD, logreg on a ring of {args.workers} (split {split}): D-PSGD's "
+                "bytes to its loss / each one's",
+                ", ".join(f"{name} " + (f"{reference / row['bytes_to_target']:.1f}×"
+                                        if row.get("bytes_to_target") else "never")
+                          for name, row in rows.items() if name != "dpsgd")))
 
 
 def _number(value, width: int) -> str:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from dsgd_cli.results.reader import Results
 from plugins.tasks.synthetic import parse_count
+from results_row import print_rows as results_rows
 
 RESNET50_PARAMS = 25_600_000
 V100_RESNET50_STEP_S = 0.1  # forward and backward of a batch of 32 on one V100
@@ -121,8 +122,9 @@ def print_rows(rows: dict[str, dict]) -> None:
               f"{row['overrun_steps']:8.2f} {row['real_seconds']:7.0f}")
 
 
-def report_sgp(rows: dict[str, dict], args) -> None:
+def report_sgp(rows: dict[str, dict], args) -> tuple[str, str]:
     print("\nSGP's throughput over allreduce's (samples/s ratio):")
+    lines = []
     for nodes in args.nodes:
         ratios = []
         for network in SGP_NETWORKS:
@@ -131,16 +133,22 @@ def report_sgp(rows: dict[str, dict], args) -> None:
             gain = sgp["samples_per_second"] / allreduce["samples_per_second"]
             ratios.append(f"{network} {gain:.2f}")
         print(f"  {nodes} nodes × {args.per_node}: " + ", ".join(ratios))
+        lines.append(f"{nodes} nodes × {args.per_node}: " + ", ".join(ratios))
+    return ("SGP / allreduce samples/s, Ethernet and InfiniBand (Assran et al.)", "; ".join(lines))
 
 
-def report_compression(rows: dict[str, dict], args) -> None:
+def report_compression(rows: dict[str, dict], args) -> tuple[str, str]:
     print("\nfp16's step speed-up over uncompressed allreduce (step time ratio):")
+    speedups = []
     for gbit in args.bandwidths:
         none = rows[f"compression-{gbit:g}gbit-none"]["step_seconds"]
         fp16 = rows[f"compression-{gbit:g}gbit-fp16"]["step_seconds"]
         compute = step_seconds(parse_count(args.params))
         print(f"  {gbit:g} Gbit/s: none {none * 1e3:.1f} ms, fp16 {fp16 * 1e3:.1f} ms "
               f"(compute {compute * 1e3:.1f} ms): speed-up {none / fp16:.2f}")
+        speedups.append(f"{none / fp16:.2f} at {gbit:g} Gbit/s")
+    return (f"Does compression pay (Agarwal et al.)? fp16's step speed-up over allreduce, 8 "
+            f"workers, {args.params} parameters", ", ".join(speedups))
 
 
 def main() -> None:
@@ -170,7 +178,9 @@ def main() -> None:
           f"{args.params} parameters, modeled step {step_seconds(params) * 1e3:.1f} ms, "
           f"time scale {args.time_scale:g}, {args.steps} steps each")
     print_rows(rows)
-    (report_sgp if args.setting == "sgp" else report_compression)(rows, args)
+    figure, value = (report_sgp if args.setting == "sgp" else report_compression)(rows, args)
+    worst = max(row["overrun_steps"] for row in rows.values())
+    results_rows((figure, f"{value}; `overrun_steps` at most {worst:.1%}"))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from dsgd_cli.results.store import MetricRow, Store
+from results_row import print_rows
 
 DSGD = [sys.executable, "-m", "dsgd_cli"]
 
@@ -72,6 +73,9 @@ def main() -> None:
     print(f"{'command':46} {'median':>7} {'min':>6} {'max':>6}")
     for name, values in times.items():
         print(f"{name:46} {statistics.median(values):7.3f} {min(values):6.3f} {max(values):6.3f}")
+    print_rows((f"Commands that do not train, median wall seconds over {args.runs:,} recorded runs",
+                ", ".join(f"`{name}` {statistics.median(values):.3f}"
+                          for name, values in times.items())))
 
 
 if __name__ == "__main__":

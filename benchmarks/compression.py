@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from dsgd_cli.results.reader import Results
+from results_row import print_rows
 
 COMPRESSORS = {
     "none": "{name: none}",
@@ -95,6 +96,7 @@ def step_only(steps: int) -> None:
     print(f"CIFAR ResNet-20 gradients ({len(grads)} tensors, "
           f"{sum(g.numel() for g in grads):,} parameters), 1 worker, torch threads "
           f"{torch.get_num_threads()}: ms per compressed_average, median of {steps}")
+    medians = {}
     for name, section in STEP_COMPRESSORS.items():
         compressor = build_plugin("compressor", dict(section))
         compressor.setup(SimpleNamespace(seed=0, rank=0, world_size=1, metrics=SimpleNamespace(
@@ -105,7 +107,11 @@ def step_only(steps: int) -> None:
             started = time.perf_counter()
             compressed_average(compressor, _OneWorker(), grads, keys, step, memory)
             times.append(time.perf_counter() - started)
-        print(f"{name:<10} {statistics.median(times[5:]) * 1e3:8.2f}")
+        medians[name] = statistics.median(times[5:]) * 1e3
+        print(f"{name:<10} {medians[name]:8.2f}")
+    print_rows(("Compression arithmetic of one step on ResNet-20's gradients, ms per "
+                f"`compressed_average` (median of {steps})",
+                ", ".join(f"{name} {ms:.2f}" for name, ms in medians.items())))
 
 
 def main() -> None:
@@ -145,17 +151,20 @@ def main() -> None:
           f"{args.steps} steps, allreduce, medians of {args.repeat} rounds\n")
     print(f"{'compressor':<10} {'step s':>8} {'time':>6} {'bytes':>7} {'saving ratio':>13} "
           f"{'compress share':>15}")
-    ratios = []
+    ratios, named = [], []
     for name, (seconds, sent, compress) in rows.items():
         time_ratio, byte_ratio = seconds / base_time, sent / base_bytes
         saving = (1 - time_ratio) / (1 - byte_ratio) if byte_ratio < 1 else None
         if saving is not None:
             ratios.append(saving)
+            named.append(f"{name} {saving:.2f}")
         print(f"{name:<10} {seconds:>8.3f} {time_ratio:>6.2f} {byte_ratio:>7.3f} "
               f"{'-' if saving is None else f'{saving:.2f}':>13} "
               f"{'-' if compress is None else f'{compress / seconds:.1%}':>15}")
     print(f"\ntime saving / byte saving, worst compressor: {min(ratios):.2f} "
           f"(target >= 0.9: {'met' if min(ratios) >= 0.9 else 'NOT met'})")
+    print_rows((f"Compression on an emulated {args.bandwidth} network: time saving / byte saving "
+                "(target ≥ 0.9)", ", ".join(named) + f"; medians of {args.repeat} rounds"))
 
 
 def _median(values) -> float | None:

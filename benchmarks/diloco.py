@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from dsgd_cli.results.reader import Results
+from results_row import print_rows
 
 SPEC = """
 defaults:
@@ -90,6 +91,10 @@ def main() -> None:
     for name, (ppl, sent, peak) in rows.items():
         print(f"{name:<16} {ppl:>9.3f} {ppl / base_ppl:>7.3f} {sent:>14,.0f} "
               f"{base_bytes / sent if sent else float('inf'):>9.1f} {peak:>16,.0f}")
+    print_rows((f"DiLoCo ({args.workers} workers, {args.steps} steps): test perplexity, MB sent "
+                "per worker, peak kB in a step",
+                "; ".join(f"{name} {ppl:.1f}, {sent / 1e6:.1f} MB, peak {peak / 1e3:.0f} kB"
+                          for name, (ppl, sent, peak) in rows.items())))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from results_row import print_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = {"cifar10": ROOT / "examples" / "cifar10.yaml",
@@ -74,6 +75,7 @@ def main() -> None:
     from dsgd_cli.spec.experiments import load_spec
     from dsgd_cli.results.store import Store
 
+    headline = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         data = args.data
@@ -113,6 +115,10 @@ def main() -> None:
                 print(f"{run.experiment} | {step:.3f} | {compute:.3f} | {comm:.3f} | "
                       f"{evaluation:.1f} | {per_epoch} | {epoch:.0f} | {config['epochs']} | "
                       f"{total / 3600:.1f} h")
+                headline.append(f"{run.experiment} {epoch:.0f} s ({step:.3f} s/step; "
+                                f"{config['epochs']} epochs {total / 3600:.1f} h)")
+    print_rows((f"Time per epoch of the examples on this machine ({args.steps} steps each, "
+                f"{'generated' if args.data is None else 'real'} data)", "; ".join(headline)))
 
 
 def _steps_per_epoch(config: dict) -> int:

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from dsgd_cli.emulation.failures import RestartTimeline  # noqa: E402
 from dsgd_cli.spec.failures_spec import parse_failures  # noqa: E402
+from results_row import print_rows  # noqa: E402
 
 
 def goodput(every: int, seed: int, *, steps: int, step_seconds: float, write: float,
@@ -55,7 +56,7 @@ def goodput(every: int, seed: int, *, steps: int, step_seconds: float, write: fl
     return steps * step_seconds / now
 
 
-def sweep(args) -> None:
+def sweep(args) -> tuple[str, str]:
     job_mtbf = args.mtbf / args.nodes  # the nodes' failures add up
     young = math.sqrt(2 * args.write * job_mtbf)
     daly = young - args.write
@@ -80,9 +81,14 @@ def sweep(args) -> None:
     print(f"best: every {best} steps ({best / center:.2f} x Young's interval), goodput "
           f"{means[best]:.4f}; at Young's ({nearest} steps): {means[nearest]:.4f} "
           f"({means[best] - means[nearest]:.4f} less)")
+    return (f"Checkpoint interval against Young's ({args.nodes} nodes, job MTBF {job_mtbf:g} s, "
+            f"checkpoint {args.write:g} s, restart {args.restart:g} s)",
+            f"best mean goodput {means[best]:.4f} every {best} steps ({best / center:.2f}× "
+            f"Young's); at Young's ({nearest} steps) {means[nearest]:.4f}; modeled, "
+            f"{args.seeds} seeds")
 
 
-def launch_check() -> None:
+def launch_check() -> tuple[str, str]:
     """One `dsgd run` of allreduce with seeded failures: its recorded failures and lost steps
     against its per-step records."""
     from dsgd_cli.results.store import Store
@@ -117,6 +123,9 @@ experiments:
               f"{summaries['lost_steps']:.0f} lost steps, goodput {summaries['goodput']:.3f}, "
               f"{sum(r.value == 0 for r in up)} steps recorded down, "
               f"{len(up)} steps executed for 60 counted")
+        return ("A launched allreduce run under seeded failures (2 workers, 60 steps)",
+                f"{summaries['failures']:.0f} failures, {summaries['lost_steps']:.0f} lost "
+                f"steps, goodput {summaries['goodput']:.3f}; records consistent")
 
 
 BACKUP_SPEC = """
@@ -138,7 +147,7 @@ experiments:
 
 
 def backup_check(step: float = 0.02, slowdown: float = 2.0, fail_at: float = 0.3,
-                 outage: float = 0.4) -> None:
+                 outage: float = 0.4) -> tuple[str, str]:
     """Backup workers under `continue`: updates per modeled second before, during and after
     node 3's outage, from rank 0's records (it applies every update, one per step)."""
     from dsgd_cli.results.store import Store
@@ -163,14 +172,19 @@ def backup_check(step: float = 0.02, slowdown: float = 2.0, fail_at: float = 0.3
         print(f"backup, 4 workers, b = 1, steps of {step} s, rank 2 {slowdown:g}x slower; "
               f"node 3 down from {fail_at} s for {outage} s; load average "
               f"{os.getloadavg()[0]:.2f}")
+        rates = []
         for name, (start, end) in windows.items():
             count = sum(1 for t in times if start < t <= end)
             print(f"  {name:>6}: {count} updates in {end - start:.3f} s = "
                   f"{count / (end - start):.1f}/s (expected {expected[name]:.1f}/s)")
+            rates.append(f"{count / (end - start):.1f}/s {name} (expected "
+                         f"{expected[name]:.0f}/s)")
         print(f"  rank 3 down for {len(down)} steps; failures {summaries['failures']:.0f}, "
               f"lost_seconds {summaries['lost_seconds']:.3f} (outage {outage} s), goodput "
               f"{summaries['goodput']:.3f}, wall_seconds {summaries['wall_seconds']:.3f}, "
               f"dropped_rank3 {summaries['dropped_rank3']:.0f}")
+        return ("Backup workers through an outage (`continue`): updates per modeled second",
+                ", ".join(rates) + f"; goodput {summaries['goodput']:.3f}")
 
 
 def recorded_runs(db: str, target: str) -> list[dict]:
@@ -188,7 +202,7 @@ def recorded_runs(db: str, target: str) -> list[dict]:
              "time_to_target": row.get("time_to_target")} for row in json.loads(result.stdout)]
 
 
-def plot_runs(db: str, target: str, output: str) -> None:
+def plot_runs(db: str, target: str, output: str) -> tuple[str, str]:
     """Goodput and time to target per run, two bar charts side by side, into `output`."""
     import matplotlib
     matplotlib.use("Agg")
@@ -216,6 +230,8 @@ def plot_runs(db: str, target: str, output: str) -> None:
         shown = "not reached" if run["time_to_target"] is None else f"{run['time_to_target']:.2f} s"
         print(f"{run['experiment']:>24}  goodput {run['goodput']:.3f}  {target}: {shown}")
     print(f"wrote {output}")
+    return (f"Goodput and time to {target} of the runs in {Path(db).name}",
+            ", ".join(f"{run['experiment']} {run['goodput']:.3f}" for run in runs))
 
 
 def main() -> None:
@@ -236,14 +252,15 @@ def main() -> None:
     parser.add_argument("-o", "--output", default="failures.png", help="with --plot")
     args = parser.parse_args()
     if args.plot:
-        plot_runs(args.plot, args.target, args.output)
+        print_rows(plot_runs(args.plot, args.target, args.output))
         return
     if args.backup:
-        backup_check()
+        print_rows(backup_check())
         return
-    sweep(args)
+    rows = [sweep(args)]
     if args.launch:
-        launch_check()
+        rows.append(launch_check())
+    print_rows(*rows)
 
 
 if __name__ == "__main__":

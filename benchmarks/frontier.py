@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from dsgd_cli.results.reader import Results
+from results_row import print_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 # spec -> (baseline experiment, round length of each experiment with rounds)
@@ -59,7 +60,8 @@ def bytes_to_target(db: Path, target: float) -> dict[str, float]:
     return {row["experiment"]: float(row["bytes_to_target"] or "nan") for row in rows}
 
 
-def table(spec: str, db: Path) -> str:
+def table(spec: str, db: Path) -> tuple[str, tuple[str, str]]:
+    """The comparison's markdown table, and its row for benchmarks/RESULTS.md."""
     baseline, periods = COMPARISONS[spec]
     store = Results(str(db))
     runs = {run.experiment: run for run in store.runs()}
@@ -79,7 +81,11 @@ def table(spec: str, db: Path) -> str:
         lines.append(f"| {name} | {final['train_loss']:.3f} | {final['test_loss']:.3f} | "
                      f"{per_step:,.0f} | {base / per_step if per_step else float('inf'):.1f} | "
                      f"{per_round} | {reached.get(name, float('nan')) / 1e6:,.1f} MB |")
-    return "\n".join(lines)
+    headline = (f"{spec}: test loss; bytes per step per worker, times fewer than {baseline}",
+                ", ".join(f"{name} {final['test_loss']:.3f}, "
+                          f"{base / final['bytes_sent'] if final['bytes_sent'] else float('inf'):.1f}×"
+                          for name, final in finals.items()))
+    return "\n".join(lines), headline
 
 
 def main() -> None:
@@ -93,13 +99,17 @@ def main() -> None:
     parser.add_argument("--no-run", action="store_true", help="only print the tables")
     args = parser.parse_args()
     dbdir = args.dbdir or Path(tempfile.mkdtemp(prefix="dsgd-frontier-db-"))
+    headlines = []
     for spec in args.only or list(COMPARISONS):
         db = dbdir / f"bench_{spec}.db"
         if not args.no_run:
             if args.text is None:
                 sys.exit("--text is needed to run")
             run(spec, db, args.text, args.epochs, args.time_scale)
-        print(f"\n{spec}:\n\n{table(spec, db)}")
+        text, headline = table(spec, db)
+        headlines.append(headline)
+        print(f"\n{spec}:\n\n{text}")
+    print_rows(*headlines)
 
 
 if __name__ == "__main__":

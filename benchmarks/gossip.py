@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from results_row import print_rows
 
 ALGORITHMS = [
     ("allreduce", {"name": "allreduce"}),
@@ -92,6 +93,12 @@ def main() -> None:
         print(f"{name:10s} {r['epoch_s']:8.2f} {r['bytes']:18.0f} {r['accuracy']:9.3f} "
               f"{r['workers_accuracy']:11.3f} {r['epoch_s'] / base['epoch_s']:11.2f} "
               f"{r['bytes'] / base['bytes']:12.2f} {r['accuracy'] / base['accuracy']:10.2f}")
+    others = [name for name, _ in ALGORITHMS if name != "allreduce"]
+    ratio = lambda key: ", ".join(f"{results[n][key] / base[key]:.2f}" for n in others)
+    print_rows((f"Gossip against allreduce ({args.task}, {args.workers} workers, {args.bandwidth}, "
+                f"{args.latency}): time per epoch / allreduce's",
+                ", ".join(f"{n} {results[n]['epoch_s'] / base['epoch_s']:.2f}" for n in others)
+                + f"; bytes {ratio('bytes')}; accuracy {ratio('accuracy')}"))
 
 
 if __name__ == "__main__":

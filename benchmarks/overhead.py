@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from dsgd_cli.launch.torchrun import MALLOC_SETTINGS
+from results_row import print_rows
 
 CASES = [
     ("mnist1d_cnn", {"name": "mnist1d_cnn"}),
@@ -140,6 +141,7 @@ def main() -> None:
           f"{args.epochs} epochs, median of {args.repeats} alternating runs [min-max]")
     print(f"{'model':28s} {'DDP samples/s':>22s} {'dsgd samples/s':>22s} {'dsgd/DDP':>9s} "
           f"{'DDP wall s':>18s} {'dsgd wall s':>18s} {'wall dsgd/DDP':>14s}")
+    speed_ratios, wall_ratios = [], []
     with tempfile.TemporaryDirectory() as directory:
         tmp = Path(directory)
         for label, task in CASES:
@@ -152,10 +154,16 @@ def main() -> None:
                 speed, wall = run_dsgd(config, tmp, repeat)
                 ours.append(speed)
                 our_wall.append(wall)
+            speed_ratios.append(f"{label} {statistics.median(ours) / statistics.median(ddp):.3f}")
+            wall_ratios.append(f"{label} {statistics.median(our_wall) / statistics.median(ddp_wall):.3f}")
             print(f"{label:28s} {_spread(ddp):>22s} {_spread(ours):>22s} "
                   f"{statistics.median(ours) / statistics.median(ddp):9.3f} "
                   f"{_spread(ddp_wall, 2):>18s} {_spread(our_wall, 2):>18s} "
                   f"{statistics.median(our_wall) / statistics.median(ddp_wall):14.3f}", flush=True)
+    print_rows((f"dsgd `allreduce` / torch DDP, training samples/s ({args.workers} workers, gloo)",
+                ", ".join(speed_ratios) + f" (medians of {args.repeats})"),
+               ("dsgd `allreduce` / torch DDP, the whole command's wall time",
+                ", ".join(wall_ratios) + f" (medians of {args.repeats})"))
 
 
 def _spread(values: list[float], digits: int = 0) -> str:

@@ -37,6 +37,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from results_row import print_rows
+
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "examples" / "scale.yaml"
 T, BATCH, EPOCHS, STEPS_PER_EPOCH = 0.05, 16, 4, 12  # 48 steps per worker
@@ -240,12 +242,21 @@ def main() -> None:
     parser.add_argument("--db", help="keep the comparisons' runs in this database")
     parser.add_argument("--plot", help="write speed-up against workers to this image")
     args = parser.parse_args()
+    headline = []
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         if args.only != "compare":
             rows = [row for n in args.workers
                     for row in validation(n, directory, args.time_scale)]
             print_validation(rows)
+            for n in args.workers:
+                mine = [row for row in rows if row[0] == n]
+                headline.append((
+                    f"Emulated cluster against arithmetic, {n} workers, time scale "
+                    f"{args.time_scale:g}: measured / expected",
+                    ", ".join(f"{name.strip()} {measured / expected:.3f}"
+                              for _, name, _, measured, expected, _ in mine)
+                    + f"; `overrun_steps` at most {max(row[-1] for row in mine):.1%}"))
         if args.only != "validation":
             rates = {}
             for n in args.workers:
@@ -253,15 +264,24 @@ def main() -> None:
                 runs = comparisons(n, db, args.experiments, args.steps,
                                    args.compare_time_scale, args.batch, args.ring_max,
                                    args.timeout)
-                print_comparisons(n, runs)
+                speedups = print_comparisons(n, runs)
+                arithmetic = ""
                 if args.steps and "tail-allreduce" in runs:
                     measured = runs["tail-allreduce"]["samples_per_second"]
                     expected = allreduce_arithmetic(runs["tail-allreduce"], args.steps)
                     print(f"tail-allreduce against arithmetic: {measured:.0f} samples/s "
                           f"recorded, {expected:.0f} expected, ratio {measured / expected:.3f}")
+                    arithmetic = f"; tail-allreduce recorded {measured / expected:.3f} of its arithmetic"
+                worst = max((run.get("overrun_steps", 0.0) for run in runs.values()), default=0.0)
+                headline.append((
+                    f"Samples/s / the scenario's allreduce, {n} workers (examples/scale.yaml)",
+                    ", ".join(f"{name} {ratio:.2f}" for name, ratio in speedups.items()
+                              if not name.endswith("-allreduce"))
+                    + f"; `overrun_steps` at most {worst:.1%}{arithmetic}"))
                 rates[n] = {name: run["samples_per_second"] for name, run in runs.items()}
             if args.plot:
                 plot(args.plot, rates)
+    print_rows(*headline)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from dsgd_cli.results.reader import Results
+from results_row import print_rows
 
 SPEC = """
 defaults:
@@ -74,6 +75,11 @@ def main() -> None:
     isolated, shared = overhead.values()
     print(f"\nfixed cost per experiment, shared / isolated: {shared / isolated:.2f}; "
           f"target <= 1 s: {'met' if shared <= 1.0 else 'NOT met'}")
+    totals = [statistics.median(t for t, _ in runs) for runs in measured.values()]
+    print_rows((f"Fixed cost per experiment of a {args.points}-point sweep",
+                f"shared launches {shared:.2f} s (target ≤ 1 s: {'met' if shared <= 1.0 else 'not met'}), "
+                f"one torchrun each (`--isolate`) {isolated:.2f} s; totals {totals[1]:.1f} s and "
+                f"{totals[0]:.1f} s"))
 
 
 if __name__ == "__main__":

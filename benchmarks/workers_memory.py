@@ -32,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from results_row import print_rows
+
 WORKER_MODULE = "dsgd_cli.worker.process"
 
 
@@ -213,6 +215,7 @@ def main() -> None:
     print(f"{'workers':>7} {'start-up s':>10} {'USS median MiB':>14} {'USS max MiB':>11} "
           f"{'USS total GiB':>13} {'others GiB':>10} {'launcher GiB':>12} {'all in GiB':>10} "
           f"{'overrun':>7} {'run s':>6}")
+    headline = []
     with tempfile.TemporaryDirectory() as tmp:
         for workers in args.workers:
             row = measure(workers, args.task, Path(tmp), args.steps, args.aggregator, env,
@@ -224,6 +227,13 @@ def main() -> None:
                   f"{row['run_s']:>6.1f}"
                   + ("" if row["sampled"] == workers else f"  ({row['sampled']} sampled)"),
                   flush=True)
+            headline.append(f"{workers:,} workers: start-up {row['startup_s']:.1f} s, USS "
+                            f"{row['uss_median_mib']:.1f} MiB per worker (median"
+                            + ("" if row["sampled"] == workers else f", {row['sampled']} sampled")
+                            + f"), {row['all_in_gib']:.2f} GiB all in, `overrun_steps` {overrun}, "
+                            f"whole run {row['run_s']:.1f} s")
+    print_rows((f"Start-up and memory of a launch ({args.task}, {args.steps} steps, "
+                f"{args.aggregator}, time scale {args.time_scale:g})", "; ".join(headline)))
 
 
 if __name__ == "__main__":
