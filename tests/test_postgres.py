@@ -476,3 +476,25 @@ def test_advice_is_the_same_from_sqlite_and_postgresql(tmp_path, pg_url):
     counts = [2, 4, 8, 16, 32, 64]  # allreduce's predictions, then sgp's advice at each n
     assert [row["workers"] for row in on_postgres] == counts + counts
     assert {row["advice"] for row in on_postgres[6:]} == {"runs at n = 4 only: run at n = 2 and 8"}
+
+
+def test_a_sql_ascii_database_keeps_text_that_is_not_ascii(postgres_server):
+    """A database created with ENCODING 'SQL_ASCII' (the default of clusters initialised
+    without a locale) stores bytes as given, and psycopg returned them undecoded: the first
+    read of the schema's version failed with a traceback. dsgd's connections ask for UTF-8, so
+    non-ASCII text (an experiment's name, its spec file's path) goes in and comes back."""
+    name = f"dsgd_ascii_{next(postgres_server.counter)}"
+    postgres_server.sql(f"CREATE DATABASE {name} ENCODING 'SQL_ASCII' TEMPLATE template0")
+    url = postgres_server.url(name)
+    from dsgd_cli.results.store import MetricRow, Store
+
+    store = Store(url)
+    config = {"task": {"name": "logreg"}, "optimizer": {"name": "sgd"},
+              "aggregator": {"name": "allreduce"}, "compressor": {"name": "none"}, "workers": 2}
+    run_id = store.create_run("λ-sweep/lr×2", config, "/data/η-runs/spec.yaml", [])
+    store.add_metrics(run_id, [MetricRow("train_loss", 0.5, step=1, rank=0)])
+    store.finish_run(run_id, "completed")
+    runs = json.loads(cli("runs", "--db", url, "--format", "json"))
+    assert [row["experiment"] for row in runs] == ["λ-sweep/lr×2"], runs
+    shown = cli("show", str(run_id), "--db", url)
+    assert "λ-sweep/lr×2" in shown and "/data/η-runs/spec.yaml" in shown

@@ -86,6 +86,9 @@ def make_engine(url: str, readonly: bool):
     if make_url(url).get_backend_name() == "postgresql":
         # A reading command's sessions are read-only transactions: it cannot change anything.
         options = {"options": "-c default_transaction_read_only=on"} if readonly else {}
+        # UTF-8 whatever the database's encoding: in a SQL_ASCII database (the default of
+        # clusters initialised without a locale) psycopg would otherwise return bytes.
+        options["client_encoding"] = "utf8"
         return create_engine(url, connect_args=options, json_serializer=strictjson.dumps)
     if not url.startswith("sqlite"):
         return create_engine(url, json_serializer=strictjson.dumps)
