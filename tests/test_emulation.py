@@ -71,7 +71,7 @@ def test_a_bad_compute_section_is_one_line_exit_2_and_nothing_recorded(tmp_path)
     """)
     result = dsgd_in_process("run", str(spec), "--db", str(tmp_path / "r.db"))
     assert result.returncode == 2
-    assert result.stderr.strip() == (f"dsgd: error: {spec}: experiments[0].compute.time_scale: "
+    assert result.stderr.strip() == (f"dsgd: error: {spec}: defaults.compute.time_scale: "
                                      "expected a number >= 1 and <= 100000, got 0")
     assert not (tmp_path / "r.db").exists()
 

@@ -80,7 +80,7 @@ def test_a_node_that_never_joins_fails_the_run_within_the_rendezvous_timeout(tmp
 
 @pytest.mark.parametrize("launch,args,message", [
     ('{nnodes: 3, rdzv_endpoint: "h:1"}', [],
-     "experiments[0].workers: 4 workers cannot be split evenly over 3 nodes"),
+     "defaults.workers: 4 workers cannot be split evenly over 3 nodes"),
     ('{nnodes: 2, rdzv_endpoint: "h:1"}', ["--node-rank", "2"],
      "launch.node_rank: expected a node rank below nnodes (2), got 2"),
     ("{nnodes: 2}", [], "launch.rdzv_endpoint: expected HOST:PORT where the nodes meet, got None"),

@@ -179,7 +179,7 @@ def test_each_grid_point_is_checked_against_its_own_length(tmp_path):
     """)
     result = dsgd_in_process("run", str(spec), "--dry-run")
     assert result.returncode == 2
-    assert ("experiments[0].lr_schedule: the warm-up is longer than the run (warmup_steps: 40, "
+    assert ("defaults.lr_schedule: the warm-up is longer than the run (warmup_steps: 40, "
             "the run has 32 steps per worker)") in result.stderr
 
 

@@ -76,7 +76,7 @@ def test_the_last_set_of_a_key_is_the_one_named(spec):
 def test_an_error_in_the_spec_still_names_the_spec(tmp_path):
     spec = write_spec(tmp_path, TINY_SPEC.replace("workers: 2", "workers: 2\n  batch_size: x"))
     assert _refused(spec, "optimizer.lr=0.1") == (
-        f"dsgd: error: {spec}: experiments[0].batch_size: expected an integer, got 'x'")
+        f"dsgd: error: {spec}: defaults.batch_size: expected an integer, got 'x'")
 
 
 DILOCO_AND_ALLREDUCE = """

@@ -135,7 +135,7 @@ BAD = [
     ("bad worker count", "experiments:\n  - {name: a, task: logreg, workers: 0}\n",
      "experiments[0].workers: expected an integer between 1 and 1024, got 0"),
     ("workers not a number", "defaults: {workers: many}\nexperiments:\n  - {name: a, task: logreg}\n",
-     "experiments[0].workers: expected an integer, got 'many'"),
+     "defaults.workers: expected an integer, got 'many'"),
     ("missing task", "experiments:\n  - {name: a}\n", "experiments[0].task: required"),
     ("bad bandwidth", "experiments:\n  - {name: a, task: logreg, network: {bandwidth: fast}}\n",
      "experiments[0].network.bandwidth: expected a bandwidth"),
@@ -305,7 +305,7 @@ MORE_BAD = [
     ("more workers than mnist1d", "defaults: {workers: 81}\nexperiments:\n"
      "  - {name: ok, task: {name: mnist1d_cnn, num_samples: 200}}\n"
      "  - {name: few, task: {name: mnist1d_cnn, num_samples: 109}}\n",
-     "experiments[1].workers: 81 workers but task 'mnist1d_cnn' has 80 training examples"),
+     "defaults.workers: 81 workers but task 'mnist1d_cnn' has 80 training examples"),
     ("--workers beyond the examples", "experiments:\n  - {name: a, task: {name: logreg, samples: 16}}\n",
      "experiments[0].workers: 20 workers but task 'logreg' has 16 training examples"),
 ]
@@ -367,10 +367,11 @@ def test_gossip_graph_is_checked_with_the_runs_seed(tmp_path):
       - {name: sweep, grid: {seed: [0, 1, 2]}}
     """)
     result = dsgd_in_process("run", str(spec), "--dry-run")
-    message = _one_line_error(result, spec, "experiments[1].aggregator: topology 'random_regular' "
+    # The aggregator was written in defaults; the experiment that met the error is named.
+    message = _one_line_error(result, spec, "defaults.aggregator: topology 'random_regular' "
                                             "with 8 workers has no usable active/passive split")
     # The error is the seed-2 point's, not a result cached for seed 0 or 1.
-    assert message.endswith("(the graph drawn with the run's seed, 2)")
+    assert message.endswith("(the graph drawn with the run's seed, 2) (in experiments[1])")
     spec.write_text(spec.read_text().replace("[0, 1, 2]", "[0, 1]"))
     assert [e.config["seed"] for e in load_spec(spec)] == [0, 0, 1]
 

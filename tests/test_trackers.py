@@ -177,6 +177,9 @@ def check_mlflow_runs(uri: str) -> None:
             tags["dsgd.reason"]) == ("grid[lr=0.1]", "modeled", "failed", "rank 1 died")
     assert runs[1].data.tags["dsgd.tags"] == "baseline"
     assert runs[1].data.tags["dsgd.clock"] == "measured"
+    # the run's start and end are real, its metrics' times modeled: the tags say so
+    assert "metric times are the start plus modeled seconds" in tags["dsgd.times"]
+    assert "measured seconds" in runs[1].data.tags["dsgd.times"]
 
     def history(run, key):
         return [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]

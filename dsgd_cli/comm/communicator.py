@@ -230,9 +230,12 @@ class Handle:
             # transfer waited for late (a send waited at the end of a round) had all the time
             # until the wait; when it was done by then, the model's time is what was recorded.
             real_end = self._done_at or time.perf_counter()
-            allowed_end = (max(self._issued_at + self._emulated_s, waited_from)
-                           + self._emulated_s * COMM_OVERRUN_TOLERANCE)
-            self._comm._note_modeled(real_end > allowed_end)
+            modeled_end = max(self._issued_at + self._emulated_s, waited_from)
+            overran = real_end > modeled_end + self._emulated_s * COMM_OVERRUN_TOLERANCE
+            # What it added to the caller's recorded time (`comm_overrun_time`); a background
+            # thread's wait holds up no step.
+            added = real_end - modeled_end if overran and self._tracked else 0.0
+            self._comm._note_modeled(overran, added)
         self._wait_for_modeled_end()
         if self._on_complete is not None:
             self._result = self._on_complete()
@@ -296,6 +299,8 @@ class Comm:
         # Operations with a modeled duration, and those whose real transfer overran it: their
         # recorded time is then the machine's, not the model's (see `comm_overrun`).
         self.modeled_operations = self.overran_operations = 0
+        # The real seconds those overruns held the training loop past their modeled end.
+        self.overrun_seconds = 0.0
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -350,10 +355,11 @@ class Comm:
             if self._tracking() and self._counting_seconds():
                 self._add(seconds=time.perf_counter() - started)
 
-    def _note_modeled(self, overran: bool) -> None:
+    def _note_modeled(self, overran: bool, added_s: float = 0.0) -> None:
         with self._lock:
             self.modeled_operations += 1
             self.overran_operations += overran
+            self.overrun_seconds += added_s
 
     def _add(self, *, sent: int = 0, received: int = 0, seconds: float = 0.0, calls: int = 0,
              levels: dict[str, int] | None = None):

@@ -59,13 +59,15 @@ def compare(
         runs = runs[-last:]
     check_keys(keys, recorded, "--by")
 
-    metrics = metric_columns(metric)
+    picked = split_columns(shown)
+    finals = store.finals([run.id for run in runs])
+    metrics = metric_columns([*(metric or []), *_recorded_picks(picked, finals)])
     reached = None
     if goal:
         from dsgd_cli.results.history import reach_times  # SQLAlchemy, for this query only
 
         reached = reach_times(store, [run.id for run in runs], goal)
-    rows = run_rows(runs, store.finals([run.id for run in runs]), metrics, reached)
+    rows = run_rows(runs, finals, metrics, reached)
     row_runs = runs  # the run each row stands for (a group: its first, the others its seeds)
     split = split_keys(runs, keys) if keys else []
     if keys:
@@ -99,7 +101,8 @@ def compare(
         notes = []
     if fmt == "simple":
         give_up = _give_up_first(keys + split, metric or [], asked=bool(goal or baseline or metric))
-        typer.echo(fitted(rows, columns, picked=split_columns(shown), labels=give_up))
+        typer.echo(fitted(rows, columns, picked=picked, labels=give_up,
+                          every="every group" if keys else "all runs"))
     else:
         typer.echo(render(rows, fmt, columns))
     for note in [*notes, clocks_note(runs), overran_note(runs)]:
@@ -119,6 +122,13 @@ def _give_up_first(keys: list[str], named_metrics: list[str], asked: bool) -> li
     if not asked:
         return labels
     return labels + [m for m in SPARED_METRICS if m not in named_metrics] + ["baseline"]
+
+
+def _recorded_picks(picked: list[str] | None, finals: dict[int, dict[str, float]]) -> list[str]:
+    """The names in `--columns` that are metrics some selected run recorded (`comm_overrun`,
+    `total_bytes_sent_inter_region`): each becomes a metric column, as `--metric` makes it."""
+    recorded = {name for values in finals.values() for name in values}
+    return [name for name in picked or [] if name in recorded]
 
 
 def _asks_for_status(conditions) -> bool:

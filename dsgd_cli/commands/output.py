@@ -8,7 +8,10 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
+import re
 import shutil
+import sys
 import textwrap
 from itertools import chain
 from typing import Any
@@ -179,6 +182,55 @@ def _tabulated(table: list[list[str]], columns: list[str]) -> str:
     from tabulate import tabulate
 
     return tabulate(table, headers=columns, tablefmt="simple", disable_numparse=True)
+
+
+# -- prose wrapped to the terminal ---------------------------------------------------------------
+
+def terminal_width() -> int | None:
+    """The width that lines of prose (`run --dry-run`'s plan, `show`'s header) wrap to: the
+    terminal's when standard output is one, or $COLUMNS when it is set; None when neither (a
+    pipe, a file, a script's capture): lines stay whole then, one item per line, for grep and
+    scripts. Tables (`fitted`) always fit the terminal's width or $COLUMNS, else 100."""
+    if os.environ.get("COLUMNS") or sys.stdout.isatty():
+        return shutil.get_terminal_size((100, 24)).columns
+    return None
+
+
+def wrap_lines(lines: list[str], width: int | None = None) -> list[str]:
+    """Each line no wider than `width` (default: `terminal_width()`, and when that is None,
+    every line whole), its continuation lines indented four spaces more than it (past the
+    lines it introduces, indented two); words (paths, options, a number with its unit) are
+    never split. A shell command (`torchrun ...`, or `$ ...` after the indent) continues
+    with ` \\` so that it can still be pasted."""
+    width = terminal_width() if width is None else width
+    if width is None:
+        return list(lines)
+    result = []
+    for line in lines:
+        if len(line) <= width:
+            result.append(line)
+            continue
+        indent = line[: len(line) - len(line.lstrip(" "))]
+        command = line.lstrip().startswith(("$ ", "torchrun "))
+        # A number stays with its unit (`12.5 MB/s`): textwrap breaks at plain spaces only.
+        # The first line keeps its indent: textwrap drops only the whitespace it breaks at.
+        glued = _NUMBER_UNIT.sub(lambda m: m.group(1) + _GLUE, line)
+        wrapped = [part.replace(_GLUE, " ") for part in textwrap.wrap(
+            glued, width - (2 if command else 0), subsequent_indent=indent + "    ",
+            break_long_words=False, break_on_hyphens=False)]
+        if command:
+            wrapped = [part + " \\" for part in wrapped[:-1]] + wrapped[-1:]
+        result.extend(wrapped)
+    return result
+
+
+_GLUE = "\ue000"  # a character of no text: a space no line breaks at, while wrapping
+_NUMBER_UNIT = re.compile(r"(\d) (?=[A-Za-zµ%])")
+
+
+def wrap_text(text: str, width: int | None = None) -> str:
+    """`wrap_lines` over the lines of `text`."""
+    return "\n".join(wrap_lines(text.split("\n"), width))
 
 
 BYTE_UNITS = ("B", "kB", "MB", "GB", "TB", "PB")

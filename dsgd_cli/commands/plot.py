@@ -40,8 +40,8 @@ def plot(
 ) -> None:
     """Plot a metric of past runs: one line per run, or per group with --by."""
     # numpy, matplotlib and SQLAlchemy load here, not when the CLI starts.
-    from dsgd_cli.results.plotting import (BANDS, X_AXES, figure, group_lines, run_lines,
-                                            terminal_chart)
+    from dsgd_cli.results.plotting import (BANDS, X_AXES, coincidence_notes, figure,
+                                            group_lines, run_lines, terminal_chart)
     from dsgd_cli.results.query import (check_keys, clocks_note, overran_note, parse_where, pick,
                                         select_runs)
     from dsgd_cli.results.reader import Results
@@ -69,7 +69,8 @@ def plot(
              else run_lines(store, chosen, metric, x))
     clocks = {run.clock for run in chosen}
     clock = clocks.pop() if len(clocks) == 1 else "mixed"
-    for note in (clocks_note(chosen), overran_note(chosen)):
+    for note in (clocks_note(chosen), overran_note(chosen),
+                 *coincidence_notes(lines, terminal=output is None)):
         if note:
             typer.echo(note, err=True)
     if output is None:

@@ -10,7 +10,7 @@ import typer
 
 from dsgd_cli.commands.common import DbOption, ExperimentOption
 from dsgd_cli.errors import DsgdError, RunFailed
-from dsgd_cli.commands.output import fitted
+from dsgd_cli.commands.output import fitted, wrap_lines
 
 if TYPE_CHECKING:
     from dsgd_cli.launch.outcome import RunResult
@@ -267,7 +267,7 @@ def _print_plan(launches) -> None:
                 if options:
                     lines.append(f"    {key} options: " + ", ".join(options))
             if len(lines) >= 10_000:  # a plan of 100,000 experiments: a few writes, not 400,000
-                typer.echo("\n".join(lines))
+                typer.echo("\n".join(wrap_lines(lines)))
                 lines.clear()
-    if lines:
-        typer.echo("\n".join(lines))
+    if lines:  # wrapped to a terminal or $COLUMNS, whole for scripts (output.terminal_width)
+        typer.echo("\n".join(wrap_lines(lines)))

@@ -10,7 +10,7 @@ import typer
 
 from dsgd_cli.commands.common import DbOption, ExperimentOption, FormatOption
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.commands.output import check_format, fitted, readable, render
+from dsgd_cli.commands.output import check_format, fitted, readable, render, wrap_text
 
 # real_seconds: how long the run took on this machine's clock, whatever clock its metrics are on;
 # slurm: the SLURM jobs it ran in (`12_3`: task 3 of array job 12)
@@ -117,25 +117,29 @@ def show(run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`")
     run = store.get_run(run_id)
     if run is None:
         raise DsgdError(f"no run with id {run_id}")
+
+    def echo(text: str) -> None:  # wrapped to a terminal or $COLUMNS (output.terminal_width)
+        typer.echo(wrap_text(text))
+
     typer.echo(f"run {run.id}: {run.experiment}")
-    typer.echo(f"status: {_status_line(run.status, run.reason)}")
-    typer.echo("clock: " + ("modeled (an emulated cluster: every time below is modeled seconds, "
-                            "real time ÷ compute.time_scale)" if run.clock == "modeled" else
-                            "measured (seconds of this machine's clock)"))
+    echo(f"status: {_status_line(run.status, run.reason)}")
+    echo("clock: " + ("modeled (an emulated cluster: every time below is modeled seconds, "
+                      "real time ÷ compute.time_scale)" if run.clock == "modeled" else
+                      "measured (seconds of this machine's clock)"))
     ended = run.ended_at.strftime("%Y-%m-%d %H:%M:%S") if run.ended_at else "-"
-    typer.echo(f"started: {run.started_at:%Y-%m-%d %H:%M:%S}  ended: {ended}  host: {run.host}  "
-               f"dsgd {run.dsgd_version}  spec: {run.spec_file or '-'}")
+    echo(f"started: {run.started_at:%Y-%m-%d %H:%M:%S}  ended: {ended}  host: {run.host}  "
+         f"dsgd {run.dsgd_version}  spec: {run.spec_file or '-'}")
     if run.tag_names:
-        typer.echo(f"tags: {', '.join(run.tag_names)}")
+        echo(f"tags: {', '.join(run.tag_names)}")
     if run.slurm_jobs:
-        typer.echo(f"slurm jobs: {', '.join(map(str, run.slurm_jobs))}")
+        echo(f"slurm jobs: {', '.join(map(str, run.slurm_jobs))}")
     advice = overrun_advice(run)
     if advice:
-        typer.echo(f"emulation: {advice}")
+        echo(f"emulation: {advice}")
     checkpoints = store.checkpoint_dir(run.id)
     if checkpoints:
         resumes = "; ".join(f"{r['at']} from step {r['step']}" for r in store.resumes(run.id))
-        typer.echo(f"checkpoints: {checkpoints}" + (f"  resumed: {resumes}" if resumes else ""))
+        echo(f"checkpoints: {checkpoints}" + (f"  resumed: {resumes}" if resumes else ""))
     typer.echo("\nconfiguration:")
     typer.echo(yaml.safe_dump(_shown_numbers(run.config), sort_keys=False).rstrip())
     typer.echo("\nplugins:")

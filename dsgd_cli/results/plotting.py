@@ -79,6 +79,37 @@ def group_lines(store: Results, runs: list[RunRecord], keys: list[str], metric: 
     return lines
 
 
+def coincident(lines: list[Line]) -> dict[int, int]:
+    """Which lines would be drawn exactly over an earlier one (flat and hierarchical
+    all-reduce against bytes: the same sums, the same bytes): line index → the index of the
+    first earlier line with the same points, to within a thousandth of the y range drawn.
+    Those are drawn dashed, their markers between the other's, and the legend and a note
+    say so (`coincidence_notes`)."""
+    values = [line.y[np.isfinite(line.y)] for line in lines]
+    finite = [v for v in values if len(v)]
+    span = float(np.ptp(np.concatenate(finite))) if finite else 0.0
+    tolerance = max(span, 1e-12) * 1e-3
+    same: dict[int, int] = {}
+    for index, line in enumerate(lines):
+        for earlier in range(index):
+            other = lines[earlier]
+            if (len(line.x) and len(line.x) == len(other.x)
+                    and np.allclose(line.x, other.x, rtol=1e-9, atol=0)
+                    and np.allclose(line.y, other.y, rtol=0, atol=tolerance, equal_nan=True)):
+                same[index] = same.get(earlier, earlier)
+                break
+    return same
+
+
+def coincidence_notes(lines: list[Line], terminal: bool = False) -> list[str]:
+    """One line per line drawn over an earlier one: what `dsgd plot` prints beside its chart
+    (in the terminal, each line's own marker character tells them apart)."""
+    how = ("with its own marker over the other's" if terminal
+           else "dashed, with hollow markers between the other's")
+    return [f"note: {lines[index].label!r} has the same curve as {lines[earlier].label!r}: "
+            f"drawn {how}" for index, earlier in coincident(lines).items()]
+
+
 def _t_quantiles(counts: np.ndarray) -> np.ndarray:
     """Student's t at 97.5% for each count of runs (n − 1 degrees of freedom); NaN below 2."""
     from scipy.stats import t
@@ -184,10 +215,17 @@ def figure(lines: list[Line], metric: str, x_axis: str, clock: str | None = None
     fig = Figure(figsize=(9, 5), layout="constrained")
     ax = fig.add_subplot()
     scale, unit = _byte_scale(lines) if x_axis == "bytes" else (1.0, "")
+    same = coincident(lines)
     for index, line in enumerate(lines):
         x = line.x / scale
-        (drawn,) = ax.plot(x, line.y, label=line.label, marker=MARKERS[index % len(MARKERS)],
-                           markevery=max(1, len(x) // 12), markersize=4)
+        every = max(1, len(x) // 12)
+        style: dict = {"marker": MARKERS[index % len(MARKERS)], "markersize": 4,
+                       "markevery": every, "label": line.label}
+        if index in same:  # over an earlier line: dashed, hollow markers between its markers
+            style.update(linestyle=(0, (4, 3)), markersize=7, markerfacecolor="none",
+                         markevery=(every // 2, every) if every > 1 else every,
+                         label=f"{line.label} (same curve as {lines[same[index]].label})")
+        (drawn,) = ax.plot(x, line.y, **style)
         if line.low is not None:
             ax.fill_between(x, line.low, line.high, color=drawn.get_color(), alpha=0.2, linewidth=0)
     x_label = x_axis_label(x_axis, clock, unit)
@@ -253,8 +291,11 @@ def terminal_chart(lines: list[Line], metric: str, x_axis: str, width: int, heig
 
     plotext.clear_figure()
     plotext.plotsize(width, height)
+    same = coincident(lines)
     for index, line in enumerate(lines):
-        plotext.plot(line.x.tolist(), line.y.tolist(), label=line.label,
+        label = line.label + (f" (same curve as {lines[same[index]].label})" if index in same
+                              else "")
+        plotext.plot(line.x.tolist(), line.y.tolist(), label=label,
                      marker=TERMINAL_MARKERS[index % len(TERMINAL_MARKERS)])
     plotext.xlabel(x_axis_label(x_axis, clock, "bytes"))
     plotext.ylabel(_metric_label(metric, clock))

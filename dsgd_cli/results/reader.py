@@ -121,7 +121,9 @@ class RunRecord:
         """Whether the run's times are what its clock says: `overran` for a modeled run where
         more than OVERRUN_ADVICE_STEPS of the steps' real work overran their modeled time (its
         times are partly this machine's, not the modeled cluster's; `dsgd run` said so when it
-        ended), `ok` otherwise."""
+        ended), `ok` otherwise. (`comm_overrun` and `comm_overrun_time` are no part of it: a
+        collective's real time holds the wait for its last member, which the model holds
+        too, so under stragglers they are high where the timing is the model's.)"""
         from dsgd_cli.spec.compute_model import OVERRUN_ADVICE_STEPS
 
         overran = self.overrun_steps is not None and self.overrun_steps > OVERRUN_ADVICE_STEPS

@@ -267,11 +267,24 @@ def _already_exported(client, experiment_id: str, run: RunRecord) -> bool:
     return bool(found)
 
 
+# What an MLflow run's times are (`dsgd.times`): its start and end are real, when the dsgd run
+# began and ended on its machine; each metric's time is that start plus the value's seconds
+# on the run's clock, which for a modeled run is not the time it was recorded.
+MLFLOW_TIMES = {
+    "modeled": "start and end times are real (when the run began and ended on {host}); "
+               "metric times are the start plus modeled seconds of the emulated cluster, "
+               "not when they were recorded",
+    "measured": "start and end times are real (when the run began and ended on {host}); "
+                "metric times are the start plus measured seconds since training began",
+}
+
+
 def run_tags(run: RunRecord) -> dict[str, str]:
     tags = {"dsgd.run_id": str(run.id), "dsgd.experiment": run.experiment,
             "dsgd.clock": run.clock, "dsgd.status": run.status,
             "dsgd.started_at": run.started_at.isoformat(), "dsgd.tags": ",".join(run.tag_names),
-            "dsgd.version": run.dsgd_version, "dsgd.host": run.host}
+            "dsgd.version": run.dsgd_version, "dsgd.host": run.host,
+            "dsgd.times": MLFLOW_TIMES[run.clock].format(host=run.host)}
     if run.reason:
         tags["dsgd.reason"] = run.reason
     if run.spec_file:

@@ -120,11 +120,37 @@ def cluster(section: dict[str, Any], workers: int) -> str:
     text = f"{section['nodes']} nodes × {workers // section['nodes']} workers"
     if section["regions"]:
         text += f" in regions of {', '.join(map(str, section['regions']))} nodes"
-    links = "; ".join(f"{level} {network(link)}" for level, link in section["links"].items())
+    links = "; ".join(f"{level} {_cluster_link(link)}" for level, link in section["links"].items())
     text += f"; {links}; NIC {section['nic']}"
     if section["speed"]:
-        text += f"; node speeds {', '.join(f'{speed:g}' for speed in section['speed'])}"
+        text += f"; node speeds {', '.join(map(_speed, section['speed']))}"
     return text
+
+
+def _cluster_link(link: Any) -> str:
+    """A level's link, or a matrix of links per pair of regions: its range."""
+    if not isinstance(link, list):
+        return network(link)
+    entries = [entry for row in link for entry in row if entry is not None]
+    rates = [entry["bytes_per_second"] for entry in entries]
+    latencies = [entry["latency_s"] for entry in entries]
+    bandwidth = ("unlimited bandwidth" if None in rates and len(set(rates)) == 1 else
+                 " to ".join(dict.fromkeys(
+                     "unlimited" if rate is None else f"{_si(rate * 8, 'bit/s')}"
+                     for rate in (min(rates, key=_rate_order), max(rates, key=_rate_order)))))
+    latency = " to ".join(dict.fromkeys(_seconds(x) for x in (min(latencies), max(latencies))))
+    return f"per pair of regions, {bandwidth}, latency {latency}"
+
+
+def _rate_order(rate: float | None) -> float:
+    return float("inf") if rate is None else rate
+
+
+def _speed(speed: float | list[float]) -> str:
+    """A node's speed, or its workers' (`[1, 0.5]`)."""
+    if isinstance(speed, list):
+        return "[" + ", ".join(f"{worker:g}" for worker in speed) + "]"
+    return f"{speed:g}"
 
 
 def failures(config: dict[str, Any]) -> str:

@@ -75,6 +75,7 @@ def load_spec(path: str | Path, *, only: list[str] | None = None,
     `workers`, `launch` (the keys of its `launch:` section) and `overrides` (`--set`) are the
     command line's."""
     file = str(path)
+    document = None  # once read: where an error's value was written (`_located`)
     try:
         text, document = specfile.read_document(Path(path))
         try:
@@ -87,13 +88,16 @@ def load_spec(path: str | Path, *, only: list[str] | None = None,
             experiment.spec_text = text
         return select(experiments, only)
     except SpecError as error:
-        raise _located(error, file, [key for key, _ in overrides]) from None
+        raise _located(error, file, [key for key, _ in overrides], document,
+                       workers_given=workers is not None) from None
 
 
-def _located(error: SpecError, file: str, set_keys: list[str]) -> SpecError:
+def _located(error: SpecError, file: str, set_keys: list[str],
+             document: Any = None, workers_given: bool = False) -> SpecError:
     """`error` naming where the bad value was written: the `--set KEY` whose value holds its
-    key path, else the spec file. One line whatever the spec holds: a key may contain a line
-    break."""
+    key path, else the spec file, at `defaults.KEY` where the experiment took it from the
+    spec's `defaults` (not `workers` when `--workers` set it). One line whatever the spec
+    holds: a key may contain a line break."""
     path = error.path
     where = error.file  # set already where a --set key itself is wrong
     set_key = specfile.set_key_holding(path, set_keys)
@@ -101,7 +105,19 @@ def _located(error: SpecError, file: str, set_keys: list[str]) -> SpecError:
         where = specfile.set_origin(set_key)
         inside = path.split(".", 1)[1]  # the key path within the experiment
         path = None if inside == set_key else inside
-    return SpecError(one_line(error.detail), file=one_line(where or file),
+    detail = error.detail
+    given = workers_given and (path or "").endswith("].workers")
+    if set_key is None and where is None and isinstance(document, dict) and not given:
+        written = specfile.defaults_path(path, document.get("defaults") or {},
+                                         document.get("experiments") or [])
+        if written is not None:
+            # Met in the first experiment, the value is wrong in itself; in a later one, it
+            # is wrong with what that experiment sets: say which.
+            experiment = path.split(".", 1)[0]
+            if experiment != "experiments[0]":
+                detail = f"{detail} (in {experiment})"
+            path = written
+    return SpecError(one_line(detail), file=one_line(where or file),
                      path=one_line(path) if path else None)
 
 

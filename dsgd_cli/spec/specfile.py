@@ -192,6 +192,44 @@ def set_key_holding(path: str | None, keys: list[str]) -> str | None:
     return None
 
 
+_KEY_PARTS = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def defaults_path(path: str | None, defaults: dict, entries: list) -> str | None:
+    """`defaults.KEY...` where the value at the key path `path` of an error met in an
+    experiment (`experiments[0].network.bandwidth`) was written in the spec's `defaults`, not
+    in that experiment (nor its grid): the place to fix it. None where the experiment wrote
+    it, `defaults` does not hold it (dsgd's own default), or the path is not an experiment's."""
+    match = re.fullmatch(r"experiments\[(\d+)\]\.(.+)", path or "", re.DOTALL)
+    if match is None or not isinstance(entries, list) or int(match.group(1)) >= len(entries):
+        return None
+    entry, inside = entries[int(match.group(1))], match.group(2)
+    if not isinstance(entry, dict) or not isinstance(defaults, dict):
+        return None
+    grid = entry.get("grid")
+    if isinstance(grid, dict) and any(inside == str(key) or inside.startswith(f"{key}.")
+                                      or inside.startswith(f"{key}[") for key in grid):
+        return None  # a grid key sets it in every point
+    parts = [name if name else int(index)
+             for name, index in _KEY_PARTS.findall(inside)]
+    mine: Any = entry  # None once the experiment has nothing along the path
+    theirs: Any = defaults
+    for part in parts:
+        if isinstance(part, int):
+            if mine is not None or not isinstance(theirs, list) or part >= len(theirs):
+                return None  # a list the experiment wrote replaces the default's whole
+        elif not isinstance(theirs, dict) or part not in theirs:
+            return None  # not in defaults: dsgd's own default, or the experiment's
+        elif isinstance(mine, dict) and part in mine:
+            if not (isinstance(mine[part], dict) and isinstance(theirs[part], dict)):
+                return None  # the experiment's own value replaced the default's
+            if "name" in mine[part] and mine[part]["name"] != theirs[part].get("name"):
+                return None  # another plugin: its section replaced the default's whole
+        mine = mine.get(part) if isinstance(mine, dict) else None
+        theirs = theirs[part]
+    return "defaults." + inside
+
+
 def points(defaults: dict, entries: list, workers_override: int | None = None,
            overrides: list[tuple[str, Any]] = (), only: list[str] | None = None) -> Iterator[Point]:
     """Every experiment of the spec, grid points expanded, in order; lazily, so that the

@@ -121,10 +121,11 @@ def report_run(worker: Worker, events: EventWriter, totals: Totals) -> None:
     # Run totals: samples and bytes over all workers; the emulation's overrun steps.
     padding = worker.padding
     comm = worker.comm
-    samples, total_sent, steps, overran, modeled_ops, overran_ops = all_sum(comm, [
-        totals.samples, totals.bytes_sent, padding.steps if padding else 0,
-        padding.overran_steps if padding else 0, comm.modeled_operations,
-        comm.overran_operations])
+    samples, total_sent, steps, overran, modeled_ops, overran_ops, overrun_s, train_s = all_sum(
+        comm, [totals.samples, totals.bytes_sent, padding.steps if padding else 0,
+               padding.overran_steps if padding else 0, comm.modeled_operations,
+               comm.overran_operations, worker.ctx.clock.to_modeled(comm.overrun_seconds),
+               totals.train_seconds])
     # The slowest worker's training time; the time by which every worker had seen the
     # target accuracy (workers of asynchronous algorithms each judge their own model;
     # under a budget rank 0 judged the average model and the others pass 0).
@@ -142,6 +143,8 @@ def report_run(worker: Worker, events: EventWriter, totals: Totals) -> None:
             events.metric("overrun_steps", overran / steps, per_rank=False)
         if modeled_ops:
             events.metric("comm_overrun", overran_ops / modeled_ops, per_rank=False)
+            if train_s > 0:  # the share of the workers' training time those overruns added
+                events.metric("comm_overrun_time", min(1.0, overrun_s / train_s), per_rank=False)
         if reached_by_all != math.inf:
             events.metric("time_to_accuracy", reached_by_all, per_rank=False)
         for name, value in worker.aggregator.run_totals().items():
