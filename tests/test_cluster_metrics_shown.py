@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import dsgd_in_process as dsgd, write_spec
-from dsgd_cli.comm import communicator
+from dsgd_cli.comm import communicator, handles
 from dsgd_cli.comm.communicator import Comm, Handle
 from dsgd_cli.results.store import MetricRow, Store
 
@@ -117,6 +117,7 @@ def test_an_overrun_counts_the_time_it_held_the_caller(monkeypatch, transfer_s, 
                                                       overran, added):
     clock = _FakeTime()
     monkeypatch.setattr(communicator, "time", clock)
+    monkeypatch.setattr(handles, "time", clock)
     comm = Comm(0, 1)
     issued = clock.now
     Handle(comm, [_Work(clock, issued + transfer_s)], issued, modeled_s, blocking=True).wait()

@@ -29,14 +29,15 @@ import torch.distributed as dist
 
 from dsgd_cli.comm import by_messages
 from dsgd_cli.comm.cluster import LEVELS, Cluster
+# Handles, and what a worker says when a collective hangs; Handle and CommTimeout are imported
+# from here too.
+from dsgd_cli.comm.handles import Handle
+from dsgd_cli.comm.hangs import CollectiveCounts, CommTimeout, Entered
 # The emulated link, in real time (`emulation.network.real_network`); imported from here too.
 from dsgd_cli.emulation.network import NetworkModel
-from dsgd_cli.units import readable_duration
 
 
 DEFAULT_TIMEOUT_S = 600.0  # the spec's `timeout` when it has none
-# A modeled operation overran when its real transfer took this fraction longer than modeled.
-COMM_OVERRUN_TOLERANCE = 0.05
 # What an operation costs on a cluster: its real seconds, and its bytes sent per link level.
 Cost = tuple[float, dict[str, int]]
 
@@ -80,187 +81,6 @@ class SharedCounter:
 
     def value(self) -> int:
         return self.add(0)
-
-
-class CommTimeout(RuntimeError):
-    """An operation made no progress for the run's `timeout`: a peer is gone or stuck.
-    `behind`: for a collective, the members that had not entered it (known from the
-    collective counts in the store), lowest first."""
-
-    def __init__(self, message: str, behind: Sequence[int] = ()):
-        super().__init__(message)
-        self.behind = list(behind)
-
-
-# A collective a worker entered: its group's name (the same on every member), the group's
-# ranks, and how many collectives on that group this worker has entered, this one included.
-Entered = tuple[str, tuple[int, ...], int]
-
-
-class CollectiveCounts:
-    """How many collectives this worker has entered on each group, each count one number in
-    the rendezvous store: when a collective makes no progress, the members whose count is
-    lower never entered it, and are named.
-
-    Entering a collective only counts, in memory: a store round trip per collective would
-    slow every step. A thread of the worker publishes the counts that changed every
-    `PUBLISH_EVERY_S`; the member that timed out publishes its own and waits that long again
-    before it reads the others', so every member that had entered the collective by then has
-    published it, even one stuck in it, and one that is busy elsewhere (not entering) has
-    published the count it stopped at."""
-
-    PUBLISH_EVERY_S = 0.25
-
-    def __init__(self, rank: int, namespace: str):
-        self.rank, self.namespace = rank, namespace
-        self._counts: dict[str, int] = {}
-        self._changed: set[str] = set()
-        self._lock = threading.Lock()  # background threads enter collectives too
-        self._publishing = threading.Lock()  # one publisher at a time: counts land in order
-        self._closed = threading.Event()
-        self._publisher: threading.Thread | None = None
-        self._store: Any = None
-        self._usable = True  # until the store fails: then nothing is published
-
-    def _key(self, group: str, rank: int) -> str:
-        return f"dsgd/collectives/{self.namespace}/{group}/{rank}"
-
-    def _default_store(self) -> Any:
-        if not self._usable:
-            return None
-        if self._store is None and dist.is_initialized():
-            self._store = dist.distributed_c10d._get_default_store()
-        return self._store
-
-    def enter(self, group: str, ranks: tuple[int, ...]) -> Entered:
-        """Count one more collective on the group named `group`."""
-        with self._lock:
-            count = self._counts.get(group, 0) + 1
-            self._counts[group] = count
-            self._changed.add(group)
-            if self._publisher is None:
-                self._publisher = threading.Thread(target=self._publish_until_closed,
-                                                   daemon=True, name="dsgd-collective-counts")
-                self._publisher.start()
-        return group, ranks, count
-
-    def _publish_until_closed(self) -> None:
-        while not self._closed.wait(self.PUBLISH_EVERY_S):
-            self.publish()
-
-    def publish(self) -> None:
-        """Write the counts that changed since the last time into the store."""
-        with self._publishing:
-            with self._lock:
-                changed = {group: self._counts[group] for group in self._changed}
-                self._changed.clear()
-            store = self._default_store()
-            if store is None:
-                return
-            try:
-                for group, count in changed.items():
-                    store.set(self._key(group, self.rank), str(count))
-            except RuntimeError:  # the store is gone (with torchrun): the collective says why
-                self._usable = False
-
-    def behind(self, group: str, ranks: tuple[int, ...], count: int) -> list[int]:
-        """The members of the group that had entered fewer than `count` collectives on it;
-        none when the store cannot say (it went with torchrun)."""
-        self.publish()
-        self._closed.wait(2 * self.PUBLISH_EVERY_S)  # for the others' publishers
-        store = self._default_store()
-        if store is None:
-            return []
-        late = []
-        try:
-            for rank in ranks:
-                key = self._key(group, rank)
-                if rank != self.rank and (not store.check([key]) or int(store.get(key)) < count):
-                    late.append(rank)
-        except (RuntimeError, ValueError):  # DistStoreError is a RuntimeError
-            return []
-        return late
-
-    def close(self) -> None:
-        self._closed.set()
-
-
-class Handle:
-    """A non-blocking operation in flight. `wait()` returns its result."""
-
-    def __init__(self, comm: "Comm", works: Sequence[Any], issued_at: float, emulated_s: float,
-                 result: Any = None, on_complete: Callable[[], Any] | None = None,
-                 blocking: bool = False, operation: str = "communication",
-                 entered: Entered | None = None, done_at: float | None = None):
-        self._comm = comm
-        self._operation = operation  # what failed, in an error: "recv from rank 2"
-        self._entered = entered  # a collective's, to name who never entered it
-        self._works = works
-        self._issued_at = issued_at
-        self._emulated_s = emulated_s
-        self._result = result
-        self._on_complete = on_complete
-        self._done = False
-        self._tracked = comm._tracking() and comm._counting_seconds()
-        self._modeled = comm._tracking() and emulated_s > 0  # its time is the model's
-        self._done_at = done_at  # when its transfer ended, if it ended as it was issued
-        self._blocking = blocking  # the caller has been blocked since the operation was issued
-
-    def is_completed(self) -> bool:
-        if self._done:
-            return True
-        real_done = all(work is None or work.is_completed() for work in self._works)
-        return real_done and time.perf_counter() >= self._issued_at + self._emulated_s
-
-    def wait(self) -> Any:
-        if self._done:
-            return self._result
-        started = self._issued_at if self._blocking else time.perf_counter()
-        # Since when the caller has been held up by this transfer: its issue when it blocked
-        # (or moved as it was issued), else this wait.
-        waited_from = self._issued_at if self._done_at is not None else started
-        try:
-            for work in self._works:
-                if work is not None:
-                    work.wait()
-        except RuntimeError as error:
-            raise self._comm._failure(self._operation, error, self._entered) from error
-        if self._modeled:
-            # Overran: the real transfer kept the caller waiting past the modeled end. A
-            # transfer waited for late (a send waited at the end of a round) had all the time
-            # until the wait; when it was done by then, the model's time is what was recorded.
-            real_end = self._done_at or time.perf_counter()
-            modeled_end = max(self._issued_at + self._emulated_s, waited_from)
-            overran = real_end > modeled_end + self._emulated_s * COMM_OVERRUN_TOLERANCE
-            # What it added to the caller's recorded time (`comm_overrun_time`); a background
-            # thread's wait holds up no step.
-            added = real_end - modeled_end if overran and self._tracked else 0.0
-            self._comm._note_modeled(overran, added)
-        self._wait_for_modeled_end()
-        if self._on_complete is not None:
-            self._result = self._on_complete()
-        self._done = True
-        if self._tracked:
-            self._comm._add(seconds=time.perf_counter() - started)
-        return self._result
-
-    def _wait_for_modeled_end(self) -> None:
-        """Sleep until the modeled transfer ends. That wait is real and no real wait may last
-        the run's `timeout`: a transfer modeled that long (a link of a few bits per second)
-        fails now, as a real one would once the timeout is up, instead of sleeping for days
-        outside any collective, where no backend's timeout can end it."""
-        timeout = self._comm.timeout_s
-        if self._emulated_s >= timeout:
-            raise CommTimeout(f"{self._operation}: its modeled transfer lasts "
-                              f"{readable_duration(self._emulated_s)} of real time, not less "
-                              f"than the spec's timeout ({timeout:g} s)")
-        _sleep_until(self._issued_at + self._emulated_s)
-
-
-def _sleep_until(deadline: float) -> None:
-    remaining = deadline - time.perf_counter()
-    if remaining > 0:
-        time.sleep(remaining)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
