@@ -470,8 +470,10 @@ class Comm:
         (rank 0's coordinator beside its training loop): counts the bytes sent and received
         and blocks for the emulated transfer time, so that the local rank is not favoured."""
         size = _nbytes(tensor)
-        # On a cluster: as from the worker farthest from this one (the highest level).
+        # On a cluster: as from the worker slowest to reach from this one (with links per pair
+        # of regions, the slowest pair; with one link per level, the highest level).
         farthest = max(range(self.world_size), key=lambda rank: (
+            self.cluster.p2p_seconds(self.rank, rank, size),
             LEVELS.index(self.cluster.level(self.rank, rank)), rank)) if self.cluster else 0
         self._issue(lambda: None, sent=size, received=size, messages=1, async_op=False,
                     operation="send within this process",
