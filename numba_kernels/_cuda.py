@@ -373,23 +373,29 @@ def _k_norms(partial, nsub, levels, norms, scales):
         b += stride
 
 
+@cuda.jit(device=True)
+def _qsgd_code(v, scale, flev, key, j):
+    """Element j's QSGD code: |v| scaled to [0, levels], rounded up with probability its
+    fraction (uniform draw j of the segment's stream ``key``), signed like v."""
+    a = np.float64(abs(v)) * scale
+    if not (a >= 0.0):
+        a = 0.0
+    elif a > flev:
+        a = flev
+    fl = math.floor(a)
+    lvl = np.int32(fl) + np.int32(np.float64(_uniform(key, j)) < a - fl)
+    if v < 0:
+        lvl = -lvl
+    return lvl
+
+
 @cuda.jit
 def _k_qsgd_quant(x, scales, levels, bs, key, q):
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     flev = np.float64(levels)
     while i < x.size:
-        v = x[i]
-        a = np.float64(abs(v)) * scales[i // bs]
-        if not (a >= 0.0):
-            a = 0.0
-        elif a > flev:
-            a = flev
-        fl = math.floor(a)
-        lvl = np.int32(fl) + np.int32(np.float64(_uniform(key, i)) < a - fl)
-        if v < 0:
-            lvl = -lvl
-        q[i] = np.int8(lvl)
+        q[i] = np.int8(_qsgd_code(x[i], scales[i // bs], flev, key, i))
         i += stride
 
 
@@ -1056,22 +1062,6 @@ def _k_seg_norms(x, starts, sizes, norm_starts, levels, bucket_size, norms, scal
                 sc = np.float64(np.float32(levels[s]) / nrm)
             scales[g] = sc
         g += cuda.gridDim.x
-
-
-@cuda.jit(device=True)
-def _qsgd_code(v, scale, flev, key, j):
-    """Element j's QSGD code: |v| scaled to [0, levels], rounded up with probability its
-    fraction (uniform draw j of the segment's stream ``key``), signed like v."""
-    a = np.float64(abs(v)) * scale
-    if not (a >= 0.0):
-        a = 0.0
-    elif a > flev:
-        a = flev
-    fl = math.floor(a)
-    lvl = np.int32(fl) + np.int32(np.float64(_uniform(key, j)) < a - fl)
-    if v < 0:
-        lvl = -lvl
-    return lvl
 
 
 @_kernel(_sig(F32, I64, I64, I64, I64, I64, INT, F64, I8))
