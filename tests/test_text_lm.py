@@ -151,3 +151,16 @@ def test_a_relative_path_is_looked_up_in_dsgd_data(tmp_path, monkeypatch):
     assert load_spec(spec)[0].config["task"]["path"] == str(tmp_path / "data" / "corpus.txt")
     (tmp_path / "cwd" / "corpus.txt").write_text(TEXT)  # the working directory comes first
     assert load_spec(spec)[0].config["task"]["path"] == str(tmp_path / "cwd" / "corpus.txt")
+
+
+def test_a_name_too_long_for_the_system_is_one_line_and_exit_2(tmp_path, monkeypatch):
+    """With $DSGD_DATA set, a relative path is looked for there too: a name longer than the
+    system takes (found by tests/test_fuzz.py) made that look-up raise a traceback."""
+    monkeypatch.setenv("DSGD_DATA", str(tmp_path))
+    name = "x" * 300
+    spec = write_spec(tmp_path, f"experiments: [{{name: a, task: {{name: text_lm, path: {name}}}}}]")
+    result = dsgd_in_process("run", str(spec), "--db", str(tmp_path / "r.db"))
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.splitlines()) == 1
+    assert "experiments[0].task: path: cannot read" in result.stderr
+    assert "name too long" in result.stderr

@@ -101,11 +101,20 @@ def locate(path: str) -> Path:
     nothing there, relative to `$DSGD_DATA`, where data sets are kept (as for CIFAR)."""
     given = Path(path).expanduser()
     root = os.environ.get("DSGD_DATA")
-    if not given.is_absolute() and not given.exists() and root:
+    if not given.is_absolute() and not _exists(given) and root:
         in_data = Path(root).expanduser() / given
-        if in_data.exists():
+        if _exists(in_data):
             return in_data.resolve()
     return given.resolve()
+
+
+def _exists(path: Path) -> bool:
+    """Whether something is at `path`; False for a name the system refuses (one too long),
+    which `read_tokens` then reports as a path it cannot read."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def split_point(length: int, test_fraction: float) -> int:
