@@ -79,7 +79,8 @@ def _continuing(options: dict, rank: int, start: float):
     clock = Clock(1.0, now=lambda: real[0], sleep=lambda seconds: None)
     clock.start(start)
     worker = types.SimpleNamespace(
-        config={"workers": 2, "failures": options}, rank=rank, aggregator=_Aggregator(),
+        experiment=types.SimpleNamespace(workers=2, failures=options, cluster=None),
+        rank=rank, aggregator=_Aggregator(),
         device=torch.device("cpu"), comm=_AloneComm(),
         interval=types.SimpleNamespace(log=lambda name, value: None),
         ctx=types.SimpleNamespace(clock=clock, up=True))

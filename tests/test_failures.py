@@ -356,7 +356,8 @@ def _worker(failures: dict):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     stateless = types.SimpleNamespace(state_dict=dict, load_state_dict=lambda state: None)
     worker = types.SimpleNamespace(
-        config={"workers": 1, "failures": failures}, model=model, optimizer=optimizer,
+        experiment=types.SimpleNamespace(workers=1, failures=failures, cluster=None),
+        model=model, optimizer=optimizer,
         aggregator=stateless, device=torch.device("cpu"), comm=_Comm(), interval=_Interval(),
         ctx=types.SimpleNamespace(clock=clock, compressor=stateless),
         evaluation=types.SimpleNamespace(reached_at=None))
@@ -439,7 +440,7 @@ def _continuing(failures: dict, workers: int, rank: int):
     from dsgd_cli.emulation.failures import ContinueEmulation, emulate_failures
 
     worker, real = _worker(failures)
-    worker.config["workers"], worker.rank = workers, rank
+    worker.experiment.workers, worker.rank = workers, rank
     worker.aggregator = _Recorder()
     emulation = emulate_failures(worker, start=0.0)
     assert isinstance(emulation, ContinueEmulation)
@@ -894,7 +895,7 @@ def _two_workers_twice(rank, n):
 
     def worker_of(failures):
         worker, real = _worker(parse_failures(failures, PATH))
-        worker.config["workers"], worker.rank, worker.comm = n, rank, Comm(rank, n)
+        worker.experiment.workers, worker.rank, worker.comm = n, rank, Comm(rank, n)
         return worker, real
 
     runs = []
@@ -1103,8 +1104,9 @@ def _evaluate_with_rank2_down(rank, n):
     recorded = {}
     events = types.SimpleNamespace(
         metric=lambda name, value, **where: recorded.__setitem__(name, value))
-    config = {"target_accuracy": None, "failures": {"restart": 1.0}}
-    evaluation = WorkerEvaluation(config, _Classifier(), aggregator, Comm(rank, n),
+    experiment = types.SimpleNamespace(target_accuracy=None, failures={"restart": 1.0},
+                                       budget=None)
+    evaluation = WorkerEvaluation(experiment, _Classifier(), aggregator, Comm(rank, n),
                                   *_test_set(), events, None, None)
     evaluation._evaluate(step=4, epoch=0)
     # Under a budget: the background evaluation of the same snapshot.

@@ -17,18 +17,42 @@ import random
 import statistics
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from dsgd_cli.emulation.clock import Clock
+from dsgd_cli.emulation.network import GLOO_RING_MAX
 
 # A step overran when its real work took more than this fraction longer than modeled.
 STEP_OVERRUN_TOLERANCE = 0.05
 
 
-def time_scale(config: dict) -> float:
-    """Real seconds per modeled second of an experiment: 1 without a compute model."""
+@dataclass(frozen=True)
+class Compute:
+    """The `compute` section as a run's configuration holds it (checked by
+    `spec.compute_model.ComputeOptions`): the resolved experiment's `compute`."""
+
+    step_seconds: float
+    variation: dict[str, Any] | None  # {distribution: name, <its option>: value}
+    time_scale: float
+    ring_max: int = GLOO_RING_MAX  # groups above it all-reduce by messages in real (comm/by_messages.py)
+
+    @classmethod
+    def read(cls, section: Mapping[str, Any]) -> Compute:
+        """The section as stored (a configuration's JSON)."""
+        return cls(**section)
+
+
+def time_scale(config: Mapping[str, Any]) -> float:
+    """Real seconds per modeled second of a stored configuration: 1 without a compute model."""
     compute = config.get("compute")
     return 1.0 if compute is None else compute["time_scale"]
+
+
+def experiment_time_scale(compute: Compute | None) -> float:
+    """Real seconds per modeled second of an experiment (its `compute`): 1 without one."""
+    return 1.0 if compute is None else compute.time_scale
 
 
 def variation_factor(variation: dict | None, seed: int, rank: int, step: int) -> float:
@@ -69,12 +93,14 @@ class PaddedCompute:
     `clock`: the worker's (`ctx.clock`); without one, a clock of the section's `time_scale`.
     """
 
-    def __init__(self, compute: dict, seed: int, rank: int, blocked: Callable[[], float],
-                 speed: float = 1.0, clock: Clock | None = None):
-        self.step_seconds = compute["step_seconds"]
+    def __init__(self, compute: Compute | Mapping[str, Any], seed: int, rank: int,
+                 blocked: Callable[[], float], speed: float = 1.0, clock: Clock | None = None):
+        if isinstance(compute, Mapping):  # the section as stored
+            compute = Compute.read(compute)
+        self.step_seconds = compute.step_seconds
         self.speed = speed  # the worker's relative compute speed: 0.5 takes twice as long
-        self.variation = compute["variation"]
-        self.clock = clock if clock is not None else Clock(compute["time_scale"])
+        self.variation = compute.variation
+        self.clock = clock if clock is not None else Clock(compute.time_scale)
         self.seed, self.rank = seed, rank
         self.blocked = blocked
         # Real seconds from the end of the sleep ahead to the end of backward, recent steps.

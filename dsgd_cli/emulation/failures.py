@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from dsgd_cli.spec.failures_spec import failure_mode, node_count, node_of
+from dsgd_cli.spec.failures_spec import failure_domains, failure_mode, node_of
 
 # -- the schedule -------------------------------------------------------------------------
 
@@ -147,9 +147,10 @@ class FailureEmulation:
 
     def __init__(self, worker: Any, start: float, step: int = 0, samples: int = 0):
         """`start`: the modeled time training starts at, after `step` steps (a resumed run)."""
-        config = worker.config
+        experiment = worker.experiment
         self.worker = worker
-        self.timeline = RestartTimeline(config["failures"], node_count(config), start, step)
+        self.timeline = RestartTimeline(experiment.failures, failure_domains(experiment),
+                                        start, step)
         self._snapshot = self._take(step, samples, start)
 
     def before_step(self, step: int) -> bool:
@@ -272,15 +273,15 @@ class ContinueEmulation:
     """
 
     def __init__(self, worker: Any, start: float):
-        config = worker.config
+        experiment = worker.experiment
         aggregator = type(worker.aggregator)
         self.worker = worker
-        self.workers = config["workers"]
-        self.nodes = node_count(config)
+        self.workers = experiment.workers
+        self.nodes = failure_domains(experiment)
         self.node = node_of(worker.rank, self.workers, self.nodes)
         self.in_step = not (aggregator.asynchronous or aggregator.steps_may_differ
                             or aggregator.decides_stop)
-        self.schedule = OutageSchedule(config["failures"], self.nodes)
+        self.schedule = OutageSchedule(experiment.failures, self.nodes)
         self.schedule.skip_before(start)  # a resumed run: the outages before it are behind it
         self._outages_before = list(self.schedule.outages)
         self.down_ranks: set[int] = set()

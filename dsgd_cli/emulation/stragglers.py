@@ -6,30 +6,37 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dsgd_cli.spec.experiment_options import Stragglers
 
 
 class Straggling:
-    """How many times slower than its natural speed a worker computes at each step."""
+    """How many times slower than its natural speed a worker computes at each step: the
+    experiment's `stragglers` (a section as stored, a mapping, is read first), or None."""
 
-    def __init__(self, stragglers: dict | None, rank: int, seed: int):
-        stragglers = stragglers or {}
-        self.fixed = stragglers["slowdown"] if rank in stragglers.get("ranks", []) else 1.0
-        self.random = stragglers.get("random")
+    def __init__(self, stragglers: Stragglers | Mapping[str, Any] | None, rank: int,
+                 seed: int):
+        if isinstance(stragglers, Mapping):
+            stragglers = Stragglers.read(stragglers)
+        slow = stragglers is not None and rank in stragglers.ranks
+        self.fixed = stragglers.slowdown if slow else 1.0
+        self.random = None if stragglers is None else stragglers.random
         self.rank, self.seed = rank, seed
 
     @property
     def active(self) -> bool:
-        return self.fixed > 1 or (self.random is not None and self.random["probability"] > 0
-                                  and self.random["slowdown"] > 1)
+        return self.fixed > 1 or (self.random is not None and self.random.probability > 0
+                                  and self.random.slowdown > 1)
 
     def factor(self, step: int) -> float:
         """The slowdown of `step`: the same seed, rank and step always give the same one."""
         factor = self.fixed
         if self.random is not None:
             draw = random.Random(f"stragglers:{self.seed}:{self.rank}:{step}").random()
-            if draw < self.random["probability"]:
-                factor *= self.random["slowdown"]
+            if draw < self.random.probability:
+                factor *= self.random.slowdown
         return factor
 
     @staticmethod

@@ -22,8 +22,10 @@ to, null on the diagonal), and a node's speed a list, one per worker of the node
 Each link takes what `network:` takes (the same units). The section is declared, checked and
 defaulted by `experiment_options.ClusterOptions`; its resolved form keeps the links given, in
 bytes per second (None: unlimited) and seconds, as `network` does (a matrix entry by entry,
-None on its diagonal). This module reads that resolved form back: the cluster model, the
-network model, the workers' speeds and the modeled time of one message.
+None on its diagonal). This module makes the models of that resolved form: the cluster
+model, the network model, the workers' speeds and the modeled time of one message; from the
+resolved experiment (`cluster_of`, `network_of`: the worker's) or from a configuration as
+stored (`cluster_model`, `network_model`: validation, `dsgd show`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 
 from dsgd_cli.comm.communicator import NetworkModel
 from dsgd_cli.comm.cluster import Cluster, Link
+from dsgd_cli.spec.resolved import Cluster as ResolvedCluster, Link as ResolvedLink
 
 
 def slowest_speed(config: dict[str, Any]) -> float:
@@ -44,28 +47,34 @@ def slowest_speed(config: dict[str, Any]) -> float:
 
 
 def cluster_model(config: dict[str, Any]) -> Cluster | None:
-    """The resolved experiment's cluster, in modeled time (None without a `cluster` section)."""
+    """A configuration's cluster, in modeled time (None without a `cluster` section)."""
     section = config.get("cluster")
+    return cluster_of(None if section is None else ResolvedCluster.read(section),
+                      config["workers"])
+
+
+def cluster_of(section: ResolvedCluster | None, workers: int) -> Cluster | None:
+    """The resolved experiment's cluster (`experiment.cluster`), in modeled time."""
     if section is None:
         return None
     links, region_links = {}, ()
-    for level, link in section["links"].items():
+    for level, link in section.links.items():
         if isinstance(link, list):  # inter_region, one link per ordered pair of regions
             region_links = tuple(tuple(None if entry is None else _link(entry) for entry in row)
                                  for row in link)
         else:
             links[level] = _link(link)
     speeds = tuple(tuple(speed) if isinstance(speed, list) else speed
-                   for speed in section["speed"] or ())
-    return Cluster(workers=config["workers"], nodes=section["nodes"], links=links,
-                   regions=tuple(section["regions"] or ()),
-                   nic_shared=section["nic"] == "shared", speeds=speeds,
+                   for speed in section.speed or ())
+    return Cluster(workers=workers, nodes=section.nodes, links=links,
+                   regions=tuple(section.regions or ()),
+                   nic_shared=section.nic == "shared", speeds=speeds,
                    region_links=region_links)
 
 
-def _link(link: dict[str, Any]) -> Link:
-    bytes_per_second = link["bytes_per_second"]  # None: unlimited
-    return Link(link["latency_s"], math.inf if bytes_per_second is None else bytes_per_second)
+def _link(link: ResolvedLink) -> Link:
+    bytes_per_second = link.bytes_per_second  # None: unlimited
+    return Link(link.latency_s, math.inf if bytes_per_second is None else bytes_per_second)
 
 
 def message_seconds(config: dict[str, Any], source: int, destination: int,
@@ -85,12 +94,17 @@ def message_seconds(config: dict[str, Any], source: int, destination: int,
 
 
 def network_model(config: dict[str, Any]) -> NetworkModel | None:
-    """The resolved experiment's `network` link, in modeled time (None without one)."""
+    """A configuration's `network` link, in modeled time (None without one)."""
     network = config["network"]
-    if network is None:
+    return network_of(None if network is None else ResolvedLink.read(network))
+
+
+def network_of(link: ResolvedLink | None) -> NetworkModel | None:
+    """The resolved experiment's `network` link (`experiment.network`), in modeled time."""
+    if link is None:
         return None
-    bytes_per_second = network["bytes_per_second"]  # None: unlimited
-    return NetworkModel(network["latency_s"], math.inf if bytes_per_second is None else bytes_per_second)
+    bytes_per_second = link.bytes_per_second  # None: unlimited
+    return NetworkModel(link.latency_s, math.inf if bytes_per_second is None else bytes_per_second)
 
 
 def node_speed(config: dict[str, Any], rank: int) -> float:

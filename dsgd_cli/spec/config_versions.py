@@ -17,6 +17,8 @@ import math
 from typing import Any, Callable
 
 from dsgd_cli.errors import DsgdError
+from dsgd_cli.spec.compute_model import ComputeOptions
+from dsgd_cli.spec.experiment_options import EXPERIMENT_DEFAULTS
 
 # Version 1: every configuration stored before the number existed (it has no
 # `config_version`), including those from before `lr_schedule`, `lr_scaling`, `data_split`,
@@ -25,31 +27,32 @@ from dsgd_cli.errors import DsgdError
 # Version 3: a compute section has `ring_max` (how the real all-reduce moves).
 CONFIG_VERSION = 3
 
-# The value a key had before it existed: what the runtime did without it.
-_ADDED_KEYS: dict[str, Any] = {
-    "steps_per_epoch": None,
-    "log_interval": 10,
-    "timeout": 600.0,
-    "data_split": "random",
-    "target_accuracy": None,
-    "save_dir": None,
-    "network": None,
-    "stragglers": None,
-    "compute": None,
-    "cluster": None,
-    "budget": None,
-    "checkpoint_every": None,
-    "lr_scaling": "none",
-    "lr_schedule": {"name": "constant", "warmup_steps": 0, "warmup_epochs": 0.0},
-}
+# Keys added over version 1's life. A configuration without one gets the key's declared
+# default (experiment_options.py), which is what the runtime did without it; were a default
+# to change, the step would record the value of then (tests/test_config_versions.py checks
+# what a version-1 configuration reads as).
+ADDED_IN_VERSION_1 = ("steps_per_epoch", "log_interval", "timeout", "data_split",
+                      "target_accuracy", "save_dir", "network", "stragglers", "compute",
+                      "cluster", "budget", "checkpoint_every", "lr_scaling", "lr_schedule")
+# The options of the default schedule then, filled in as a resolved section has them:
+# reading them from its plugin would load it (and torch) in commands that only read.
+_SCHEDULE_OPTIONS_THEN = {"warmup_steps": 0, "warmup_epochs": 0.0}
+
+
+def declared_default(key: str) -> Any:
+    """The default `ExperimentOptions` declares for `key`, as a configuration stores it (a
+    section's default is null)."""
+    return copy.deepcopy(EXPERIMENT_DEFAULTS[key])
 
 
 def _to_version_2(config: dict[str, Any]) -> None:
     """Keys added over version 1's life get the value that meant what the run did then;
     a bandwidth stored as infinity (before null meant unlimited) becomes null."""
-    for key, before in _ADDED_KEYS.items():
+    for key in ADDED_IN_VERSION_1:
         if key not in config:
-            config[key] = copy.deepcopy(before)
+            config[key] = declared_default(key)
+            if key == "lr_schedule":
+                config[key].update(_SCHEDULE_OPTIONS_THEN)
     links = [config["network"]] if isinstance(config["network"], dict) else []
     if isinstance(config["cluster"], dict):
         links += list((config["cluster"].get("links") or {}).values())
@@ -62,8 +65,7 @@ def _to_version_2(config: dict[str, Any]) -> None:
 def _to_version_3(config: dict[str, Any]) -> None:
     """Runs before `compute.ring_max` all-reduced by gloo's ring up to 64 members."""
     if isinstance(config["compute"], dict):
-        config["compute"].setdefault("ring_max", 64)
-
+        config["compute"].setdefault("ring_max", ComputeOptions.ring_max)  # declared: 64
 
 # version -> the step from it to the next
 UPGRADES: dict[int, Callable[[dict[str, Any]], None]] = {

@@ -17,7 +17,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Mapping
 
 from dsgd_cli.comm.cluster import INTER_NODE, INTER_REGION, INTRA_NODE, LEVELS
 from dsgd_cli.errors import SpecError
@@ -34,6 +34,15 @@ MAX_SEED = 2**32 - 1
 MAX_COUNT = 2**31 - 1   # epochs, batch_size, steps_per_epoch, log_interval
 MAX_SAMPLES = 2**62     # budget.samples
 MAX_EVALUATIONS = 10_000
+
+# The keys that name a plugin, each a registry kind: checked by the plugin each names
+# (spec/experiments.py), held by the resolved experiment as the plugin's name and `Options`.
+# `compressor` is written inside the aggregator's section and stored beside it.
+PLUGIN_KEYS = ("task", "optimizer", "aggregator", "compressor", "lr_schedule")
+# Keys a run's configuration holds only when they are not their default: the configurations
+# of the runs that leave them are as they were before the key existed. Stored just before the
+# plugin sections (spec/resolved.py).
+STORED_WHEN_SET = ("device", "failures")
 
 
 def _count(default: Any, low: int, high: int, help: str) -> Any:
@@ -67,6 +76,13 @@ class Stragglers:
     random: RandomStragglers | None = option(
         None, expect="a mapping with keys probability, slowdown",
         help="slow steps drawn at random on every worker")
+
+    @classmethod
+    def read(cls, section: Mapping[str, Any]) -> Stragglers:
+        """The section as a run's configuration stores it."""
+        randomly = section["random"]
+        return cls(list(section["ranks"]), section["slowdown"],
+                   None if randomly is None else RandomStragglers(**randomly))
 
 
 @dataclass(frozen=True)

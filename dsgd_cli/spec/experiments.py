@@ -19,11 +19,11 @@ from dsgd_cli.spec.cluster_spec import network_model, slowest_speed  # noqa: F40
 from dsgd_cli.emulation.clock import Clock
 from dsgd_cli.spec.directories import problem_without_creating, shared_problem
 from dsgd_cli.errors import SpecError
-from dsgd_cli.spec.learning_rate import total_steps
+from dsgd_cli.spec.learning_rate import last_step
 from dsgd_cli.spec.nodes import NodePlan, check_split
-from dsgd_cli.spec.experiment_options import ExperimentOptions
+from dsgd_cli.spec.experiment_options import PLUGIN_KEYS, ExperimentOptions
 from dsgd_cli.spec.config_versions import CONFIG_VERSION
-from dsgd_cli.spec.resolved import ResolvedExperiment
+from dsgd_cli.spec.resolved import KEYS, ResolvedExperiment, stored
 from dsgd_cli.spec.run_plan import RunPlan, plan_entry
 from dsgd_cli.options import options_to_dict, parse_options, show
 from dsgd_cli.spec.specfile import one_line, selected
@@ -31,8 +31,8 @@ from dsgd_cli.topology import TOPOLOGY_KINDS
 from dsgd_cli.spec.sharding import Shard, steps_per_epoch
 from dsgd_cli.spec.transfer_time import check_model_crosses_in_time, model_bytes, needs_model_size
 
-# The sections of a resolved config that name a plugin, each a registry kind.
-PLUGIN_SECTIONS = ("task", "optimizer", "aggregator", "compressor", "lr_schedule")
+PLUGIN_SECTIONS = PLUGIN_KEYS  # the sections of a resolved config that name a plugin
+
 
 @dataclass
 class Experiment:
@@ -152,88 +152,79 @@ def validate_experiment(raw: dict, path: str, name: str,
     cache = cache if cache is not None else _Cache()
     keys = parse_options(ExperimentOptions, {key: value for key, value in raw.items()
                                              if key not in ("name", "grid")}, path)
-    config: dict[str, Any] = {
-        "config_version": CONFIG_VERSION, "name": name,
-        **{key: getattr(keys, key) for key in ("workers", "epochs", "batch_size", "seed",
-                                               "log_interval", "timeout", "steps_per_epoch",
-                                               "data_split", "target_accuracy")},
-        "save_dir": _directory(keys.save_dir, f"{path}.save_dir"),
-        "network": keys.network and keys.network.resolved(),
-        "stragglers": options_to_dict(keys.stragglers) or None,
-        "compute": options_to_dict(keys.compute) or None,
-        "cluster": keys.cluster and keys.cluster.resolved()}
+    # Every declared key but the plugin sections, as the configuration stores it (resolved.py);
+    # a key stored only when set is left out at its default.
+    config: dict[str, Any] = {"config_version": CONFIG_VERSION, "name": name}
+    for key in KEYS:
+        if key.name in config or key.name in PLUGIN_KEYS or key.name == "nnodes":
+            continue
+        value = getattr(keys, key.name)
+        if key.always or value != key.default:
+            config[key.name] = stored(value)
+    config["save_dir"] = _directory(keys.save_dir, f"{path}.save_dir")
     check_step_fits_timeout(keys, slowest_speed(config), path)
-    config.update(budget=options_to_dict(keys.budget) or None,
-                  checkpoint_every=keys.checkpoint_every)
-    if keys.device != "auto":  # only then: the configurations of other runs are unchanged
-        config["device"] = keys.device
-    if keys.failures is not None:  # only then: the configurations of other runs are unchanged
-        config["failures"] = options_to_dict(keys.failures)
 
-    config["task"], task_key = cache.section("task", raw["task"], f"{path}.task")
-    config["optimizer"], _ = cache.section("optimizer", raw["optimizer"], f"{path}.optimizer")
+    # The plugin sections, each checked by the plugin it names: {name, every option}.
+    task, task_key = cache.section("task", raw["task"], f"{path}.task")
+    optimizer, _ = cache.section("optimizer", raw["optimizer"], f"{path}.optimizer")
     aggregator = raw["aggregator"]
     compressor_raw: Any = _NO_COMPRESSOR
     if isinstance(aggregator, dict) and "compressor" in aggregator:
         compressor_raw = aggregator["compressor"]
         aggregator = {k: v for k, v in aggregator.items() if k != "compressor"}
-    config["aggregator"], aggregator_key = cache.section("aggregator", aggregator,
-                                                         f"{path}.aggregator")
-    config["compressor"], compressor_key = cache.section("compressor", compressor_raw,
-                                                         f"{path}.aggregator.compressor")
+    aggregator, aggregator_key = cache.section("aggregator", aggregator, f"{path}.aggregator")
+    compressor, compressor_key = cache.section("compressor", compressor_raw,
+                                               f"{path}.aggregator.compressor")
+    config.update(task=task, optimizer=optimizer, aggregator=aggregator, compressor=compressor)
     if keys.data_split == "by_label":
-        task_cls = registry.load("task", config["task"]["name"])
+        task_cls = registry.load("task", task["name"])
         if not task_cls.one_label_per_example:
             raise SpecError(f"by_label needs a task with one class label per example; task "
-                            f"{config['task']['name']!r} has other targets",
-                            path=f"{path}.data_split")
-    examples = cache.train_examples(config["task"], task_key, f"{path}.task")
+                            f"{task['name']!r} has other targets", path=f"{path}.data_split")
+    examples = cache.train_examples(task, task_key, f"{path}.task")
     if examples is not None and keys.workers > examples:
-        raise SpecError(f"{keys.workers} workers but task {config['task']['name']!r} has "
+        raise SpecError(f"{keys.workers} workers but task {task['name']!r} has "
                         f"{examples} training example{'s' if examples != 1 else ''}; each worker "
                         f"needs at least one", path=f"{path}.workers")
-    config["lr_scaling"] = keys.lr_scaling
-    config["lr_schedule"], schedule_key = cache.section("lr_schedule", raw["lr_schedule"],
-                                                        f"{path}.lr_schedule")
-    _check_schedule(config, examples, f"{path}.lr_schedule", cache, schedule_key)
-    aggregator_cls = registry.load("aggregator", config["aggregator"]["name"])
-    if config["compressor"]["name"] != "none" and not aggregator_cls.supports_compression:
+    schedule, schedule_key = cache.section("lr_schedule", raw["lr_schedule"],
+                                           f"{path}.lr_schedule")
+    config["lr_schedule"] = schedule
+    _check_schedule(keys, schedule, examples, f"{path}.lr_schedule", cache, schedule_key)
+    aggregator_cls = registry.load("aggregator", aggregator["name"])
+    if compressor["name"] != "none" and not aggregator_cls.supports_compression:
         raise SpecError(f"aggregator {aggregator_cls.plugin_name!r} does not support compression",
                         path=f"{path}.aggregator.compressor")
     if aggregator_cls.supports_compression:
-        cache.check_compressor(aggregator_cls, config["aggregator"], aggregator_key,
-                               config["compressor"], compressor_key,
-                               f"{path}.aggregator.compressor")
-    cache.check_world(config["aggregator"], aggregator_key, keys.workers, keys.seed,
-                      f"{path}.aggregator")
+        cache.check_compressor(aggregator_cls, aggregator, aggregator_key, compressor,
+                               compressor_key, f"{path}.aggregator.compressor")
+    cache.check_world(aggregator, aggregator_key, keys.workers, keys.seed, f"{path}.aggregator")
     check_failures(config, aggregator_cls, f"{path}.failures")
-    nbytes = cache.model_bytes(config["task"], task_key) if needs_model_size(config) else None
+    nbytes = cache.model_bytes(task, task_key) if needs_model_size(config) else None
     check_model_crosses_in_time(config, nbytes, path)
     config["aggregator"] = cache.resolve(aggregator_cls, config, aggregator_key,
                                          compressor_key, task_key, f"{path}.aggregator")
-    return config
+    return {key.name: config[key.name] for key in KEYS if key.name in config}  # stored order
 
 
-def _check_schedule(config: dict[str, Any], examples: int | None, path: str,
-                    cache: _Cache, key: Any) -> None:
+def _check_schedule(keys: ExperimentOptions, schedule: dict[str, Any], examples: int | None,
+                    path: str, cache: _Cache, key: Any) -> None:
     """The learning-rate schedule fits the run (its warm-up is not longer, cosine knows the
     last step). With a task that cannot say its size before loading, the workers check it."""
-    budget = config["budget"]
-    by_seconds = budget is not None and budget["seconds"] is not None
+    by_seconds = keys.budget is not None and keys.budget.seconds is not None
     if examples is None and not by_seconds:
         return
     # Under a seconds budget without a known size, only cosine's need is checked.
     shard_size, per_epoch = 1, 1
     if examples is not None:
-        shard = Shard(examples, 0, config["workers"], config["seed"])
+        shard = Shard(examples, 0, keys.workers, keys.seed)
         shard_size = shard.size
-        per_epoch = steps_per_epoch(shard, config["batch_size"], config["steps_per_epoch"])
-    total = total_steps(config, shard_size, per_epoch)
+        per_epoch = steps_per_epoch(shard, keys.batch_size, keys.steps_per_epoch)
+    total = last_step(keys, shard_size, per_epoch)
     if key is not None and (key, total, per_epoch) in cache.schedules:
         return
-    cls = registry.load("lr_schedule", config["lr_schedule"]["name"])
+    cls = registry.load("lr_schedule", schedule["name"])
     try:
-        cls.check_run(build_options("lr_schedule", config["lr_schedule"]), total, per_epoch)
+        cls.check_run(build_options("lr_schedule", schedule), total, per_epoch)
     except ValueError as error:
         raise SpecError(str(error), path=path) from None
     if key is not None:

@@ -84,9 +84,16 @@ def parse_failures(raw: Any, path: str) -> dict[str, Any] | None:
 
 
 def node_count(config: dict[str, Any]) -> int:
-    """The failure domains: the cluster's nodes, or one per worker without them."""
+    """The failure domains of a configuration: the cluster's nodes, or one per worker
+    without them."""
     cluster = config.get("cluster")
     return cluster["nodes"] if cluster else config["workers"]
+
+
+def failure_domains(experiment: Any) -> int:
+    """The failure domains of a resolved experiment (`ctx.experiment`): the cluster's
+    nodes, or one per worker without them."""
+    return experiment.workers if experiment.cluster is None else experiment.cluster.nodes
 
 
 def node_of(rank: int, workers: int, nodes: int) -> int:

@@ -28,15 +28,28 @@ DEFAULT_SCHEDULE = {"name": "constant", "warmup_steps": 0, "warmup_epochs": 0.0}
 
 
 def total_steps(config: dict[str, Any], shard_size: int, steps_per_epoch: int) -> int | None:
-    """The run's last step per worker, None under a seconds budget (see the module's text);
-    `shard_size` is each worker's share of the training set."""
+    """`last_step` of a configuration as stored."""
     budget = config.get("budget")
-    if budget is None:
-        return config["epochs"] * steps_per_epoch
-    if budget["samples"] is not None:
-        return samples_budget_steps(budget["samples"], config["workers"], shard_size,
-                                    config["batch_size"], steps_per_epoch)
-    return None
+    return _last_step(budget is not None, budget and budget["samples"], config["epochs"],
+                      config["workers"], config["batch_size"], shard_size, steps_per_epoch)
+
+
+def last_step(experiment: Any, shard_size: int, steps_per_epoch: int) -> int | None:
+    """The run's last step per worker, None under a seconds budget (see the module's text);
+    `experiment` the resolved experiment (or the checked `ExperimentOptions`), `shard_size`
+    each worker's share of the training set."""
+    budget = experiment.budget
+    return _last_step(budget is not None, budget and budget.samples, experiment.epochs,
+                      experiment.workers, experiment.batch_size, shard_size, steps_per_epoch)
+
+
+def _last_step(budgeted: bool, samples: int | None, epochs: int, workers: int,
+               batch_size: int, shard_size: int, steps_per_epoch: int) -> int | None:
+    if not budgeted:
+        return epochs * steps_per_epoch
+    if samples is not None:
+        return samples_budget_steps(samples, workers, shard_size, batch_size, steps_per_epoch)
+    return None  # a seconds budget
 
 
 class LearningRate:

@@ -1,21 +1,44 @@
 """The resolved experiment, typed: what a run's configuration (`Experiment.config`, the
-launch plan, the database's `runs.config`) holds, as frozen dataclasses, with each plugin
-section's options as the plugin's own `Options` instance.
+launch plan, the database's `runs.config`) holds, as a frozen dataclass derived from the
+declaration (`experiment_options.ExperimentOptions`), with each plugin section's options as
+the plugin's own `Options` instance.
 
-`ResolvedExperiment.from_config` reads a configuration of the current version (a stored one
-goes through `config_versions.upgrade_config` first); `to_dict` writes it back in the same
-JSON layout, key for key. The worker gives it to plugins as `ctx.experiment`.
+How a key travels, from the YAML to the worker:
+
+1. `ExperimentOptions` declares it with `option()`: type, bounds, default, help;
+   `parse_options` checks the merged experiment against it (spec/experiments.py).
+2. `stored(value)` writes the checked value into the run's configuration, plain JSON: a
+   section by its `resolved()` when it has one (a link in bytes per second), else its fields.
+3. The configuration goes to the database and to the workers (the launch plan).
+4. `ResolvedExperiment.from_config` reads it back in the worker, each key as `KEYS` says,
+   and the worker hands it to the plugins as `ctx.experiment`; `to_dict` writes it back in the
+   same JSON layout, key for key.
+
+`KEYS` is made from the declaration: one entry per declared key, plus `config_version` and
+`name` first, `compressor` (written inside the aggregator's section) after `aggregator`, and
+`nnodes` (a run over several machines) last. A key added to `ExperimentOptions` needs nothing
+here, unless it is a section whose stored form is not its declared class
+(`RESOLVED_SECTIONS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from dsgd_cli.options import options_to_dict
+from dsgd_cli.emulation.compute import Compute
+from dsgd_cli.options import option_fields, options_to_dict
 from dsgd_cli.spec import registry
-from dsgd_cli.spec.experiment_options import Budget, RandomStragglers, Stragglers
+from dsgd_cli.spec.compute_model import ComputeOptions
+from dsgd_cli.spec.experiment_options import (
+    PLUGIN_KEYS, STORED_WHEN_SET, Budget, ClusterOptions, ExperimentOptions, NetworkOptions,
+    Stragglers)
+from dsgd_cli.spec.failures_spec import FailureOptions
+
+__all__ = ["Budget", "Cluster", "Compute", "KEYS", "Link", "PluginSection",
+           "ResolvedExperiment", "Stragglers", "stored"]
 
 
 @dataclass(frozen=True)
@@ -25,13 +48,9 @@ class Link:
     bytes_per_second: float | None  # None: unlimited
     latency_s: float
 
-
-@dataclass(frozen=True)
-class Compute:
-    step_seconds: float
-    variation: dict[str, Any] | None  # {distribution: name, <its option>: value}
-    time_scale: float
-    ring_max: int  # groups above it all-reduce by messages in real (comm/by_messages.py)
+    @classmethod
+    def read(cls, section: Mapping[str, Any]) -> Link:
+        return cls(**section)
 
 
 @dataclass(frozen=True)
@@ -43,6 +62,18 @@ class Cluster:
     links: dict[str, Link | list[list[Link | None]]]
     nic: str
     speed: list[float | list[float]] | None  # per node; a node's list: one per worker
+
+    @classmethod
+    def read(cls, section: Mapping[str, Any]) -> Cluster:
+        links = {level: _links(link) for level, link in section["links"].items()}
+        return cls(**{**section, "links": links})
+
+
+def _links(section: Any) -> Link | list[list[Link | None]]:
+    """A cluster level's link, or its matrix of links per pair of regions."""
+    if isinstance(section, list):
+        return [[None if entry is None else Link.read(entry) for entry in row] for row in section]
+    return Link.read(section)
 
 
 @dataclass(frozen=True)
@@ -64,87 +95,123 @@ class PluginSection:
         return cls(section["name"], registry.build_options(kind, section))
 
 
-@dataclass(frozen=True)
-class ResolvedExperiment:
-    """Every key of a run's configuration, in its order."""
+# The sections whose stored form is not their declared class: the class the resolved
+# experiment holds instead, and how it reads the stored section. Any other section is held
+# as its declared class, read as `cls(**stored)` (`Budget`).
+RESOLVED_SECTIONS: dict[type, tuple[Any, Callable[[Mapping[str, Any]], Any]]] = {
+    NetworkOptions: (Link, Link.read),           # bytes per second and seconds
+    Stragglers: (Stragglers, Stragglers.read),   # its `random` a section of its own
+    ComputeOptions: (Compute, Compute.read),
+    ClusterOptions: (Cluster, Cluster.read),     # links as `network`'s
+    # In seconds, as spec/failures_spec.py stores it; a mapping, as plugins have read it.
+    FailureOptions: (dict[str, Any], dict),
+}
 
-    config_version: int
+
+@dataclass(frozen=True)
+class Key:
+    """One key of a run's configuration: its name, what the resolved experiment holds for it,
+    how that is read from the stored JSON, and whether every configuration has it (else it is
+    stored only when not `default`)."""
+
     name: str
-    workers: int
-    epochs: int
-    batch_size: int
-    seed: int
-    log_interval: int
-    timeout: float
-    steps_per_epoch: int | None
-    data_split: str
-    target_accuracy: float | None
-    save_dir: str | None
-    network: Link | None
-    stragglers: Stragglers | None
-    compute: Compute | None
-    cluster: Cluster | None
-    budget: Budget | None
-    checkpoint_every: int | None
-    task: PluginSection
-    optimizer: PluginSection
-    aggregator: PluginSection
-    compressor: PluginSection
-    lr_scaling: str
-    lr_schedule: PluginSection
-    nnodes: int | None = None  # a run over several machines: how many
-    failures: dict[str, Any] | None = None  # spec/failures_spec.py's section, in seconds
-    device: str = "auto"  # launch/devices.py
+    type: Any
+    read: Callable[[Any], Any]
+    always: bool = True
+    default: Any = None
+
+
+def _as_is(value: Any) -> Any:
+    return value
+
+
+def _plugin_key(kind: str) -> Key:
+    return Key(kind, PluginSection, lambda section: PluginSection.read(kind, section))
+
+
+def _declared_key(field: dataclasses.Field, annotation: Any) -> Key:
+    """The resolved form of one key `ExperimentOptions` declares."""
+    if field.name in PLUGIN_KEYS:
+        return _plugin_key(field.name)
+    always = field.name not in STORED_WHEN_SET
+    section = _section_class(annotation)
+    if section is None:  # a value: held as checked
+        return Key(field.name, annotation, _as_is, always, field.default)
+    held, read = RESOLVED_SECTIONS.get(section, (section, lambda stored: section(**stored)))
+    return Key(field.name, held | None,
+               lambda stored: None if stored is None else read(stored), always, field.default)
+
+
+def _section_class(annotation: Any) -> type | None:
+    """The class of a section key (`Budget | None`: Budget), else None."""
+    classes = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    if len(classes) == 1 and dataclasses.is_dataclass(classes[0]):
+        return classes[0]
+    return None
+
+
+def _keys() -> tuple[Key, ...]:
+    """Every key of a run's configuration, in the order the configuration stores them: the
+    declared keys in their order, but those stored only when set just before the plugin
+    sections, and the compressor after the aggregator."""
+    hints = typing.get_type_hints(ExperimentOptions)
+    declared = [_declared_key(field, hints[field.name])
+                for field in option_fields(ExperimentOptions)]
+    when_set = [key for key in declared if key.name in STORED_WHEN_SET]
+    keys = [Key("config_version", int, _as_is), Key("name", str, _as_is)]
+    for key in declared:
+        if key.name == PLUGIN_KEYS[0]:
+            keys += when_set
+        if key.name not in STORED_WHEN_SET:
+            keys.append(key)
+        if key.name == "aggregator":
+            keys.append(_plugin_key("compressor"))
+    keys.append(Key("nnodes", int | None, _as_is, always=False))  # a run over several machines: how many
+    return tuple(keys)
+
+
+KEYS: tuple[Key, ...] = _keys()
+
+
+def stored(value: Any) -> Any:
+    """A checked value of the declaration as the configuration stores it: a section by its
+    `resolved()` when it has one, else its fields; anything else as it is."""
+    if hasattr(value, "resolved"):
+        return value.resolved()
+    if dataclasses.is_dataclass(value):
+        return options_to_dict(value)
+    return value
+
+
+class _ResolvedMethods:
+    """`ResolvedExperiment`'s methods (its fields come from `KEYS`)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The configuration's JSON layout (what `from_config` reads)."""
         config = {}
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name in ("nnodes", "failures") and value is None:
-                continue  # only a run over several machines (with failures) has the key
-            if field.name == "device" and value == "auto":
-                continue  # only a run that names its device has the key
+        for key in KEYS:
+            value = getattr(self, key.name)
+            if not key.always and value == key.default:
+                continue  # only a run that sets the key has it
             if isinstance(value, PluginSection):
                 value = value.to_dict()
             elif dataclasses.is_dataclass(value):
                 value = dataclasses.asdict(value)
-            config[field.name] = value
+            config[key.name] = value
         return config
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ResolvedExperiment:
         """The typed experiment of a configuration of the current version."""
-        values = dict(config)
-        for kind in ("task", "optimizer", "aggregator", "compressor", "lr_schedule"):
-            values[kind] = PluginSection.read(kind, config[kind])
-        values["network"] = _link(config["network"])
-        values["stragglers"] = _stragglers(config["stragglers"])
-        if config["compute"] is not None:
-            values["compute"] = Compute(**config["compute"])
-        if config["cluster"] is not None:
-            cluster = dict(config["cluster"])
-            cluster["links"] = {level: _links(link) for level, link in cluster["links"].items()}
-            values["cluster"] = Cluster(**cluster)
-        if config["budget"] is not None:
-            values["budget"] = Budget(**config["budget"])
-        return cls(**values)
+        return cls(**{key.name: key.read(config[key.name]) for key in KEYS
+                      if key.name in config})
 
 
-def _link(section: Mapping[str, Any] | None) -> Link | None:
-    return None if section is None else Link(**section)
-
-
-def _links(section: Any) -> Link | list[list[Link | None]]:
-    """A cluster level's link, or its matrix of links per pair of regions."""
-    if isinstance(section, list):
-        return [[_link(entry) for entry in row] for row in section]
-    return _link(section)
-
-
-def _stragglers(section: Mapping[str, Any] | None) -> Stragglers | None:
-    if section is None:
-        return None
-    randomly = section["random"]
-    return Stragglers(list(section["ranks"]), section["slowdown"],
-                      None if randomly is None else RandomStragglers(**randomly))
+ResolvedExperiment = dataclasses.make_dataclass(
+    "ResolvedExperiment",
+    [(key.name, key.type) if key.always
+     else (key.name, key.type, dataclasses.field(default=key.default)) for key in KEYS],
+    bases=(_ResolvedMethods,), frozen=True, kw_only=True)
+ResolvedExperiment.__module__ = __name__
+ResolvedExperiment.__doc__ = ("Every key of a run's configuration, in its order (`KEYS`, "
+                              "made from `ExperimentOptions`).")

@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import json
 import random
+from typing import TYPE_CHECKING
 
 import torch
 
 from dsgd_cli.api import TaskData
 
+if TYPE_CHECKING:
+    from dsgd_cli.spec.resolved import PluginSection
+
 _loaded: dict[str, TaskData] = {}  # the last data set loaded in this process
 
 
-def load_data(task, options: dict, seed: int) -> TaskData:
-    """The task's data; consecutive experiments of a launch with the same task options and
-    seed reuse the tensors (they are never modified: workers index and copy them)."""
-    key = json.dumps([options, seed], sort_keys=True)
+def load_data(task, section: PluginSection, seed: int) -> TaskData:
+    """The task's data; consecutive experiments of a launch with the same task section
+    (`experiment.task`) and seed reuse the tensors (they are never modified: workers index
+    and copy them)."""
+    key = json.dumps([section.to_dict(), seed], sort_keys=True)
     if key not in _loaded:
         _loaded.clear()
         _loaded[key] = task.load_data(seed)

@@ -27,6 +27,7 @@ from dsgd_cli.comm.communicator import Comm
 from dsgd_cli.worker.model_evaluation import BackgroundEvaluation, evaluate, model_tensors
 from dsgd_cli.comm.events import EventWriter
 from dsgd_cli.worker.schedule import StopRule, evaluation_points
+from dsgd_cli.spec.resolved import ResolvedExperiment
 
 
 def all_sum(comm: Comm, values: list[float]) -> list[float]:
@@ -41,17 +42,18 @@ class WorkerEvaluation:
     """This worker's evaluations; `reached_at` is the seconds of training after which the
     target accuracy was first met, or None (a resumed run restores it)."""
 
-    def __init__(self, config: dict, task, aggregator: Aggregator, comm: Comm, test_x, test_y,
-                 events: EventWriter, stop_rule: StopRule, length: RunLength):
+    def __init__(self, experiment: ResolvedExperiment, task, aggregator: Aggregator,
+                 comm: Comm, test_x, test_y, events: EventWriter, stop_rule: StopRule,
+                 length: RunLength):
         self.task, self.aggregator, self.comm, self.events = task, aggregator, comm, events
         self.test_x, self.test_y = test_x, test_y
         self.stop_rule, self.length = stop_rule, length
-        self.target = config["target_accuracy"]
+        self.target = experiment.target_accuracy
         self.reached_at: float | None = None
-        self.under_failures = config.get("failures") is not None
-        self.points = evaluation_points(config.get("budget"))  # those not yet passed
+        self.under_failures = experiment.failures is not None
+        self.points = evaluation_points(experiment.budget)  # those not yet passed
         self.background = None
-        if config.get("budget") is not None:
+        if experiment.budget is not None:
             self.background = BackgroundEvaluation(
                 comm, task, aggregator.evaluation_model(), test_x, test_y, self._report,
                 self.target, live_only=self.under_failures)

@@ -16,10 +16,10 @@ from dsgd_cli.emulation.compute import PaddedCompute
 from dsgd_cli.emulation.network import real_cluster, real_network
 from dsgd_cli.comm.events import EventWriter
 from dsgd_cli.worker.interval_metrics import IntervalMetrics
-from dsgd_cli.spec.learning_rate import LearningRate, total_steps
+from dsgd_cli.spec.learning_rate import LearningRate, last_step
 from dsgd_cli.emulation.stragglers import Straggling
 from dsgd_cli.worker.schedule import StopRule, run_length
-from dsgd_cli.spec.cluster_spec import cluster_model, network_model, node_speed
+from dsgd_cli.spec.cluster_spec import cluster_of, network_of
 from dsgd_cli.spec.resolved import ResolvedExperiment
 from dsgd_cli.spec.run_plan import NO_RUN, RunPlan, read_only
 from dsgd_cli.spec.sharding import Shard, steps_per_epoch
@@ -32,7 +32,8 @@ from dsgd_cli.worker.evaluation import WorkerEvaluation
 class Worker:
     """What the training loop, the evaluations and the end-of-run report work with."""
 
-    config: dict  # the run's configuration (current version: the launcher upgrades stored ones)
+    experiment: ResolvedExperiment  # the run's resolved experiment, typed (`ctx.experiment`)
+    config: dict  # the same as stored (current version): `ctx.config`, for plugins of before
     rank: int
     world_size: int
     device: torch.device
@@ -58,15 +59,19 @@ class Worker:
 
 
 def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
-                 device: torch.device, namespace: str = "", run: RunPlan = NO_RUN) -> Worker:
+                 device: torch.device, namespace: str = "", run: RunPlan = NO_RUN,
+                 experiment: ResolvedExperiment | None = None) -> Worker:
     """The worker's parts, built in the same order on every rank: the order of process group
     creation and of random number use is part of what makes runs reproducible. The worker's
     clock (`ctx.clock`) is the one `events` stamps its metrics with, of the run's time scale
-    (process.py makes both)."""
-    experiment = ResolvedExperiment.from_config(config)  # typed: what plugins see too
+    (process.py makes both). `config` is the run's configuration (current version: the
+    launcher upgrades stored ones); `experiment` the same, typed, when the caller read it
+    already. Everything here reads the typed experiment; `config` is only `ctx.config`."""
+    if experiment is None:
+        experiment = ResolvedExperiment.from_config(config)  # typed: what plugins see too
     seed, batch_size = experiment.seed, experiment.batch_size
     task = experiment.task.build("task")
-    data = load_data(task, config["task"], seed)
+    data = load_data(task, experiment.task, seed)
     train_x, train_y = data.train_x.to(device), data.train_y.to(device)
     test_x, test_y = data.test_x.to(device), data.test_y.to(device)
     torch.manual_seed(seed)  # the same initial model on every worker
@@ -80,47 +85,49 @@ def build_worker(config: dict, events: EventWriter, rank: int, world_size: int,
         model.load_state_dict(resumed["model"])
         optimizer.load_state_dict(resumed["optimizer"])
     # Before the plugins hook into the model; outside every clock (see warmup.py).
-    warm_up(task, model, config["optimizer"], train_x[:batch_size], train_y[:batch_size])
+    warm_up(task, model, experiment.optimizer, train_x[:batch_size], train_y[:batch_size])
     clock = events.clock  # the worker's emulated time: the events' seconds are its
-    network = real_network(network_model(config), clock)  # links in real time
+    network = real_network(network_of(experiment.network), clock)  # links in real time
+    cluster = cluster_of(experiment.cluster, experiment.workers)
     comm = Comm(rank, world_size, network, device,
                 timeout_s=experiment.timeout, namespace=namespace,
-                cluster=real_cluster(cluster_model(config), clock),
+                cluster=real_cluster(cluster, clock),
                 ring_max=(GLOO_RING_MAX if experiment.compute is None
                           else experiment.compute.ring_max))
     interval = IntervalMetrics()
     shard = Shard(len(train_y), rank, world_size, seed, experiment.data_split, data.train_y)
     per_epoch = steps_per_epoch(shard, batch_size, experiment.steps_per_epoch)
-    last_step = total_steps(config, shard.size, per_epoch)  # None under a seconds budget
+    planned = last_step(experiment, shard.size, per_epoch)  # None under a seconds budget
     learning_rate = LearningRate(
         experiment.lr_schedule.build("lr_schedule"), optimizer,
-        base_lrs, experiment.lr_scaling, world_size, last_step, per_epoch)
+        base_lrs, experiment.lr_scaling, world_size, planned, per_epoch)
     aggregator = experiment.aggregator.build("aggregator")
     ctx = WorkerContext(
         rank=rank, world_size=world_size, device=device, model=model, optimizer=optimizer,
         comm=comm, metrics=interval, seed=seed,
         compressor=experiment.compressor.build("compressor"), config=read_only(config),
         experiment=experiment, run=run, clock=clock)
-    ctx.length = run_length(config, per_epoch, comm, aggregator, clock)
+    ctx.length = run_length(experiment, per_epoch, comm, aggregator, clock)
     # Every rank creates the same process groups in the same order: the runtime's first.
-    stop_rule = StopRule(ctx.length, aggregator, comm, last_step)
+    stop_rule = StopRule(ctx.length, aggregator, comm, planned)
     ctx.compressor.setup(ctx)
     aggregator.setup(ctx)
     if resumed is not None:  # the plugins set up from the restored model, then their state
         ctx.compressor.load_state_dict(resumed["compressor"])
         aggregator.load_state_dict(resumed["aggregator"])
-    evaluation = WorkerEvaluation(config, task, aggregator, comm, test_x, test_y, events,
+    evaluation = WorkerEvaluation(experiment, task, aggregator, comm, test_x, test_y, events,
                                   stop_rule, ctx.length)
     torch.manual_seed(seed * 7919 + rank)  # per-worker randomness (dropout, compressors)
-    straggling = Straggling(config["stragglers"], rank, seed)
+    straggling = Straggling(experiment.stragglers, rank, seed)
     padding = None
     if experiment.compute is not None:
-        padding = PaddedCompute(config["compute"], seed, rank, comm.blocked_seconds,
-                                speed=node_speed(config, rank), clock=clock)
+        speed = 1.0 if cluster is None else cluster.speed(rank)
+        padding = PaddedCompute(experiment.compute, seed, rank, comm.blocked_seconds,
+                                speed=speed, clock=clock)
     if resumed is not None:
         checkpoint.set_rng_state(resumed["rng"], device)
     return Worker(
-        config=config, rank=rank, world_size=world_size, device=device, task=task,
+        experiment=experiment, config=config, rank=rank, world_size=world_size, device=device, task=task,
         train_x=train_x, train_y=train_y, shard=shard, steps_per_epoch=per_epoch, model=model,
         optimizer=optimizer, comm=comm, aggregator=aggregator, ctx=ctx, interval=interval,
         stop_rule=stop_rule, evaluation=evaluation, straggling=straggling, padding=padding,

@@ -66,10 +66,10 @@ def _prepare_experiment(config: dict) -> None:
     """The data set in memory, and one training step of the task's model and optimizer."""
     experiment = ResolvedExperiment.from_config(config)
     task = experiment.task.build("task")
-    data = load_data(task, config["task"], experiment.seed)
+    data = load_data(task, experiment.task, experiment.seed)
     model = task.build_model()
     batch = experiment.batch_size
-    warm_up(task, model, config["optimizer"], data.train_x[:batch], data.train_y[:batch])
+    warm_up(task, model, experiment.optimizer, data.train_x[:batch], data.train_y[:batch])
 
 
 def _process_group_of_one() -> None:

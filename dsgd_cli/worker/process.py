@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from dsgd_cli.comm.cluster import LEVELS
-from dsgd_cli.comm.communicator import DEFAULT_TIMEOUT_S
 from dsgd_cli.emulation.clock import Clock
 from dsgd_cli.emulation.compute import time_scale
 from dsgd_cli.spec.directories import UntrustedDirectory, make_experiment_directory
@@ -32,6 +31,7 @@ from dsgd_cli.launch.local_store import STORE_VARIABLE
 from dsgd_cli.worker.store_client import LocalStore
 from dsgd_cli.worker.training import Diverged, Stopped, StopRequest, Totals, TrainingLoop
 from dsgd_cli.worker.parts import Worker, build_worker
+from dsgd_cli.spec.resolved import ResolvedExperiment
 from dsgd_cli.spec.run_plan import NO_RUN, RunPlan, read_plan_entry
 from dsgd_cli.worker.evaluation import all_sum
 
@@ -83,19 +83,21 @@ def run_experiment(config: dict, events: EventWriter, rank: int, world_size: int
     """Train one experiment, reporting to `events`; returns the process exit code, or -1 when
     it stopped as the launcher asked (the process then leaves, with code 0)."""
     try:
+        experiment = ResolvedExperiment.from_config(config)  # typed: what the worker reads
         device, backend = device_and_backend(local_rank, device_kind)
         if not dist.is_initialized():
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-            timeout = timedelta(seconds=config.get("timeout", DEFAULT_TIMEOUT_S))
+            timeout = timedelta(seconds=experiment.timeout)
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                                     store=launch_store(timeout))
-        if config.get("nnodes", 1) > 1:
+        if (experiment.nnodes or 1) > 1:
             events.write("run", run_id=_shared_run_id(run, namespace))
-        worker = build_worker(config, events, rank, world_size, device, namespace, run)
+        worker = build_worker(config, events, rank, world_size, device, namespace, run,
+                              experiment)
         totals = TrainingLoop(worker, events, StopRequest(stop_file, namespace)).run()
         report_run(worker, events, totals)
-        if config["save_dir"]:
-            save_model(worker, Path(config["save_dir"]) / config["name"].replace("/", "_"))
+        if experiment.save_dir:
+            save_model(worker, Path(experiment.save_dir) / experiment.name.replace("/", "_"))
         with worker.comm.untracked():  # nobody tears down its links while a peer needs them
             worker.comm.barrier()
         worker.comm.close()

@@ -30,19 +30,20 @@ from dsgd_cli.api import Aggregator, RunLength
 from dsgd_cli.comm.communicator import Comm
 from dsgd_cli.emulation.clock import Clock
 from dsgd_cli.emulation.stragglers import Straggling  # noqa: F401  (its former home)
+from dsgd_cli.spec.resolved import Budget, ResolvedExperiment
 
 
-def run_length(config: dict, steps_per_epoch: int, comm: Comm, aggregator: Aggregator,
-               clock: Clock) -> RunLength:
+def run_length(experiment: ResolvedExperiment, steps_per_epoch: int, comm: Comm,
+               aggregator: Aggregator, clock: Clock) -> RunLength:
     """How long the run trains; a budget in seconds is measured on `clock` (the worker's)."""
-    budget = config.get("budget")
+    budget = experiment.budget
     if budget is None:
-        return RunLength(steps=config["epochs"] * steps_per_epoch,
+        return RunLength(steps=experiment.epochs * steps_per_epoch,
                          time_scale=clock.time_scale, clock=clock)
     counter = None
-    if budget["samples"] is not None and (aggregator.steps_may_differ or aggregator.decides_stop):
-        counter = comm.counter(f"{config['name']}/samples")
-    return RunLength(samples=budget["samples"], seconds=budget["seconds"],
+    if budget.samples is not None and (aggregator.steps_may_differ or aggregator.decides_stop):
+        counter = comm.counter(f"{experiment.name}/samples")
+    return RunLength(samples=budget.samples, seconds=budget.seconds,
                      samples_counter=counter, time_scale=clock.time_scale, clock=clock)
 
 
@@ -137,10 +138,10 @@ class StopRule:
         return Progress(round(self.length.elapsed(), 1), self.length.seconds, "seconds", updates)
 
 
-def evaluation_points(budget: dict | None) -> list[float]:
+def evaluation_points(budget: Budget | None) -> list[float]:
     """Evenly spaced points of the budget, before its end (the final evaluation covers that)."""
     if budget is None:
         return []
-    total = budget["samples"] if budget["samples"] is not None else budget["seconds"]
-    count = budget["evaluations"]
+    total = budget.samples if budget.samples is not None else budget.seconds
+    count = budget.evaluations
     return [total * k / count for k in range(1, count)]

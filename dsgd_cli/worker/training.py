@@ -127,8 +127,8 @@ class TrainingLoop:
         """Train until this worker's last step, then let the aggregator finish and evaluate
         what the end of the run calls for."""
         worker, events = self.worker, self.events
-        config, interval, evaluation = worker.config, worker.interval, worker.evaluation
-        batch = config["batch_size"]
+        experiment, interval, evaluation = worker.experiment, worker.interval, worker.evaluation
+        batch = experiment.batch_size
         steps_per_epoch = worker.steps_per_epoch
         events.write("start", total_steps=worker.stop_rule.expected_steps())
         step, samples, total_sent = 0, 0, 0
@@ -154,7 +154,7 @@ class TrainingLoop:
         worker.ctx.length.started_at = clock.started_at
         done = worker.stop_rule.after_resume(step) if resumed is not None else False
         failures = None
-        if config.get("failures") is not None:
+        if experiment.failures is not None:
             # From the run's start as the clock was set, not `clock.elapsed()`, which is
             # already past it: a failure at time 0 (or at a resumed run's start) would be lost.
             failures = emulate_failures(worker, seconds_before, step, samples)
@@ -167,7 +167,7 @@ class TrainingLoop:
             index = order[b * batch: (b + 1) * batch]
             x, y = worker.train_x[index], worker.train_y[index]
             if augments:
-                x = worker.task.augment(x, augmentation_generator(config["seed"], worker.rank,
+                x = worker.task.augment(x, augmentation_generator(experiment.seed, worker.rank,
                                                                   step))
             up = failures is None or failures.before_step(step)
             try:
@@ -199,7 +199,7 @@ class TrainingLoop:
             stopping = bool(every) and not done and self.stop.stops_after(step)
             checkpointing = bool(every) and not done and (step % every == 0 or stopping)
             # The last step's metrics wait for the aggregator's finish() (below).
-            if not done and (step % config["log_interval"] == 0 or end_of_epoch):
+            if not done and (step % experiment.log_interval == 0 or end_of_epoch):
                 self._check_interval(step)
                 self._flush(step, epoch)
                 if launcher_gone():  # nobody reads the metrics, nobody would stop the run

@@ -16,17 +16,19 @@ import torch
 from torch import nn
 
 from dsgd_cli.api import Task
-from dsgd_cli.spec.registry import build as build_plugin
+from dsgd_cli.spec.resolved import PluginSection
 
 
-def warm_up(task: Task, model: nn.Module, optimizer_config: dict, x: torch.Tensor,
+def warm_up(task: Task, model: nn.Module, optimizer: PluginSection, x: torch.Tensor,
             y: torch.Tensor) -> None:
     """A forward, backward and optimizer step of `task` on a copy of `model`, with a batch
-    (`x`, `y`). Call it before plugins attach hooks to the model."""
+    (`x`, `y`) and the experiment's `optimizer` section. Call it before plugins attach hooks
+    to the model."""
+    section = optimizer
     devices = [x.device] if x.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # the run draws the same numbers as without
         copied = copy.deepcopy(model)
         params = [p for p in copied.parameters() if p.requires_grad]
-        optimizer = build_plugin("optimizer", optimizer_config).build(params)
+        optimizer = section.build("optimizer").build(params)
         task.loss(copied(x), y).backward()
         optimizer.step()
