@@ -6,6 +6,8 @@ pseudo-gradient as the gradient of the server's optimizer)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -134,3 +136,51 @@ experiments:
 """)
     with pytest.raises(SpecError, match="async_local_sgd|failures"):
         load_spec(spec)
+
+
+# -- the default server optimizer: HALoS's delayed Nesterov, per update ---------------------------
+
+def _delayed_nesterov(grads, lr, beta, buffer_size):
+    """utnslab/halos `opt.py`'s DelayedNesterovOptimizer (c = 0), on one scalar parameter:
+    the positions after each update."""
+    theta, m, delta, out = 0.0, 0.0, 0.0, []
+    for t, g in enumerate(grads):
+        delta += g
+        if (t + 1) % buffer_size == 0:
+            m = beta * m + delta / buffer_size
+            theta -= lr * (beta * m + g / buffer_size)
+            delta = 0.0
+        else:
+            theta -= lr * (g / buffer_size)
+        out.append(theta)
+    return out
+
+
+def _server_positions(section, grads):
+    from dsgd_cli.api import build_optimizer
+    from plugins.aggregators import parameter_servers as ps
+
+    server = ps.Server(torch.zeros(1, dtype=torch.float64), section, build_optimizer)
+    out = []
+    for g in grads:
+        server.update(torch.tensor([g], dtype=torch.float64))
+        out.append(float(server.model[0]))
+    return out
+
+
+def test_default_server_optimizer_is_halos_plain_step():
+    """HALoS's script: delayed Nesterov with GLR 0.05, GBETA 0.9, buffer 32, passed as
+    lr = GLR × 32. Its updates between momentum steps are SGD with lr GLR: the default's,
+    update for update, on any pseudo-gradients, until DN's first momentum step (the 32nd)."""
+    from plugins.aggregators.async_local_sgd import AsyncLocalSGD
+
+    section = AsyncLocalSGD.Options().outer_optimizer
+    assert section["name"] == "sgd" and section["lr"] == 0.05
+    assert section.get("momentum", 0.0) == 0.0
+    grads = [math.sin(1.7 * t) + 0.3 for t in range(40)]
+    dn = _delayed_nesterov(grads, lr=0.05 * 32, beta=0.9, buffer_size=32)
+    ours = _server_positions(section, grads)
+    assert ours[:31] == pytest.approx(dn[:31], abs=1e-12)
+    # The 32nd: DN adds its momentum step, lr · beta · mean of the 32 pseudo-gradients.
+    momentum_step = 0.05 * 32 * 0.9 * sum(grads[:32]) / 32
+    assert dn[31] == pytest.approx(ours[31] - momentum_step, abs=1e-12)

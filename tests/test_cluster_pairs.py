@@ -428,7 +428,8 @@ def shakespeare(tmp_path, monkeypatch):
 
 def test_the_halos_example_is_the_papers_cluster(shakespeare):
     experiments = load_spec(EXAMPLE)
-    assert [e.config["aggregator"]["name"] for e in experiments] == ["allreduce", "diloco"]
+    assert [e.config["aggregator"]["name"] for e in experiments] == [
+        "allreduce", "diloco", "async_local_sgd", "halos"]
     for experiment in experiments:
         config = experiment.config
         section = config["cluster"]
@@ -453,4 +454,4 @@ def test_the_halos_example_dry_runs(shakespeare, tmp_path):
     assert result.stdout.count(
         "cluster: 4 nodes × 4 workers in regions of 1, 1, 1, 1 nodes; intra_node 12.5 GB/s = "
         "100 Gbit/s, latency 0 s; inter_region per pair of regions, 117 Mbit/s to 935 Mbit/s, "
-        "latency 0 s; NIC dedicated; node speeds [0.232, 0.907, 0.828, 0.347]") == 2
+        "latency 0 s; NIC dedicated; node speeds [0.232, 0.907, 0.828, 0.347]") == 4

@@ -26,8 +26,19 @@ from dsgd_cli.api import Aggregator, AggregatorOptions, build_optimizer, option
 from plugins.aggregators import parameter_servers as ps
 from plugins.aggregators.parameter_servers import MERGE, PUSH, UP
 
-# HALoS's async baseline uses delayed Nesterov (DN, Liu et al. 2024); plain Nesterov SGD here.
-DEFAULT_SERVER_OPTIMIZER = {"name": "sgd", "lr": 0.7, "momentum": 0.5, "nesterov": True}
+# HALoS's asynchronous baseline (utnslab/halos, examples/run_async_local_sgd.sh) runs its
+# server with delayed Nesterov (DN, Liu et al. 2024, arXiv 2401.09135; halos/opt.py): GLR 0.05,
+# GBETA 0.9, buffer N = 32, passed as lr = GLR × N = 1.6. DN moves the model by lr / N = GLR
+# per pseudo-gradient, plain SGD, and once every N of them adds its momentum step. DN is not
+# built in; the default is its plain step, SGD with lr GLR = 0.05, what DN does at 31 of every
+# 32 updates (and at all of the first 31). Momentum at every update does not translate it:
+# Nesterov SGD with lr 0.05 and momentum 0.9 (DN's long-run step, 0.5 per update) made the
+# 16 workers of examples/halos_env.yaml diverge (test loss 3.3 to 8.9 and 5.31 at the end of
+# 32 steps), and DN's memory (momentum 0.9^(1/32), lr 0.0016) drifted up (3.79), where plain
+# SGD with lr 0.05 went down steadily to 3.17 (lr 0.0625 = 1/16: 3.13). On
+# examples/noloco.yaml it reaches test accuracy 0.305 (diloco 0.299). (The first default,
+# DiLoCo's lr 0.7 with momentum 0.5 at every update, stayed at chance there.)
+DEFAULT_SERVER_OPTIMIZER = {"name": "sgd", "lr": 0.05}
 
 REFUSAL = ("the servers' event order is computed from the workers' modeled timelines, which a "
            "failure would change: run without failures")
@@ -37,7 +48,10 @@ REFUSAL = ("the servers' event order is computed from the workers' modeled timel
 class AsyncLocalSGDOptions(AggregatorOptions):
     period: int = option(32, min=1, help="local steps per round (H; HALoS's script: 32)")
     outer_optimizer: dict = option(DEFAULT_SERVER_OPTIMIZER, plugin="optimizer",
-                                   help="the parameter server's optimizer section")
+                                   help="the parameter server's optimizer section, applied at "
+                                        "every pseudo-gradient (default: SGD, lr 0.05: the "
+                                        "per-update step of HALoS's script's delayed Nesterov, "
+                                        "GLR 0.05, without its momentum every 32nd update)")
 
 
 class AsyncServers(Aggregator):
@@ -150,6 +164,8 @@ class AsyncServers(Aggregator):
         if self.thread is not None:
             self.thread.join()
             self.thread.check()
+        if self.rounds_total == 0:  # fewer steps than a period: no round, no server's model
+            return  # each worker keeps its own, as diloco's workers do without an outer step
         final = self.final_model() if self.ctx.rank == 0 else torch.empty_like(self.start)
         final = final.to(self.ctx.device)
         if self.ctx.world_size > 1:
