@@ -65,10 +65,16 @@ Modules
 ``_dispatch``: the public functions -- validate, allocate outputs, pick the
 backend by device; ``_cpu`` / ``_cuda``: the two backends, with the same
 functions and signatures; ``_host``: host-side code both backends share
-(layouts, sizes, selection thresholds); ``_random``: the counter-based RNG.
+(layouts, sizes, selection thresholds); ``_random``: the counter-based RNG;
+``_cache_lock``: numba's cache files saved and loaded under a lock, so that processes
+compiling at once never mix their kernels.
 """
 
-from ._dispatch import (
+from . import _cache_lock
+
+_cache_lock.install()  # before any kernel is compiled or loaded from numba's cache
+
+from ._dispatch import (  # noqa: E402
     TERNARY_BITS,
     Segments,
     code_bits,
@@ -101,7 +107,7 @@ from ._dispatch import (
     unpack_codes,
     weighted_sum,
 )
-from ._random import derive_seed
+from ._random import derive_seed  # noqa: E402
 
 __all__ = [
     "qsgd_quantize",
