@@ -28,6 +28,17 @@ experiments:
 """
 
 
+def experiment_config(name: str = "x", **keys) -> dict:
+    """The complete configuration `dsgd run` stores for an experiment of 2 workers training
+    logreg (3 features, 1 epoch, sgd at lr 0.1), with `keys` set as a spec would set them."""
+    from dsgd_cli.spec.experiments import resolve_document
+
+    experiment = {"name": name, "task": {"name": "logreg", "features": 3}, "workers": 2,
+                  "epochs": 1, "optimizer": {"name": "sgd", "lr": 0.1}, **keys}
+    (resolved,) = resolve_document({"experiments": [experiment]})
+    return resolved.config
+
+
 def pytest_sessionstart(session):
     """With an empty numba cache (a fresh clone) compiling the compressors' kernels takes over
     30 s of CPU: start it in the background now, while pytest collects and runs the first

@@ -15,12 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import TINY_SPEC, dsgd, dsgd_in_process, write_spec
+from conftest import TINY_SPEC, dsgd, dsgd_in_process, experiment_config, write_spec
 from dsgd_cli.launch import launcher, torchrun
 from dsgd_cli.launch.outcome import last_lines, left_early, listed_ranks, run_result
 from dsgd_cli.results.store import Store
 
-EXPERIMENT = launcher.Experiment("a", {"workers": 2})
+EXPERIMENT = launcher.Experiment("a", experiment_config("a", workers=2))
 
 # torchrun's summary after rank 0 failed (its peer had left with code 0): rank 1 is not in it.
 SUMMARY_WITHOUT_RANK_1 = """\

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dsgd_in_process, write_spec
+from conftest import dsgd_in_process, experiment_config, write_spec
 from dsgd_cli.errors import StoreError
 from dsgd_cli.results.reader import Results
 from results_helpers import count_metrics
@@ -128,13 +128,12 @@ def test_recovery_stores_each_record_once_and_ends_the_run(tmp_path, monkeypatch
     from dsgd_cli.launch.launcher import Callbacks, _Running
     from dsgd_cli.spec.experiments import Experiment
     from dsgd_cli.results.store import Store
-    from test_store import config
 
     db, events_dir = tmp_path / "r.db", tmp_path / "events"
     events_dir.mkdir()
     store = Store(str(db))
-    run_id = store.create_run("x", config(), None, [])
-    running = _Running(0, Experiment("x", config()), run_id, events_dir)
+    run_id = store.create_run("x", experiment_config(), None, [])
+    running = _Running(0, Experiment("x", experiment_config()), run_id, events_dir)
     _write_steps(events_dir, range(1, 4))
     running.ingest(store, Callbacks())  # steps 1-3 stored
     _write_steps(events_dir, range(4, 6), done=finished)
@@ -202,16 +201,15 @@ def test_the_launcher_and_recovery_record_the_same_from_the_same_events(tmp_path
     from dsgd_cli.launch.launcher import Callbacks, _Running
     from dsgd_cli.results.store import Store
     from dsgd_cli.spec.experiments import Experiment
-    from test_store import config
 
-    experiment = Experiment("x", config())
+    experiment = Experiment("x", experiment_config())
     recorded = {}
     for path in ("launcher", "recovery"):
         db, events_dir = tmp_path / f"{path}.db", tmp_path / path
         events_dir.mkdir()
         _write_raw(events_dir, _event_stream())
         store = Store(str(db))
-        run_id = store.create_run("x", config(), None, [])
+        run_id = store.create_run("x", experiment.config, None, [])
         running = _Running(0, experiment, run_id, events_dir)
         if path == "launcher":
             running.ingest(store, Callbacks())

@@ -19,7 +19,7 @@ import pytest
 from rich.text import Text
 from typer.testing import CliRunner
 
-from conftest import compare_json, dsgd, dsgd_in_process, write_spec
+from conftest import compare_json, dsgd, dsgd_in_process, experiment_config, write_spec
 from dsgd_cli.launch import launcher
 from dsgd_cli.launch import torchrun
 from dsgd_cli.cli import app
@@ -486,7 +486,7 @@ Root Cause (first observed failure):
 def test_the_killed_rank_is_blamed_not_the_survivor():
     failures = torchrun_failures(TORCHRUN_SUMMARY)
     assert [(f.rank, f.exitcode) for f in failures] == [(1, -9), (0, 1)]
-    (experiment,) = [launcher.Experiment("a", {"workers": 2})]
+    (experiment,) = [launcher.Experiment("a", experiment_config("a", workers=2))]
     survivor = {"type": "error", "rank": 0, "reason": "RuntimeError: Connection closed by peer",
                 "at": 1.0}
     result = run_result(1, experiment, [survivor], set(), 1, "", failures)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import dsgd, dsgd_in_process, write_spec
+from conftest import dsgd, dsgd_in_process, experiment_config, write_spec
 from dsgd_cli.launch.launcher import plan_launches
 from dsgd_cli.spec.experiments import load_spec
 from dsgd_cli.results.store import Store
@@ -165,7 +165,6 @@ def test_advance_records_each_completed_experiment_and_begins_the_next(tmp_path)
     from dsgd_cli.comm.events import EventWriter, events_path, experiment_dir
     from dsgd_cli.launch.launcher import Callbacks, DevicePlan, _Launcher
     from dsgd_cli.spec.experiments import Experiment
-    from test_store import config
 
     heard = []
     callbacks = Callbacks(started=lambda experiment, device: heard.append(("started", experiment.name)),
@@ -173,8 +172,7 @@ def test_advance_records_each_completed_experiment_and_begins_the_next(tmp_path)
                               ("progress", experiment.name, progress.train_loss)),
                           ended=lambda result: heard.append(("ended", result.experiment, result.status)))
     store = Store(str(tmp_path / "r.db"))
-    full = {**config(), "lr_schedule": {"name": "constant"}}  # every plugin section
-    experiments = [Experiment(name, full) for name in ("a", "b")]
+    experiments = [Experiment(name, experiment_config(name)) for name in ("a", "b")]
     launcher = _Launcher(experiments, DevicePlan("cpu"), store, None, callbacks)
     launcher.torchrun = SimpleNamespace(dir=tmp_path)
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from checkpoint_helpers import latest_complete
-from conftest import dsgd, dsgd_in_process, write_spec
+from conftest import dsgd, dsgd_in_process, experiment_config, write_spec
 from dsgd_cli.worker import checkpoint
 from dsgd_cli.launch.resume import resumable
 from dsgd_cli.results.store import Store
@@ -193,9 +193,7 @@ def test_a_torn_checkpoint_is_never_loaded(tmp_path):
     assert checkpoint.load(directory, 10, 0) == {"step": 10, "rank": 0}
 
     store = Store(str(tmp_path / "r.db"))
-    config = {"task": {"name": "logreg"}, "aggregator": {"name": "allreduce"},
-              "compressor": {"name": "none"}, "optimizer": {"name": "sgd"}, "workers": 2}
-    run_id = store.create_run("a", config, None, [], checkpoint_dir=str(directory))
+    run_id = store.create_run("a", experiment_config("a"), None, [], checkpoint_dir=str(directory))
     store.finish_run(run_id, "failed", "rank 1: killed by SIGKILL", 1)
     experiment = resumable(store, run_id)
     assert (experiment.resume_step, experiment.checkpoint_dir) == (10, str(directory))

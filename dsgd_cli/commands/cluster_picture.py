@@ -19,6 +19,7 @@ from typing import Any, Callable
 from dsgd_cli.comm.cluster import LEVELS
 from dsgd_cli.commands.output import readable_bytes, render
 from dsgd_cli.spec.describe import network
+from dsgd_cli.spec.resolved import Link, read_key
 
 
 def cluster_picture(config: dict[str, Any], finals: dict[str, float],
@@ -26,26 +27,26 @@ def cluster_picture(config: dict[str, Any], finals: dict[str, float],
     """The lines that draw `config`'s cluster (none without one). `finals`: the run's final
     metrics (the per-run `total_bytes_sent_{level}`); `peak_rate(level)`: the most one
     worker's step sent per modeled second on the level, over the run, or None."""
-    section = config.get("cluster")
-    if not section:
+    section = read_key(config, "cluster")
+    if section is None:
         return []
-    nodes, workers = section["nodes"], config["workers"]
+    nodes, workers = section.nodes, read_key(config, "workers")
     per_node = workers // nodes
-    regions = section["regions"] or [nodes]
-    speeds = section["speed"] or [1.0] * nodes
+    regions = section.regions or [nodes]
+    speeds = section.speed or [1.0] * nodes
     heading = f"cluster: {nodes} nodes × {per_node} workers"
-    if section["regions"]:
+    if section.regions:
         heading += f" in {len(regions)} regions"
-    lines = [heading + f", NIC {section['nic']}"]
+    lines = [heading + f", NIC {section.nic}"]
     first = 0
     for region, count in enumerate(regions):
         drawn = "  ".join(_node(node, per_node, speeds[node])
                           for node in range(first, first + count))
-        lines.append(f"  region {region}: {drawn}" if section["regions"] else f"  {drawn}")
+        lines.append(f"  region {region}: {drawn}" if section.regions else f"  {drawn}")
         first += count
     rows, matrix = [], None
     for level in LEVELS:
-        link = section["links"].get(level)
+        link = section.links.get(level)
         sent = finals.get(f"total_bytes_sent_{level}")
         if link is None and not sent:
             continue  # a level the cluster lacks
@@ -74,15 +75,15 @@ def _node(node: int, per_node: int, speed: float | list[float]) -> str:
     return f"node {node}{shown_speed} [{' '.join(f'r{rank}' for rank in ranks)}]"
 
 
-def _matrix(matrix: list[list[dict[str, Any] | None]]) -> list[str]:
+def _matrix(matrix: list[list[Link | None]]) -> list[str]:
     """The inter-region links, one row per source region, one column per destination."""
-    def cell(entry: dict[str, Any] | None) -> str:
+    def cell(entry: Link | None) -> str:
         if entry is None:
             return "-"
-        rate = entry["bytes_per_second"]
+        rate = entry.bytes_per_second
         text = "unlimited" if rate is None else _bits_per_second(rate)
-        if entry["latency_s"]:
-            text += f" {entry['latency_s'] * 1e3:.4g} ms"
+        if entry.latency_s:
+            text += f" {entry.latency_s * 1e3:.4g} ms"
         return text
     rows = [{"from": f"region {a}", **{f"to region {b}": cell(entry)
                                        for b, entry in enumerate(row)}}

@@ -150,11 +150,11 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
     if resume is not None:
         reopen(store, experiments[0])
     else:
-        if any(exp.config.get("checkpoint_every") for exp in experiments):
+        if any(exp.resolved.checkpoint_every for exp in experiments):
             # Checked before the database is opened: a bad one writes nothing.
             root = checkpoint.usable_root(checkpoint_dir, resolve_url(db))
             for exp in experiments:
-                if exp.config.get("checkpoint_every"):
+                if exp.resolved.checkpoint_every:
                     exp.checkpoint_dir = checkpoint.run_directory(root, exp.name)
         store = Store(db)
     # Experiment names and failure reasons are plain text, never rich markup: a gloo error
@@ -261,7 +261,7 @@ def _print_plan(launches) -> None:
             lines.append(f"  {exp.name}: {c['workers']} workers, task {c['task']['name']}, "
                          f"aggregator {c['aggregator']['name']}, compressor {c['compressor']['name']}, "
                          f"optimizer {c['optimizer']['name']}")
-            lines.extend(f"    {line}" for line in describer.lines(c))
+            lines.extend(f"    {line}" for line in describer.lines(exp.resolved))
             for key in ("task", "optimizer", "aggregator", "compressor"):
                 options = [f"{k}={v}" for k, v in c[key].items() if k != "name"]
                 if options:

@@ -159,7 +159,9 @@ def show(run_id: Annotated[int, typer.Argument(help="A run id from `dsgd runs`")
 
 def _cluster_picture(store, run) -> list[str]:
     """The run's cluster drawn with what it sent per link level (none without a cluster)."""
-    if not run.config.get("cluster"):
+    from dsgd_cli.spec.resolved import read_key
+
+    if read_key(run.config, "cluster") is None:
         return []  # and nothing imported: the picture's imports load torch
     from dsgd_cli.commands.cluster_picture import cluster_picture
 

@@ -69,9 +69,8 @@ def choose_device(workers: int, requested: str = "auto", measured_clock: bool = 
 
 def plan_for(experiment: Experiment, workers: int) -> DevicePlan:
     """`choose_device` for one experiment's launch on this machine."""
-    config = experiment.config
-    return choose_device(workers, config.get("device", "auto"), config.get("compute") is None,
-                         experiment.name)
+    resolved = experiment.resolved
+    return choose_device(workers, resolved.device, resolved.compute is None, experiment.name)
 
 
 def cuda_kernels_problem(launches: list[Launch]) -> str | None:
@@ -79,7 +78,7 @@ def cuda_kernels_problem(launches: list[Launch]) -> str | None:
     here (numba_kernels/cuda_check.py; None when it can, or none needs them): asked before
     anything is recorded, rather than failing at rank 0's first step."""
     def needs_kernels(experiment: Experiment) -> bool:
-        return any(registry.load(kind, experiment.config[kind]["name"]).uses_numba_kernels
+        return any(registry.load(kind, getattr(experiment.resolved, kind).name).uses_numba_kernels
                    for kind in ("aggregator", "compressor"))
 
     if not any(launch.device.uses_gpus and any(map(needs_kernels, launch.experiments))

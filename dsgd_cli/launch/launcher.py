@@ -31,6 +31,7 @@ from dsgd_cli.results.database import one_line, sqlite_path
 from dsgd_cli.errors import DsgdError
 from dsgd_cli.spec.directories import make_experiment_directory
 from dsgd_cli.spec.experiments import PLUGIN_SECTIONS, Experiment
+from dsgd_cli.spec.resolved import ResolvedExperiment
 from dsgd_cli.spec.run_plan import plan_entry
 from dsgd_cli.results.store import MetricRow, RunDeleted, Store
 from dsgd_cli.launch.outcome import (RunResult, launch_dir_full, last_lines, left_early,
@@ -56,10 +57,11 @@ def local_workers(experiment: Experiment) -> int:
     return nodes.local_workers(experiment.nodes, experiment.workers)
 
 
-def plugin_versions(config: dict) -> list[tuple[str, str, str, str]]:
+def plugin_versions(experiment: ResolvedExperiment) -> list[tuple[str, str, str, str]]:
+    """Each plugin the experiment names, with the distribution and version that provide it."""
     rows = []
     for kind in PLUGIN_SECTIONS:  # a resumed run's config is upgraded: it has every section
-        name = config[kind]["name"]
+        name = getattr(experiment, kind).name
         entry = registry.discover(kind)[name]
         rows.append((kind, name, entry.distribution, entry.version))
     return rows
@@ -77,8 +79,8 @@ class Launch:
 
     def fits(self, experiment: Experiment, device: DevicePlan) -> bool:
         first = self.experiments[0]
-        return (experiment.workers, experiment.config.get("timeout"), device.kind) == (
-            first.workers, first.config.get("timeout"), self.device.kind)
+        return (experiment.workers, experiment.resolved.timeout, device.kind) == (
+            first.workers, first.resolved.timeout, self.device.kind)
 
 
 def plan_launches(experiments: list[Experiment], shared: bool = True) -> list[Launch]:
@@ -140,9 +142,9 @@ def make_output_directories(experiments: list[Experiment]) -> None:
     trains: one planted by another user is refused now (UntrustedDirectory, exit 2), not
     after training, when the model could only be lost."""
     for experiment in experiments:
-        if experiment.config.get("save_dir"):
-            name = experiment.config.get("name", experiment.name)
-            directory = Path(experiment.config["save_dir"]) / name.replace("/", "_")  # as the workers
+        resolved = experiment.resolved
+        if resolved.save_dir:
+            directory = Path(resolved.save_dir) / resolved.name.replace("/", "_")  # as the workers
             try:
                 make_experiment_directory(directory)
             except OSError as error:
@@ -251,7 +253,7 @@ class _Launcher:
         run_id = experiment.run_id  # a resumed run goes on under its own id
         if run_id is None and _records(experiment):
             run_id = self.store.create_run(experiment.name, experiment.config, self.spec_file,
-                                           plugin_versions(experiment.config),
+                                           plugin_versions(experiment.resolved),
                                            experiment.checkpoint_dir)
             if self.device.workers_per_gpu is not None:  # its workers took turns on the GPUs
                 self.store.add_metrics(run_id, [MetricRow("workers_per_gpu",

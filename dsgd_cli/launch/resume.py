@@ -15,10 +15,8 @@ import sys
 from pathlib import Path
 
 from dsgd_cli.worker import checkpoint
-from dsgd_cli.spec import registry
 from dsgd_cli.spec.config_versions import upgrade_config
 from dsgd_cli.errors import DsgdError
-from dsgd_cli.spec.experiment_options import PLUGIN_KEYS
 from dsgd_cli.spec.experiments import Experiment
 from dsgd_cli.results.store import Store
 
@@ -58,10 +56,13 @@ def resumable(store: Store, run_id: int, checkpoint_dir: str | Path | None = Non
         config = upgrade_config(run.config)  # as the workers of this version read it
     except DsgdError as error:
         raise DsgdError(f"run {run_id} cannot resume: {error}") from None
-    for kind in PLUGIN_KEYS:
-        registry.load(kind, config[kind]["name"])  # still installed: else a clear error
-    return Experiment(run.experiment, config, checkpoint_dir=directory, resume_step=step,
-                      run_id=run_id)
+    experiment = Experiment(run.experiment, config, checkpoint_dir=directory, resume_step=step,
+                            run_id=run_id)
+    try:
+        experiment.resolved  # each plugin still installed (else a clear error), with its options
+    except (TypeError, ValueError) as error:  # options an installed plugin no longer takes
+        raise DsgdError(f"run {run_id} cannot resume: {error}") from None
+    return experiment
 
 
 def locate(recorded: str | None, option: str | Path | None) -> str | None:

@@ -18,6 +18,7 @@ from dsgd_cli.results import strictjson
 from dsgd_cli.errors import DsgdError
 from dsgd_cli.launch.outcome import run_result
 from dsgd_cli.launch.run_events import RunEvents
+from dsgd_cli.spec.config_versions import upgrade_config
 from dsgd_cli.results.store import MetricRow, Store
 from dsgd_cli.spec.experiments import Experiment
 
@@ -69,7 +70,7 @@ def recover(directory: Path, db: str | None) -> str:
     store.add_metrics(run_id, rows)
     if events.problems or len(events.done_ranks) == state["workers"]:
         # it ended by itself: as the launcher would say
-        result = run_result(run_id, Experiment(run.experiment, run.config), events.problems,
+        result = run_result(run_id, Experiment(run.experiment, upgrade_config(run.config)), events.problems,
                             events.done_ranks, 0, "")
         status, reason, rank = result.status, result.reason, result.failed_rank
     else:  # stopped part-way by dsgd, as it could not record it: it may resume

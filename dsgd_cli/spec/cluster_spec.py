@@ -35,22 +35,20 @@ from typing import Any
 
 from dsgd_cli.comm.communicator import NetworkModel
 from dsgd_cli.comm.cluster import Cluster, Link
-from dsgd_cli.spec.resolved import Cluster as ResolvedCluster, Link as ResolvedLink
+from dsgd_cli.spec.resolved import Cluster as ResolvedCluster, Link as ResolvedLink, read_key
 
 
 def slowest_speed(config: dict[str, Any]) -> float:
     """The lowest worker speed of the experiment's cluster (1 without speeds)."""
-    cluster = config.get("cluster")
-    if cluster is None or not cluster["speed"]:
+    cluster = read_key(config, "cluster")
+    if cluster is None or not cluster.speed:
         return 1.0
-    return min(min(speed) if isinstance(speed, list) else speed for speed in cluster["speed"])
+    return min(min(speed) if isinstance(speed, list) else speed for speed in cluster.speed)
 
 
 def cluster_model(config: dict[str, Any]) -> Cluster | None:
     """A configuration's cluster, in modeled time (None without a `cluster` section)."""
-    section = config.get("cluster")
-    return cluster_of(None if section is None else ResolvedCluster.read(section),
-                      config["workers"])
+    return cluster_of(read_key(config, "cluster"), read_key(config, "workers"))
 
 
 def cluster_of(section: ResolvedCluster | None, workers: int) -> Cluster | None:
@@ -95,8 +93,7 @@ def message_seconds(config: dict[str, Any], source: int, destination: int,
 
 def network_model(config: dict[str, Any]) -> NetworkModel | None:
     """A configuration's `network` link, in modeled time (None without one)."""
-    network = config["network"]
-    return network_of(None if network is None else ResolvedLink.read(network))
+    return network_of(read_key(config, "network"))
 
 
 def network_of(link: ResolvedLink | None) -> NetworkModel | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +49,10 @@ class Experiment:
     nodes: NodePlan | None = None  # this machine's part when the run spans several
     spec_text: str = ""  # names the rendezvous of a run over several machines
 
-    @property
+    @cached_property
     def resolved(self) -> ResolvedExperiment:
-        """The configuration as the typed experiment."""
+        """The configuration as the typed experiment, read once: what the launcher and the
+        commands read of it (the configuration itself is what is stored and sent)."""
         return ResolvedExperiment.from_config(self.config)
 
     @property
@@ -65,7 +67,7 @@ class Experiment:
 
     @property
     def workers(self) -> int:
-        return self.config["workers"]
+        return self.resolved.workers
 
 
 def load_spec(path: str | Path, *, only: list[str] | None = None,
@@ -131,10 +133,7 @@ def resolve_document(document: Any, workers_override: int | None = None,
     experiments: list[Experiment] = []
     cache = _Cache()  # grid points share most sections: each distinct one is checked once
     for point in specfile.points(defaults, entries, workers_override, overrides, only):
-        config = validate_experiment(point.raw, point.path, point.name, cache)
-        if nodes is not None:
-            check_split(nodes, config["workers"], point.path)
-            config["nnodes"] = nodes.nnodes
+        config = validate_experiment(point.raw, point.path, point.name, cache, nodes)
         experiments.append(Experiment(point.name, config, nodes=nodes))
 
     seen: dict[str, int] = {}
@@ -145,23 +144,19 @@ def resolve_document(document: Any, workers_override: int | None = None,
     return experiments
 
 
-def validate_experiment(raw: dict, path: str, name: str,
-                        cache: _Cache | None = None) -> dict[str, Any]:
+def validate_experiment(raw: dict, path: str, name: str, cache: _Cache | None = None,
+                        nodes: NodePlan | None = None) -> dict[str, Any]:
     """Check every key and resolve every plugin; return the complete configuration.
-    `cache` remembers what was checked for sections seen before (grid points)."""
+    `cache` remembers what was checked for sections seen before (grid points); `nodes`: the
+    machines a run over several is split over."""
     cache = cache if cache is not None else _Cache()
     keys = parse_options(ExperimentOptions, {key: value for key, value in raw.items()
                                              if key not in ("name", "grid")}, path)
-    # Every declared key but the plugin sections, as the configuration stores it (resolved.py);
-    # a key stored only when set is left out at its default.
-    config: dict[str, Any] = {"config_version": CONFIG_VERSION, "name": name}
-    for key in KEYS:
-        if key.name in config or key.name in PLUGIN_KEYS or key.name == "nnodes":
-            continue
-        value = getattr(keys, key.name)
-        if key.always or value != key.default:
-            config[key.name] = stored(value)
-    config["save_dir"] = _directory(keys.save_dir, f"{path}.save_dir")
+    config: dict[str, Any] = {"config_version": CONFIG_VERSION, "name": name,
+                              **_declared_keys(keys),
+                              "save_dir": _directory(keys.save_dir, f"{path}.save_dir")}
+    # `config`: the declared keys as stored, all the checks below read; the plugin sections
+    # join it at the end.
     check_step_fits_timeout(keys, slowest_speed(config), path)
 
     # The plugin sections, each checked by the plugin it names: {name, every option}.
@@ -175,7 +170,6 @@ def validate_experiment(raw: dict, path: str, name: str,
     aggregator, aggregator_key = cache.section("aggregator", aggregator, f"{path}.aggregator")
     compressor, compressor_key = cache.section("compressor", compressor_raw,
                                                f"{path}.aggregator.compressor")
-    config.update(task=task, optimizer=optimizer, aggregator=aggregator, compressor=compressor)
     if keys.data_split == "by_label":
         task_cls = registry.load("task", task["name"])
         if not task_cls.one_label_per_example:
@@ -188,7 +182,6 @@ def validate_experiment(raw: dict, path: str, name: str,
                         f"needs at least one", path=f"{path}.workers")
     schedule, schedule_key = cache.section("lr_schedule", raw["lr_schedule"],
                                            f"{path}.lr_schedule")
-    config["lr_schedule"] = schedule
     _check_schedule(keys, schedule, examples, f"{path}.lr_schedule", cache, schedule_key)
     aggregator_cls = registry.load("aggregator", aggregator["name"])
     if compressor["name"] != "none" and not aggregator_cls.supports_compression:
@@ -199,11 +192,30 @@ def validate_experiment(raw: dict, path: str, name: str,
                                compressor_key, f"{path}.aggregator.compressor")
     cache.check_world(aggregator, aggregator_key, keys.workers, keys.seed, f"{path}.aggregator")
     check_failures(config, aggregator_cls, f"{path}.failures")
-    nbytes = cache.model_bytes(task, task_key) if needs_model_size(config) else None
-    check_model_crosses_in_time(config, nbytes, path)
-    config["aggregator"] = cache.resolve(aggregator_cls, config, aggregator_key,
-                                         compressor_key, task_key, f"{path}.aggregator")
-    return {key.name: config[key.name] for key in KEYS if key.name in config}  # stored order
+    compressed = compressor["name"] != "none"
+    nbytes = cache.model_bytes(task, task_key) if needs_model_size(config, compressed) else None
+    check_model_crosses_in_time(config, compressed, nbytes, path)
+    aggregator = cache.resolve(aggregator_cls, aggregator, compressor, task, keys,
+                               (aggregator_key, compressor_key, task_key), f"{path}.aggregator")
+    if nodes is not None:
+        check_split(nodes, keys.workers, path)
+    plugins = dict(task=task, optimizer=optimizer, aggregator=aggregator, compressor=compressor,
+                   lr_schedule=schedule)
+    machines = {} if nodes is None else {"nnodes": nodes.nnodes}  # a run over several: how many
+    return dict(sorted({**config, **plugins, **machines}.items(),
+                       key=lambda item: _STORED_ORDER[item[0]]))
+
+
+_STORED_ORDER = {key.name: index for index, key in enumerate(KEYS)}  # the configuration's
+
+
+def _declared_keys(keys: ExperimentOptions) -> dict[str, Any]:
+    """Every declared key but the plugin sections, as the configuration stores it
+    (resolved.py); a key stored only when set is left out at its default."""
+    declared = [(key, getattr(keys, key.name)) for key in KEYS
+                if key.name not in ("config_version", "name", "nnodes", *PLUGIN_KEYS)]
+    return {key.name: stored(value) for key, value in declared
+            if key.always or value != key.default}
 
 
 def _check_schedule(keys: ExperimentOptions, schedule: dict[str, Any], examples: int | None,
@@ -384,24 +396,24 @@ class _Cache:
         if None not in key:
             self.compressors.add(key)
 
-    def resolve(self, cls: type, config: dict[str, Any], aggregator_key: Any,
-                compressor_key: Any, task_key: Any, path: str) -> dict[str, Any]:
+    def resolve(self, cls: type, aggregator: dict[str, Any], compressor: dict[str, Any],
+                task: dict[str, Any], keys: ExperimentOptions, section_keys: tuple,
+                path: str) -> dict[str, Any]:
         """The aggregator section with the aggregator's `resolve_options` applied (choco's
-        `gamma: auto` becomes the γ it tunes), once per distinct input; unchanged where it is
-        the base's no-op."""
+        `gamma: auto` becomes the γ it tunes), once per distinct input (`section_keys`: those
+        of the aggregator, compressor and task sections); unchanged where it is the base's
+        no-op."""
         from dsgd_cli.plugin_base import Aggregator  # imported already: `cls` derives from it
 
-        aggregator = config["aggregator"]
         if getattr(cls.resolve_options, "__func__", None) is Aggregator.resolve_options.__func__:
             return aggregator
-        key = (aggregator_key, compressor_key, task_key, config["workers"], config["seed"])
-        cacheable = None not in key[:3]
+        key = (*section_keys, keys.workers, keys.seed)
+        cacheable = None not in section_keys
         if not cacheable or key not in self.resolved:
             try:
                 options = cls.resolve_options(
-                    build_options("aggregator", aggregator),
-                    build_plugin("compressor", config["compressor"]),
-                    build_plugin("task", config["task"]), config["workers"], config["seed"])
+                    build_options("aggregator", aggregator), build_plugin("compressor", compressor),
+                    build_plugin("task", task), keys.workers, keys.seed)
             except ValueError as error:
                 raise SpecError(str(error), path=path) from None
             resolved = {"name": aggregator["name"], **options_to_dict(options)}

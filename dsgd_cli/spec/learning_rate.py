@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from dsgd_cli.spec.resolved import read_key
 from dsgd_cli.spec.sharding import samples_budget_steps
 
 # lr_scaling: the factor the optimizer's lr is multiplied by, for n workers (Goyal et al.
@@ -29,9 +30,10 @@ DEFAULT_SCHEDULE = {"name": "constant", "warmup_steps": 0, "warmup_epochs": 0.0}
 
 def total_steps(config: dict[str, Any], shard_size: int, steps_per_epoch: int) -> int | None:
     """`last_step` of a configuration as stored."""
-    budget = config.get("budget")
-    return _last_step(budget is not None, budget and budget["samples"], config["epochs"],
-                      config["workers"], config["batch_size"], shard_size, steps_per_epoch)
+    budget = read_key(config, "budget")
+    return _last_step(budget is not None, budget and budget.samples, read_key(config, "epochs"),
+                      read_key(config, "workers"), read_key(config, "batch_size"), shard_size,
+                      steps_per_epoch)
 
 
 def last_step(experiment: Any, shard_size: int, steps_per_epoch: int) -> int | None:

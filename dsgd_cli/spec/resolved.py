@@ -38,7 +38,7 @@ from dsgd_cli.spec.experiment_options import (
 from dsgd_cli.spec.failures_spec import FailureOptions
 
 __all__ = ["Budget", "Cluster", "Compute", "KEYS", "Link", "PluginSection",
-           "ResolvedExperiment", "Stragglers", "stored"]
+           "ResolvedExperiment", "Stragglers", "read_key", "stored"]
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,16 @@ def _keys() -> tuple[Key, ...]:
 
 
 KEYS: tuple[Key, ...] = _keys()
+_KEY_NAMED = {key.name: key for key in KEYS}
+
+
+def read_key(config: Mapping[str, Any], name: str) -> Any:
+    """One key of a stored configuration (of the current version), as the typed experiment
+    holds it: `read_key(config, "cluster")` is a `Cluster` or None; the key's default where
+    the configuration lacks it. For a reader that needs a few keys and no plugin loaded (the
+    checks at validation, `dsgd show`); `ResolvedExperiment.from_config` reads them all."""
+    key = _KEY_NAMED[name]
+    return key.read(config[name]) if name in config else key.default
 
 
 def stored(value: Any) -> Any:
@@ -203,7 +213,7 @@ class _ResolvedMethods:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ResolvedExperiment:
         """The typed experiment of a configuration of the current version."""
-        return cls(**{key.name: key.read(config[key.name]) for key in KEYS
+        return cls(**{key.name: read_key(config, key.name) for key in KEYS
                       if key.name in config})
 
 

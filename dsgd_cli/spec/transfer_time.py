@@ -29,6 +29,7 @@ from dsgd_cli.emulation.clock import Clock
 from dsgd_cli.comm.cluster import INTER_NODE, INTER_REGION, INTRA_NODE
 from dsgd_cli.errors import SpecError
 from dsgd_cli.spec import registry
+from dsgd_cli.spec.resolved import Link, read_key
 from dsgd_cli.units import readable_duration
 
 
@@ -51,49 +52,48 @@ class Crossing:
 
 
 def widest_crossing(config: dict[str, Any]) -> Crossing | None:
-    """The link of the widest level the run spans: the `network` link, or the cluster's
-    inter-region, else inter-node, else intra-node link. None when nothing is modeled or one
-    worker has no one to talk to."""
-    workers = config["workers"]
+    """The link of the widest level the run spans (`config`: its stored configuration): the
+    `network` link, or the cluster's inter-region, else inter-node, else intra-node link. None
+    when nothing is modeled or one worker has no one to talk to."""
+    workers = read_key(config, "workers")
     if workers < 2:
         return None
-    cluster = config.get("cluster")
+    cluster = read_key(config, "cluster")
     if cluster is None:
-        network = config.get("network")
+        network = read_key(config, "network")
         if network is None:
             return None
-        return Crossing("network", network["latency_s"], network["bytes_per_second"])
-    nodes, regions = cluster["nodes"], cluster["regions"] or [cluster["nodes"]]
+        return Crossing("network", network.latency_s, network.bytes_per_second)
+    nodes, regions = cluster.nodes, cluster.regions or [cluster.nodes]
     if len(regions) > 1:
         level, nodes_on_one_side = INTER_REGION, max(regions)
     elif nodes > 1:
         level, nodes_on_one_side = INTER_NODE, 1
     else:
-        link = cluster["links"][INTRA_NODE]
-        return Crossing(f"cluster.links.{INTRA_NODE}", link["latency_s"], link["bytes_per_second"])
-    link = cluster["links"][level]
+        link = cluster.links[INTRA_NODE]
+        return Crossing(f"cluster.links.{INTRA_NODE}", link.latency_s, link.bytes_per_second)
+    link = cluster.links[level]
     if isinstance(link, list):  # one link per pair of regions: the fastest any pair is
         link = _fastest(entry for row in link for entry in row if entry is not None)
-    cards_per_node = workers // nodes if cluster["nic"] == "dedicated" else 1
-    return Crossing(f"cluster.links.{level}", link["latency_s"], link["bytes_per_second"],
+    cards_per_node = workers // nodes if cluster.nic == "dedicated" else 1
+    return Crossing(f"cluster.links.{level}", link.latency_s, link.bytes_per_second,
                     nodes_on_one_side * cards_per_node)
 
 
-def _fastest(links) -> dict[str, Any]:
+def _fastest(links) -> Link:
     """A link at least as fast as each of `links`: their lowest latency, their highest bandwidth
     (None, unlimited, when one is)."""
     links = list(links)
-    rates = [link["bytes_per_second"] for link in links]
-    return {"latency_s": min(link["latency_s"] for link in links),
-            "bytes_per_second": None if None in rates else max(rates)}
+    rates = [link.bytes_per_second for link in links]
+    return Link(latency_s=min(link.latency_s for link in links),
+                bytes_per_second=None if None in rates else max(rates))
 
 
-def needs_model_size(config: dict[str, Any]) -> bool:
+def needs_model_size(config: dict[str, Any], compressed: bool) -> bool:
     """Whether `check_model_crosses_in_time` reads the model's size: with a modeled bandwidth
-    and no compressor."""
+    and no compressor (`compressed`: the run has one)."""
     crossing = widest_crossing(config)
-    return (crossing is not None and crossing.bytes_per_second is not None
-            and config["compressor"]["name"] == "none")
+    return crossing is not None and crossing.bytes_per_second is not None and not compressed
 
 
 def model_bytes(task_section: dict[str, Any]) -> int | None:
@@ -113,17 +113,19 @@ def model_bytes(task_section: dict[str, Any]) -> int | None:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def check_model_crosses_in_time(config: dict[str, Any], nbytes: int | None, path: str) -> None:
-    """Refuse a run where one copy of the model (`nbytes`; None or 0: a message of no size)
-    takes, in real time, at least the experiment's timeout to cross the widest level."""
+def check_model_crosses_in_time(config: dict[str, Any], compressed: bool, nbytes: int | None,
+                                path: str) -> None:
+    """Refuse a run where one copy of the model (`nbytes`; None or 0, or `compressed`: a
+    message of no size) takes, in real time, at least the experiment's timeout to cross the
+    widest level."""
     crossing = widest_crossing(config)
     if crossing is None:
         return
-    compressed = config["compressor"]["name"] != "none"
     nbytes = 0 if compressed or nbytes is None else nbytes
-    time_scale = config["compute"]["time_scale"] if config.get("compute") else 1.0
+    compute = read_key(config, "compute")
+    time_scale = compute.time_scale if compute is not None else 1.0
     modeled = crossing.seconds(nbytes)
-    real, timeout = Clock(time_scale).to_real(modeled), config["timeout"]
+    real, timeout = Clock(time_scale).to_real(modeled), read_key(config, "timeout")
     if real < timeout:
         return
     what = (f"sending the model once ({_si(nbytes, 'B')})" if nbytes

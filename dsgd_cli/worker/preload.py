@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dsgd_cli.spec import registry
 from dsgd_cli.spec.resolved import ResolvedExperiment
 from dsgd_cli.spec.run_plan import read_plan_entry
 from dsgd_cli.worker.data import load_data
@@ -44,27 +43,19 @@ def prepare(plan_path: Path) -> bool:
         plan = json.loads(plan_path.read_text())
         if plan.get("device", "cpu") != "cpu":
             return False
-        configs = [read_plan_entry(entry)[0] for entry in plan["experiments"]]
-        for config in configs:
-            _import_plugins(config)
+        # Reading each experiment imports every plugin it names.
+        experiments = [ResolvedExperiment.from_config(read_plan_entry(entry)[0])
+                       for entry in plan["experiments"]]
         with torch.random.fork_rng(devices=[]):
-            _prepare_experiment(configs[0])
+            _prepare_experiment(experiments[0])
             _process_group_of_one()
     except Exception:  # the workers meet the same problem and report it
         return False
     return True
 
 
-def _import_plugins(config: dict) -> None:
-    for kind in registry.KINDS:  # each section a {name: ...} mapping, when present
-        section = config.get(kind)
-        if isinstance(section, dict) and "name" in section:
-            registry.load(kind, section["name"])
-
-
-def _prepare_experiment(config: dict) -> None:
+def _prepare_experiment(experiment: ResolvedExperiment) -> None:
     """The data set in memory, and one training step of the task's model and optimizer."""
-    experiment = ResolvedExperiment.from_config(config)
     task = experiment.task.build("task")
     data = load_data(task, experiment.task, experiment.seed)
     model = task.build_model()

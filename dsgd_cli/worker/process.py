@@ -24,14 +24,14 @@ import torch.distributed as dist
 
 from dsgd_cli.comm.cluster import LEVELS
 from dsgd_cli.emulation.clock import Clock
-from dsgd_cli.emulation.compute import time_scale
+from dsgd_cli.emulation.compute import experiment_time_scale
 from dsgd_cli.spec.directories import UntrustedDirectory, make_experiment_directory
 from dsgd_cli.comm.events import EventWriter, events_path, experiment_dir, launcher_gone, stop_path
 from dsgd_cli.launch.local_store import STORE_VARIABLE
 from dsgd_cli.worker.store_client import LocalStore
 from dsgd_cli.worker.training import Diverged, Stopped, StopRequest, Totals, TrainingLoop
 from dsgd_cli.worker.parts import Worker, build_worker
-from dsgd_cli.spec.resolved import ResolvedExperiment
+from dsgd_cli.spec.resolved import ResolvedExperiment, read_key
 from dsgd_cli.spec.run_plan import NO_RUN, RunPlan, read_plan_entry
 from dsgd_cli.worker.evaluation import all_sum
 
@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
         directory = experiment_dir(events_dir, index)
         directory.mkdir(parents=True, exist_ok=True)
         # The worker's clock: the events' seconds, and the plugins' `ctx.clock`.
-        events = EventWriter(events_path(directory, rank), rank, Clock(time_scale(config)))
+        clock = Clock(experiment_time_scale(read_key(config, "compute")))
+        events = EventWriter(events_path(directory, rank), rank, clock)
         exit_code = run_experiment(config, events, rank, world_size, local_rank,
                                    namespace=str(index), stop_file=stop_path(events_dir),
                                    device_kind=plan.get("device"), run=run)
