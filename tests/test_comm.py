@@ -89,3 +89,34 @@ def test_payloads_travel_point_to_point_with_exactly_their_bytes_counted():
         assert uneven[0].tolist() == [2 - rank] and uneven[1].tolist() == list(range(5 + 4 * (1 - rank)))
         assert traffic["bytes_sent"] == 2 * 8 + 1 + 5 + 4 * rank
         assert traffic["bytes_received"] == 2 * 8 + 1 + 5 + 4 * (1 - rank)
+
+
+# -- a group's collectives one after the other ----------------------------------------------------
+
+def _two_buckets_at_once(rank, world_size):
+    """Two all-reduces issued back to back without waiting (DDP's buckets during backward),
+    then one on another group, each on a link of 0.1 s per 40 kB."""
+    network = NetworkModel(latency_s=0.0, bytes_per_second=400_000.0)
+    comm = Comm(rank, world_size, network)
+    other = comm.new_group([0, 1])
+    first = comm.all_reduce(torch.zeros(20_000), async_op=True)   # 2(n-1)/n x 80 kB = 80 kB
+    second = comm.all_reduce(torch.zeros(10_000), async_op=True)  # 40 kB
+    apart = comm.all_reduce(torch.zeros(10_000), group=other, async_op=True)
+    modeled_end = {name: handle._issued_at + handle._emulated_s
+                   for name, handle in (("first", first), ("second", second), ("apart", apart))}
+    for handle in (first, second, apart):
+        handle.wait()
+    comm.close()
+    return (modeled_end["first"] - first._issued_at, modeled_end["second"] - first._issued_at,
+            modeled_end["apart"] - apart._issued_at)
+
+
+def test_a_groups_collectives_are_modeled_one_after_the_other():
+    """gloo and NCCL run a group's collectives in the order issued, one at a time: the second
+    bucket's transfer starts, in the model, when the first one's ends (0.2 s + 0.1 s), not at
+    its issue (which made an overlapped all-reduce of two buckets cost the larger one only).
+    Another group's collective is not queued behind them."""
+    for first, second, apart in run_workers(_two_buckets_at_once, 2, preloaded=True):
+        assert first == pytest.approx(0.2)   # from its issue
+        assert second == pytest.approx(0.3)  # from the first's issue: queued behind it
+        assert apart == pytest.approx(0.1)   # from its own issue

@@ -115,6 +115,10 @@ class Comm:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._collectives = CollectiveCounts(rank, namespace)
+        # Per group, when its last modeled collective ends (perf_counter): the backends run a
+        # group's collectives one after the other (gloo's and NCCL's queue per communicator),
+        # so one issued while another is on the wire starts, in the model, when it ends.
+        self._group_busy_until: dict[str, float] = {}
         self._by_messages: dict[Any, int] = {}  # collectives by messages, per group
         # Operations with a modeled duration, and those whose real transfer overran it: their
         # recorded time is then the machine's, not the model's (see `comm_overrun`).
@@ -216,6 +220,10 @@ class Comm:
         if tracked:
             self._add(sent=sent, received=received, calls=1, levels=levels)
         issued_at = time.perf_counter()
+        if name is not None and emulated_s > 0:
+            starts = max(issued_at, self._group_busy_until.get(name, 0.0))
+            self._group_busy_until[name] = starts + emulated_s
+            emulated_s += starts - issued_at  # the queue's wait, then its own transfer
         try:
             work = start()
         except RuntimeError as error:
