@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import dsgd, dsgd_in_process, write_spec
+from conftest import dsgd, dsgd_in_process, experiment_config, write_spec
 from dsgd_cli.errors import DsgdError
 from dsgd_cli.launch.resume import reopen, resumable
 from dsgd_cli.results.store import Store
@@ -27,8 +27,6 @@ from dsgd_cli.spec.directories import UntrustedDirectory
 from dsgd_cli.worker import checkpoint
 from dsgd_cli.worker.process import write_model
 
-CONFIG = {"task": {"name": "logreg"}, "aggregator": {"name": "allreduce"},
-          "compressor": {"name": "none"}, "optimizer": {"name": "sgd"}, "workers": 2}
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0,
                                 reason="needs root to make a directory another user owns")
@@ -42,7 +40,8 @@ def save_steps(directory: Path, steps: list[int], workers: int = 2) -> None:
 
 def failed_run(tmp_path: Path, directory: Path) -> tuple[Store, int]:
     store = Store(str(tmp_path / "r.db"))
-    run_id = store.create_run("a", CONFIG, None, [], checkpoint_dir=str(directory))
+    run_id = store.create_run("a", experiment_config("a"), None, [],
+                              checkpoint_dir=str(directory))
     store.finish_run(run_id, "failed", "rank 1: killed by SIGKILL", 1)
     return store, run_id
 

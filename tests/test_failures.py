@@ -11,7 +11,7 @@ import pytest
 
 from conftest import dsgd, write_spec
 from dsgd_cli.emulation.failures import RestartTimeline, first_failures
-from dsgd_cli.spec.failures_spec import check_failures, node_of, parse_failures
+from dsgd_cli.spec.failures_spec import FailureDomains, check_failures, node_of, parse_failures
 from dsgd_cli.errors import SpecError
 from dsgd_cli.results.store import Store
 from dsgd_cli.spec import registry
@@ -103,10 +103,18 @@ def test_aggregators_that_cannot_restart_refused(tmp_path, aggregator, why):
     assert error.value.path == PATH
 
 
+def _check(config, aggregator_cls):
+    """`check_failures` of a small configuration without a cluster or a compute model."""
+    budget = config.get("budget") or {}
+    check_failures(config["failures"], aggregator_cls, PATH,
+                   domains=FailureDomains(config["workers"], on_cluster=False),
+                   samples_budget=budget.get("samples") is not None, step_seconds=None)
+
+
 def test_failure_mode_declared_by_a_plugin_is_obeyed():
     allreduce = registry.load("aggregator", "allreduce")
     config = {"workers": 2, "failures": _options(mtbf=10)}
-    check_failures(config, allreduce, PATH)  # the default, restart: accepted
+    _check(config, allreduce)  # the default, restart: accepted
 
     class Fragile(allreduce):
         failure_mode = None
@@ -119,10 +127,10 @@ def test_failure_mode_declared_by_a_plugin_is_obeyed():
         failure_mode = "pause"
 
     with pytest.raises(SpecError, match="its state lives outside the process"):
-        check_failures(config, Fragile, PATH)
-    check_failures(config, Continuing, PATH)  # accepted: it goes on without the failed
+        _check(config, Fragile)
+    _check(config, Continuing)  # accepted: it goes on without the failed
     with pytest.raises(SpecError, match="unknown failure_mode 'pause'"):
-        check_failures(config, Unknown, PATH)
+        _check(config, Unknown)
 
 
 def test_samples_budget_refused():
@@ -130,7 +138,7 @@ def test_samples_budget_refused():
     config = {"workers": 2, "failures": _options(mtbf=10),
               "budget": {"samples": 100, "seconds": None}}
     with pytest.raises(SpecError, match="samples budget") as error:
-        check_failures(config, allreduce, PATH)
+        _check(config, allreduce)
     assert error.value.path == PATH
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dsgd_cli.spec import registry, specfile
-from dsgd_cli.spec.failures_spec import check_failures
+from dsgd_cli.spec.failures_spec import FailureDomains, check_failures
 from dsgd_cli.spec.cluster_spec import network_model, slowest_speed  # noqa: F401 (network_model: imported from here)
 from dsgd_cli.emulation.clock import Clock
 from dsgd_cli.spec.directories import problem_without_creating, shared_problem
@@ -24,7 +24,7 @@ from dsgd_cli.spec.learning_rate import last_step
 from dsgd_cli.spec.nodes import NodePlan, check_split
 from dsgd_cli.spec.experiment_options import PLUGIN_KEYS, ExperimentOptions
 from dsgd_cli.spec.config_versions import CONFIG_VERSION
-from dsgd_cli.spec.resolved import KEYS, ResolvedExperiment, stored
+from dsgd_cli.spec.resolved import KEYS, ResolvedExperiment, read_key, stored
 from dsgd_cli.spec.run_plan import RunPlan, plan_entry
 from dsgd_cli.options import options_to_dict, parse_options, show
 from dsgd_cli.spec.specfile import one_line, selected
@@ -191,7 +191,11 @@ def validate_experiment(raw: dict, path: str, name: str, cache: _Cache | None = 
         cache.check_compressor(aggregator_cls, aggregator, aggregator_key, compressor,
                                compressor_key, f"{path}.aggregator.compressor")
     cache.check_world(aggregator, aggregator_key, keys.workers, keys.seed, f"{path}.aggregator")
-    check_failures(config, aggregator_cls, f"{path}.failures")
+    budget, compute = read_key(config, "budget"), read_key(config, "compute")
+    check_failures(read_key(config, "failures"), aggregator_cls, f"{path}.failures",
+                   domains=FailureDomains.of(keys.workers, read_key(config, "cluster")),
+                   samples_budget=budget is not None and budget.samples is not None,
+                   step_seconds=None if compute is None else compute.step_seconds)
     compressed = compressor["name"] != "none"
     nbytes = cache.model_bytes(task, task_key) if needs_model_size(config, compressed) else None
     check_model_crosses_in_time(config, compressed, nbytes, path)

@@ -83,17 +83,28 @@ def parse_failures(raw: Any, path: str) -> dict[str, Any] | None:
     return options_to_dict(parse_options(FailureOptions, raw, path))
 
 
-def node_count(config: dict[str, Any]) -> int:
-    """The failure domains of a configuration: the cluster's nodes, or one per worker
-    without them."""
-    cluster = config.get("cluster")
-    return cluster["nodes"] if cluster else config["workers"]
+@dataclass(frozen=True)
+class FailureDomains:
+    """What fails: `count` domains, the cluster's nodes (`on_cluster`) or, without a
+    cluster, one per worker."""
+
+    count: int
+    on_cluster: bool
+
+    @classmethod
+    def of(cls, workers: int, cluster: Any) -> FailureDomains:
+        """Of an experiment's `workers` and its typed `cluster` (None without one)."""
+        return cls(workers if cluster is None else cluster.nodes, cluster is not None)
+
+    @property
+    def noun(self) -> str:
+        return "node" if self.on_cluster else "worker"
 
 
 def failure_domains(experiment: Any) -> int:
     """The failure domains of a resolved experiment (`ctx.experiment`): the cluster's
     nodes, or one per worker without them."""
-    return experiment.workers if experiment.cluster is None else experiment.cluster.nodes
+    return FailureDomains.of(experiment.workers, experiment.cluster).count
 
 
 def node_of(rank: int, workers: int, nodes: int) -> int:
@@ -101,28 +112,29 @@ def node_of(rank: int, workers: int, nodes: int) -> int:
     return rank // (workers // nodes)
 
 
-def check_failures(config: dict[str, Any], aggregator_cls: type, path: str) -> None:
+def check_failures(failures: dict[str, Any] | None, aggregator_cls: type, path: str, *,
+                   domains: FailureDomains, samples_budget: bool,
+                   step_seconds: float | None) -> None:
     """Refuse a failure model the run cannot emulate: a fixed failure of a node that does not
     exist, an aggregator that cannot run under failures, a samples budget, failures that
-    would come faster than steps."""
-    failures = config.get("failures")
+    would come faster than steps (`step_seconds`: the compute model's, None without one)."""
     if failures is None:
         return
-    nodes = node_count(config)
+    nodes = domains.count
     for index, fixed in enumerate(failures["at"]):
         if fixed["node"] >= nodes:
-            domain = "cluster.nodes" if config.get("cluster") else "workers"
+            domain = "cluster.nodes" if domains.on_cluster else "workers"
             raise SpecError(f"expected a node between 0 and {nodes - 1} (the run has {nodes} "
                             f"{domain}), got {fixed['node']}", path=f"{path}.at[{index}].node")
-    budget = config.get("budget")
-    if budget is not None and budget.get("samples") is not None:
+    if samples_budget:
         raise SpecError("a samples budget would count the samples of rolled-back steps; use "
                         "epochs or a seconds budget with failures", path=path)
     reason = unsupported_reason(aggregator_cls)
     if reason is not None:
         raise SpecError(f"aggregator {aggregator_cls.plugin_name!r} cannot run under failures: "
                         f"{reason}", path=path)
-    check_failures_leave_time_for_steps(config, failure_mode(aggregator_cls), path)
+    check_failures_leave_time_for_steps(failures["mtbf"], failure_mode(aggregator_cls), path,
+                                        domains=domains, step_seconds=step_seconds)
 
 
 def failure_mode(aggregator_cls: type) -> str | None:
@@ -131,21 +143,20 @@ def failure_mode(aggregator_cls: type) -> str | None:
     return getattr(aggregator_cls, "failure_mode", "restart")
 
 
-def check_failures_leave_time_for_steps(config: dict[str, Any], mode: str, path: str) -> None:
+def check_failures_leave_time_for_steps(mtbf: float | None, mode: str, path: str, *,
+                                        domains: FailureDomains,
+                                        step_seconds: float | None) -> None:
     """Refuse an `mtbf` not longer than one step: failures would come faster than steps. Under
     `restart` any node's failure stops every worker, so the job fails every mtbf / nodes, and a
     failure at nearly every step boundary rolls the run back for ever. Under `continue` a node
     would be failing at nearly every step (and the schedule would draw many failures per step).
     A step lasts at least `compute.step_seconds`; without a compute model, UNMODELED_STEP_S."""
-    mtbf = config["failures"]["mtbf"]
     if mtbf is None:  # only the fixed failures of `at`: a finite number
         return
-    compute = config.get("compute")
-    step = compute["step_seconds"] if compute else UNMODELED_STEP_S
-    step_is = ("compute.step_seconds" if compute else
+    step = step_seconds if step_seconds is not None else UNMODELED_STEP_S
+    step_is = ("compute.step_seconds" if step_seconds is not None else
                "what a step without a compute model counts as")
-    nodes = node_count(config)
-    domain = "node" if config.get("cluster") else "worker"
+    nodes, domain = domains.count, domains.noun
     if mode == "restart":
         between = mtbf / nodes
         failing = (f"the job would fail every {readable_duration(between)} on average (mtbf "
