@@ -10,7 +10,6 @@ experiment holds it."""
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -51,7 +50,7 @@ class ReadsTheKey(AllReduce):
     def setup(self, ctx):
         super().setup(ctx)
         value = ctx.experiment.probe_every
-        out = Path(os.environ["PROBE_OUT"]) / f"rank{ctx.rank}.txt"
+        out = Path(os.environ["PROBE_OUT"]) / f"{ctx.experiment_name}-rank{ctx.rank}.txt"
         out.write_text(f"{type(value).__name__} {value}")
 '''
 
@@ -85,6 +84,7 @@ defaults:
 experiments:
   - {name: probed, probe_every: %s}
 """
+BOTH = SPEC % "5" + "  - {name: unprobed}\n"  # the second leaves the key out
 
 
 def test_a_key_declared_once_is_validated(tmp_path, declared):
@@ -97,7 +97,9 @@ def test_a_key_declared_once_is_validated(tmp_path, declared):
 
 
 def test_a_key_declared_once_is_stored_shown_and_read_by_the_workers(tmp_path, declared):
-    spec = write_spec(tmp_path, SPEC % "5")
+    """One launch of two experiments: one sets the key, the other leaves it out and reads
+    its default."""
+    spec = write_spec(tmp_path, BOTH)
     db = tmp_path / "r.db"
     result = dsgd("run", str(spec), "--db", str(db), env=declared)
     assert result.returncode == 0, result.stderr
@@ -109,12 +111,5 @@ def test_a_key_declared_once_is_stored_shown_and_read_by_the_workers(tmp_path, d
     assert shown.returncode == 0, shown.stderr
     assert "probe_every: 5" in shown.stdout
     probes = Path(declared["PROBE_OUT"])
-    assert sorted(path.read_text() for path in probes.iterdir()) == ["int 5", "int 5"]
-
-
-def test_without_the_key_the_run_reads_its_default(tmp_path, declared):
-    spec = write_spec(tmp_path, textwrap.dedent(SPEC % "null"))
-    result = dsgd("run", str(spec), "--db", str(tmp_path / "r.db"), env=declared)
-    assert result.returncode == 0, result.stderr
-    probes = Path(declared["PROBE_OUT"])
-    assert sorted(path.read_text() for path in probes.iterdir()) == ["NoneType None"] * 2
+    assert sorted(path.read_text() for path in probes.iterdir()) == [
+        "NoneType None", "NoneType None", "int 5", "int 5"]

@@ -67,6 +67,7 @@ def _identical(tmp_path: Path, workers: int) -> None:
             assert torch.equal(tensor, relay_models[name][key]), (name, key)
 
 
+@pytest.mark.slow  # 30 s; every other launched test goes through the agent (CI runs -m slow)
 def test_the_agent_and_torchrun_compute_the_same_runs(tmp_path):
     _identical(tmp_path, workers=3)
 

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import write_spec
 from dsgd_cli.launch import launcher
 from dsgd_cli.launch import torchrun
@@ -74,6 +76,7 @@ def test_the_early_fork_server_serves_the_first_launch(tmp_path, monkeypatch):
     assert not early.dir.exists()
 
 
+@pytest.mark.slow  # the torchrun launcher (DSGD_LAUNCHER=torchrun); CI runs -m slow
 def test_the_early_torchrun_runs_the_first_launch(tmp_path, monkeypatch):
     monkeypatch.setenv("DSGD_LAUNCHER", "torchrun")
     spec = write_spec(tmp_path, SPEC)

@@ -64,6 +64,7 @@ def test_two_nodes_record_one_run_with_every_ranks_metrics(tmp_path):
         assert {"wall_seconds", "test_accuracy", "train_loss"} <= {s.name for s in run.summaries}
 
 
+@pytest.mark.slow  # waits out the rendezvous timeout; CI runs -m slow
 def test_a_node_that_never_joins_fails_the_run_within_the_rendezvous_timeout(tmp_path):
     port = _free_port()
     spec = write_spec(tmp_path, SPEC.format(port=port, timeout=2))  # seconds the test waits

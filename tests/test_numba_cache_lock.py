@@ -15,11 +15,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-COMPILER = textwrap.dedent(r'''
+# The lock's module alone (numba_kernels installs it on import, with torch: seconds each).
+INSTALL = textwrap.dedent(r'''
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cache_lock", "numba_kernels/_cache_lock.py")
+    cache_lock = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cache_lock)
+    assert cache_lock.install()
+''')
+
+COMPILER = INSTALL + textwrap.dedent(r'''
     import sys, time
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
-    import numba_kernels  # noqa: F401  (installs the lock)
     from numba.core import caching
 
     save_index = caching.IndexDataCacheFile._save_index
@@ -37,10 +45,9 @@ COMPILER = textwrap.dedent(r'''
     print(cached_double.double(21 if sys.argv[2] == "int" else 21.5))
 ''')
 
-LOADER = textwrap.dedent(r'''
+LOADER = INSTALL + textwrap.dedent(r'''
     import sys
     sys.path.insert(0, sys.argv[1])
-    import numba_kernels  # noqa: F401
     import cached_double
     print(cached_double.double(21), cached_double.double(21.5))
     print(sorted(cached_double.double.stats.cache_hits.values()))
@@ -66,3 +73,10 @@ def test_two_processes_compiling_at_once_keep_both_specializations(tmp_path):
     values, hits = loaded.stdout.splitlines()
     assert values == "42 43.0"
     assert hits == "[1, 1]"  # both came from the cache
+
+
+def test_importing_the_kernels_installs_the_lock():
+    import numba_kernels  # noqa: F401
+    from numba.core.caching import IndexDataCacheFile
+
+    assert IndexDataCacheFile.save.dsgd_locked and IndexDataCacheFile.load.dsgd_locked

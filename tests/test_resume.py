@@ -97,7 +97,10 @@ def _interrupt_after_a_checkpoint(spec: Path, db: Path, checkpoints: Path, name:
     assert stderr.strip().splitlines()[-1] == "dsgd: interrupted"
 
 
-@pytest.mark.parametrize("name", ["ar", pytest.param("local", marks=pytest.mark.slow)])
+# Both slow (22 s each; CI runs -m slow): by default, test_emulation's overrun run and
+# test_schedules' cosine run are resumed end to end.
+@pytest.mark.parametrize("name", [pytest.param("ar", marks=pytest.mark.slow),
+                                  pytest.param("local", marks=pytest.mark.slow)])
 def test_an_interrupted_run_resumes_to_the_uninterrupted_result(reference, tmp_path, name):
     ref_dir, ref_run = reference(name)
     spec = write_spec(tmp_path, SPEC.format(save_dir=tmp_path / "models"))

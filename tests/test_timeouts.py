@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import dsgd, write_spec
@@ -55,6 +56,8 @@ def test_operations_that_make_no_progress_fail_naming_operation_and_peer(tmp_pat
     ]
 
 
+@pytest.mark.slow  # a launch that waits out its timeout; the in-process test above names the
+# operation and peer by default (CI runs -m slow)
 def test_a_run_whose_peer_stops_answering_fails_naming_the_wait(tmp_path):
     """Rank 1 stalls (an emulated straggler a million times slower) for longer than the spec's
     timeout: rank 0's all-reduce gives up and the run fails with that reason, not a hang.
