@@ -115,14 +115,31 @@ def test_workers_send_one_model_per_round_to_the_server(scenarios):
         assert {result["traffic"][s] for s in rounds} == {numel * 4 if False else numel * 8}
 
 
-def test_compute_model_draws_match_the_runtime():
-    from dsgd_cli.emulation.compute import variation_factor as runtime
-    from plugins.aggregators.parameter_servers import variation_factor
+def test_the_event_order_takes_the_runtimes_step_times():
+    """The servers order their events by `ctx.modeled_step_seconds`, which is what the
+    runtime pads each step to (`PaddedCompute.modeled_seconds` with the straggler factor and
+    the worker's speed): one source, no copy of the draws."""
+    from types import SimpleNamespace
 
-    for variation in ({"distribution": "lognormal", "sigma": 0.3},
-                      {"distribution": "exponential", "tail": 0.5}, None):
-        for rank, step in [(0, 0), (3, 17), (5, 2)]:
-            assert variation_factor(variation, 7, rank, step) == runtime(variation, 7, rank, step)
+    from dsgd_cli.emulation.compute import Compute, PaddedCompute
+    from dsgd_cli.emulation.stragglers import Straggling
+    from dsgd_cli.plugin_base import WorkerContext
+    from dsgd_cli.spec.experiment_options import RandomStragglers, Stragglers
+    from plugins.aggregators import parameter_servers as ps
+
+    compute = Compute(step_seconds=0.02, variation={"distribution": "lognormal", "sigma": 0.3},
+                      time_scale=1.0, ring_max=64)
+    stragglers = Stragglers(ranks=[1], slowdown=3.0,
+                            random=RandomStragglers(probability=0.5, slowdown=2.0))
+    speeds = {0: 1.0, 1: 0.5, 2: 0.25}
+    ctx = WorkerContext(rank=0, world_size=3, device=torch.device("cpu"), model=None,
+                        optimizer=None, comm=SimpleNamespace(cluster=SimpleNamespace(
+                            speed=speeds.__getitem__)), metrics=None, seed=7, compressor=None,
+                        experiment=SimpleNamespace(compute=compute, stragglers=stragglers))
+    for rank, step in [(0, 0), (1, 17), (2, 5), (1, 3)]:
+        padded = PaddedCompute(compute, 7, rank, lambda: 0.0, speed=speeds[rank])
+        expected = padded.modeled_seconds(step, Straggling(stragglers, rank, 7).factor(step))
+        assert ps.modeled_step_seconds(ctx, rank, step) == expected
 
 
 def test_refuses_failures_and_budgets_at_validation(tmp_path):

@@ -66,6 +66,13 @@ def variation_factor(variation: dict | None, seed: int, rank: int, step: int) ->
     return 1.0 + (draw.expovariate(1.0 / tail) if tail > 0 else 0.0)
 
 
+def modeled_compute_seconds(step_seconds: float, variation: dict | None, seed: int, rank: int,
+                            step: int, slowdown: float = 1.0, speed: float = 1.0) -> float:
+    """The modeled compute of one step of one worker: `step_seconds × slowdown × variation ÷
+    speed` (what `PaddedCompute` pads a step to, and `WorkerContext.modeled_step_seconds`)."""
+    return step_seconds * slowdown * variation_factor(variation, seed, rank, step) / speed
+
+
 def mean_factor(variation: dict | None) -> float:
     """The mean of `variation_factor` over steps (docs/cluster.md documents these)."""
     if variation is None:
@@ -110,8 +117,8 @@ class PaddedCompute:
 
     def modeled_seconds(self, step: int, slowdown: float = 1.0) -> float:
         """The modeled compute of `step`."""
-        return (self.step_seconds * slowdown
-                * variation_factor(self.variation, self.seed, self.rank, step) / self.speed)
+        return modeled_compute_seconds(self.step_seconds, self.variation, self.seed, self.rank,
+                                       step, slowdown, self.speed)
 
     def start(self, step: int, slowdown: float = 1.0) -> None:
         self._budget = self.clock.to_real(self.modeled_seconds(step, slowdown))

@@ -10,6 +10,8 @@ from torch import nn
 
 from dsgd_cli.comm.communicator import Comm, SharedCounter
 from dsgd_cli.emulation.clock import Clock
+from dsgd_cli.emulation.compute import modeled_compute_seconds
+from dsgd_cli.emulation.stragglers import Straggling
 from dsgd_cli.plugin_base.compressors import Compressor
 from dsgd_cli.spec.run_plan import NO_RUN, RunPlan
 
@@ -100,6 +102,23 @@ class WorkerContext:
         if self.experiment is not None:
             return self.experiment.name
         return str(self.config.get("name", ""))
+
+    def modeled_step_seconds(self, rank: int, step: int) -> float:
+        """The modeled compute of `rank`'s `step` (from 0), as the runtime pads it:
+        `compute.step_seconds` × the straggler factor × the compute model's variation ÷ the
+        worker's speed, the same draws of the run's seed; without a compute model, the
+        straggler factor alone (a step counts one second). For plugins that order events on
+        the modeled clock without waiting for them (async_local_sgd, halos)."""
+        experiment = self.experiment
+        stragglers = experiment.stragglers if experiment is not None else None
+        slow = Straggling(stragglers, rank, self.seed).factor(step)
+        compute = experiment.compute if experiment is not None else None
+        if compute is None:
+            return slow
+        cluster = self.comm.cluster
+        speed = cluster.speed(rank) if cluster is not None else 1.0
+        return modeled_compute_seconds(compute.step_seconds, compute.variation, self.seed, rank,
+                                       step, slow, speed)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

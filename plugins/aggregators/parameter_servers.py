@@ -8,7 +8,7 @@ modeled clock, never by real timing. Every worker's timeline is a pure function 
     round k + 1 at      a(w, k + 1) = a(w, k) + down(w) + C(w, k + 1) + up(w)
 
 with C(w, k) the modeled compute of round k's H steps (the compute model's `step_seconds ×
-straggler factor × variation ÷ speed`, the same draws the runtime pads each step to; without a
+straggler factor × variation ÷ speed`: `ctx.modeled_step_seconds`, what the runtime pads each step to; without a
 `compute` section every step counts 1 s), and up/down the modeled transfer of the model
 between the worker and its server (the cluster's or network's link; 0 when the server lives
 on the worker's own rank). A server applies a pseudo-gradient at its arrival and answers at
@@ -26,9 +26,7 @@ on its machine: no bytes, no transfer time, in the timeline as in the run).
 from __future__ import annotations
 
 import heapq
-import math
 import queue
-import random
 import threading
 from dataclasses import dataclass
 
@@ -49,43 +47,10 @@ class Event:
     sends_up: bool = False  # PUSH (halos): after it the local server sends to the global one
 
 
-def variation_factor(variation: dict | None, seed: int, rank: int, step: int) -> float:
-    """The compute model's random factor of one step (dsgd_cli/emulation/compute.py's draw,
-    which plugins may not import; tests/test_async_local_sgd.py checks they agree)."""
-    if variation is None:
-        return 1.0
-    draw = random.Random(f"compute:{seed}:{rank}:{step}")
-    if variation["distribution"] == "lognormal":
-        return math.exp(variation["sigma"] * draw.gauss(0.0, 1.0))
-    tail = variation["tail"]
-    return 1.0 + (draw.expovariate(1.0 / tail) if tail > 0 else 0.0)
-
-
-def straggler_factor(stragglers, seed: int, rank: int, step: int) -> float:
-    """The spec's straggler slowdown of one step (dsgd_cli/emulation/stragglers.py's draw)."""
-    if stragglers is None:
-        return 1.0
-    factor = stragglers.slowdown if rank in (stragglers.ranks or []) else 1.0
-    extra = stragglers.random
-    if extra is not None:
-        if random.Random(f"stragglers:{seed}:{rank}:{step}").random() < extra.probability:
-            factor *= extra.slowdown
-    return factor
-
-
 def modeled_step_seconds(ctx, rank: int, step: int) -> float:
-    """The modeled compute of `rank`'s `step` (1 s per step without a compute model)."""
-    experiment = ctx.experiment
-    compute = experiment.compute if experiment is not None else None
-    seed = ctx.seed
-    slow = straggler_factor(experiment.stragglers if experiment is not None else None,
-                            seed, rank, step)
-    if compute is None:
-        return slow
-    cluster = ctx.comm.cluster
-    speed = cluster.speed(rank) if cluster is not None else 1.0
-    return compute.step_seconds * slow * variation_factor(compute.variation, seed, rank,
-                                                          step) / speed
+    """The modeled compute of `rank`'s `step`, as the runtime pads it
+    (`WorkerContext.modeled_step_seconds`); tests replace it with a fake clock."""
+    return ctx.modeled_step_seconds(rank, step)
 
 
 def transfer_seconds(ctx, source: int, destination: int, nbytes: int) -> float:
