@@ -48,6 +48,7 @@ test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
 test-all: $(TEST_STAMP)
+	$(PY) -m pip install --quiet "$(TORCH)" -e ".[test,ptx$(if $(EXTRAS),$(comma)$(EXTRAS))]"
 	$(PY) -m pytest -q -m ""
 
 bench: $(TEST_STAMP)

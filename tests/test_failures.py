@@ -615,6 +615,9 @@ def backup_outage(tmp_path_factory):
     return store, run
 
 
+# A launch of 12 s at time scale 10 (5 flaked): slow (CI runs -m slow). The continue mode's
+# rules are tested in process above (test_continue_*), and restart's launch runs by default.
+@pytest.mark.slow
 def test_backup_update_rate_during_the_outage_is_the_remaining_workers(backup_outage):
     store, run = backup_outage
     updates = [r.seconds for r in store.metric_history(run.id, "updates_applied")
@@ -642,6 +645,7 @@ def test_backup_update_rate_during_the_outage_is_the_remaining_workers(backup_ou
     assert all(seconds > STEP / 2 for step, seconds in compute.items() if step not in down)
 
 
+@pytest.mark.slow  # the same launch as above
 def test_backup_outage_costs_the_down_worker_seconds(backup_outage):
     _, run = backup_outage
     summary = _summaries(run)
