@@ -526,18 +526,23 @@ def _k_sign_unpack(packed, scale, out):
         i += stride
 
 
+@cuda.jit(device=True)
+def _vote(packed, byte, sh):
+    """The majority of the workers' sign bits `sh` of `byte` (rows of `packed`): +1 on a
+    tie."""
+    n = packed.shape[0]
+    cnt = 0
+    for w in range(n):
+        cnt += np.int32((np.uint32(packed[w, byte]) >> sh) & np.uint32(1))
+    return np.float32(1.0) if 2 * cnt >= n else np.float32(-1.0)
+
+
 @cuda.jit
 def _k_sign_vote(packed, out):
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
-    n = packed.shape[0]
     while i < out.size:
-        byte = i >> 3
-        sh = np.uint32(i & 7)
-        cnt = 0
-        for w in range(n):
-            cnt += np.int32((np.uint32(packed[w, byte]) >> sh) & np.uint32(1))
-        out[i] = np.float32(1.0) if 2 * cnt >= n else np.float32(-1.0)
+        out[i] = _vote(packed, i >> 3, np.uint32(i & 7))
         i += stride
 
 
@@ -1220,16 +1225,10 @@ def _k_seg_sign_unpack(packed, starts, byte_starts, high, low, out):
 def _k_seg_sign_vote(packed, starts, byte_starts, out):
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
-    n = packed.shape[0]
     while i < out.size:
         s = _find(starts, i)
         j = i - starts[s]
-        byte = byte_starts[s] + (j >> 3)
-        sh = np.uint32(j & 7)
-        cnt = 0
-        for w in range(n):
-            cnt += np.int32((np.uint32(packed[w, byte]) >> sh) & np.uint32(1))
-        out[i] = np.float32(1.0) if 2 * cnt >= n else np.float32(-1.0)
+        out[i] = _vote(packed, byte_starts[s] + (j >> 3), np.uint32(j & 7))
         i += stride
 
 
