@@ -81,6 +81,48 @@ def test_fixed_failures_alone_are_not_held_to_the_step(tmp_path):
                               "{node: 1, time: 0}]}"))
 
 
+def test_a_restart_job_that_could_never_outrun_its_rollbacks_is_refused(tmp_path):
+    """Failures every 250 ms against 64 steps of 50 ms with no checkpoint: each failure rolls
+    the job back to the start, and (e^12.8 - 1) * 250 ms is about a day for 3.2 s of work."""
+    spec = write_spec(tmp_path, """
+        defaults: {task: {name: logreg}, workers: 4, epochs: 4, steps_per_epoch: 16}
+        experiments:
+          - {name: e, compute: {step_seconds: 0.05}, failures: {mtbf: 1s, restart: 0}}
+    """)
+    assert _refusal(spec) == (
+        f"dsgd: error: {spec}: experiments[0].failures.mtbf: the job would fail every 250 ms "
+        "on average (mtbf 1 s / 4 workers) and each failure rolls it back to the start of "
+        "training (no checkpoint_every): 64 steps of at least 50 ms (3.2 s) see 12.8 failures "
+        "on average, so getting past them is expected to take 1.05 days, 2.83e+04 times that; "
+        "raise mtbf or checkpoint more often")
+    # Checkpoints every 8 steps: 3.2 failures expected in 0.4 s, (e^3.2 - 1) * 250 ms = 5.9 s.
+    load_spec(write_spec(tmp_path, spec.read_text().replace(
+        "restart: 0}", "restart: 0, checkpoint_every: 8}")))
+
+
+@pytest.mark.parametrize("steps, refused", [(6, False), (7, True)])
+def test_the_rollback_refusal_is_the_expected_time_against_a_hundred_times_the_span(
+        steps, refused):
+    """One failure per second (mtbf 2 s over 2 workers), steps of 1 s, no restart time: the
+    span of `steps` seconds takes e^steps - 1 seconds on average, (e^6 - 1) / 6 = 67 times the
+    span (accepted), (e^7 - 1) / 7 = 157 times (refused). With a restart of 1 s each failure
+    costs 1 s more: (e^6 - 1) * 2 / 6 = 134 times, refused."""
+    from dsgd_cli.spec.failures_spec import FailureDomains, check_rollbacks_are_outrun
+
+    def check(restart):
+        check_rollbacks_are_outrun(
+            {"mtbf": 2.0, "restart": restart, "checkpoint_every": steps}, "failures",
+            domains=FailureDomains.of(2, None), step_seconds=1.0, total_steps=100)
+
+    if refused:
+        with pytest.raises(SpecError, match=r"see 7 failures on average"):
+            check(0.0)
+    else:
+        check(0.0)
+        with pytest.raises(SpecError, match=r"every 6 steps\): 6 steps of at least 1 s"):
+            check(1.0)
+
+
 # -- a model that cannot cross the network in time --------------------------------------------
 
 def _cluster(inter_node: str, extra: str = "") -> str:

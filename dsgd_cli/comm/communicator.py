@@ -246,7 +246,9 @@ class Comm:
         operation timed out the connections it used fail at once ("pair closure"). A
         collective's timeout names the members that never entered it."""
         text = str(error)
-        if "Timed out" in text:
+        # gloo says "Connect timeout" when the peer never connected (it never reached the
+        # collective that opens the pair): a timeout too, whose culprit is that peer.
+        if "Timed out" in text or "Connect timeout" in text:
             behind = self._collectives.behind(*entered) if entered is not None else []
             late = f"; ranks behind: {', '.join(map(str, behind))}" if behind else ""
             return CommTimeout(f"{operation}: no progress for {self.timeout_s:g} s "

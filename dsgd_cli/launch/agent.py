@@ -212,6 +212,11 @@ class LocalAgent:
             return [WorkerExit(rank, by_rank[rank].exitcode) for rank in self._order
                     if not by_rank[rank].closed]
 
+    def exited_zero(self) -> set[int]:
+        """The ranks seen to exit with code 0 so far."""
+        with self._lock:
+            return {w.rank for w in self._ranks if w.exitcode == 0}
+
     def not_zero(self) -> set[int]:
         """The ranks that exited with a code other than 0, stopped by the agent or not."""
         with self._lock:

@@ -35,7 +35,7 @@ from dsgd_cli.spec.resolved import ResolvedExperiment
 from dsgd_cli.spec.run_plan import plan_entry
 from dsgd_cli.results.store import MetricRow, RunDeleted, Store
 from dsgd_cli.launch.outcome import (RunResult, launch_dir_full, last_lines, left_early,
-                                     rendezvous_failure, run_result)
+                                     left_without_a_word, rendezvous_failure, run_result)
 from dsgd_cli.launch.run_events import Progress, RunEvents
 from dsgd_cli.launch.devices import (DevicePlan, choose_device, cuda_kernels_problem,  # noqa: F401
                                      plan_for)
@@ -217,6 +217,7 @@ class _Launcher:
         self.running: _Running | None = None
         self.torchrun: Torchrun | None = None
         self.stop_asked_at: float | None = None  # when the workers were asked to checkpoint and leave
+        self.left_early: list[int] = []  # ranks seen to exit with code 0 before the run's end
 
     def run(self, early: Torchrun | None = None) -> list[RunResult]:
         """`early`: a torchrun started before the spec was validated, used if it has this
@@ -312,7 +313,15 @@ class _Launcher:
                     process.wait(timeout=POLL_SECONDS)
                 except subprocess.TimeoutExpired:
                     pass
+                # Taken before the events are read: a rank that ended well wrote `done` (line
+                # buffered) before it exited, so its `done` is read below.
+                exited = self.torchrun.exited_zero()
                 self.advance()
+                if self.running is not None and not self.left_early:
+                    self.left_early = left_without_a_word(self.running.events, exited)
+                    if self.left_early:  # its peers may wait for it until the timeout
+                        stopped = True
+                        break
                 interrupted_by = interrupts.caught[0] if interrupts.caught else None
                 if interrupted_by and self._saving_checkpoints(interrupts):
                     continue
@@ -348,8 +357,8 @@ class _Launcher:
         # Workers that dsgd itself stopped died of its signals: torchrun's record of them
         # says nothing about the cause.
         failures = [] if stopped else self.torchrun.failures(log_text)
-        left = [] if stopped else left_early(running.experiment, running.events,
-                                             self.torchrun.not_zero(log_text), returncode)
+        left = self.left_early or ([] if stopped else left_early(
+            running.experiment, running.events, self.torchrun.not_zero(log_text), returncode))
         result = running.result(returncode, last_lines(log_text), failures=failures,
                                 launch_failure=rendezvous_failure(running.experiment, log_text),
                                 left=left)

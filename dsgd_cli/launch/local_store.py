@@ -32,7 +32,6 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from datetime import timedelta
 from pathlib import Path
 
 from dsgd_cli.launch.forkserver import peer_uid

@@ -83,8 +83,14 @@ def left_early(experiment: Experiment, said: RunEvents, listed: set[int],
         return []
     if not listed and returncode != 0:
         return []
+    return left_without_a_word(said, set(range(experiment.workers)) - listed)
+
+
+def left_without_a_word(said: RunEvents, exited_zero: set[int]) -> list[int]:
+    """The ranks among `exited_zero` (seen to exit with code 0 while the launch runs) that
+    wrote no `done`, `stopped`, `error` or `diverged` event: they left before the end."""
     spoke = said.done_ranks | said.stopped_ranks | {event["rank"] for event in said.problems}
-    return sorted(set(range(experiment.workers)) - spoke - listed)
+    return sorted(exited_zero - spoke)
 
 
 def rendezvous_failure(experiment: Experiment, log: str) -> str | None:

@@ -260,6 +260,13 @@ class Torchrun:
             return self.process.failures()
         return torchrun_failures(log)
 
+    def exited_zero(self) -> set[int]:
+        """The ranks seen to exit with code 0 while the launch runs: known only where dsgd's
+        agent started the workers (torchrun tells of its workers when they have all ended)."""
+        if isinstance(self.process, LocalAgent):
+            return self.process.exited_zero()
+        return set()
+
     def not_zero(self, log: str) -> set[int]:
         """The ranks that did not exit with 0, failed or stopped."""
         if isinstance(self.process, LocalAgent):

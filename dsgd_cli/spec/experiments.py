@@ -195,7 +195,8 @@ def validate_experiment(raw: dict, path: str, name: str, cache: _Cache | None = 
     check_failures(read_key(config, "failures"), aggregator_cls, f"{path}.failures",
                    domains=FailureDomains.of(keys.workers, read_key(config, "cluster")),
                    samples_budget=budget is not None and budget.samples is not None,
-                   step_seconds=None if compute is None else compute.step_seconds)
+                   step_seconds=None if compute is None else compute.step_seconds,
+                   total_steps=None if examples is None else _planned_steps(keys, examples)[0])
     compressed = compressor["name"] != "none"
     nbytes = cache.model_bytes(task, task_key) if needs_model_size(config, compressed) else None
     check_model_crosses_in_time(config, compressed, nbytes, path)
@@ -229,13 +230,7 @@ def _check_schedule(keys: ExperimentOptions, schedule: dict[str, Any], examples:
     by_seconds = keys.budget is not None and keys.budget.seconds is not None
     if examples is None and not by_seconds:
         return
-    # Under a seconds budget without a known size, only cosine's need is checked.
-    shard_size, per_epoch = 1, 1
-    if examples is not None:
-        shard = Shard(examples, 0, keys.workers, keys.seed)
-        shard_size = shard.size
-        per_epoch = steps_per_epoch(shard, keys.batch_size, keys.steps_per_epoch)
-    total = last_step(keys, shard_size, per_epoch)
+    total, per_epoch = _planned_steps(keys, examples)
     if key is not None and (key, total, per_epoch) in cache.schedules:
         return
     cls = registry.load("lr_schedule", schedule["name"])
@@ -245,6 +240,18 @@ def _check_schedule(keys: ExperimentOptions, schedule: dict[str, Any], examples:
         raise SpecError(str(error), path=path) from None
     if key is not None:
         cache.schedules.add((key, total, per_epoch))
+
+
+def _planned_steps(keys: ExperimentOptions, examples: int | None) -> tuple[int | None, int]:
+    """The run's last step per worker (None under a seconds budget) and its steps per epoch;
+    without a known training set size (only under a seconds budget is that asked) both as if
+    each worker had one example."""
+    shard_size, per_epoch = 1, 1
+    if examples is not None:
+        shard = Shard(examples, 0, keys.workers, keys.seed)
+        shard_size = shard.size
+        per_epoch = steps_per_epoch(shard, keys.batch_size, keys.steps_per_epoch)
+    return last_step(keys, shard_size, per_epoch), per_epoch
 
 
 _NO_COMPRESSOR = {"name": "none"}  # the section of an aggregator without one (never changed)

@@ -5,6 +5,7 @@ failed). The failures themselves happen on the modeled clock in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -18,6 +19,10 @@ FAILURE_MODES = ("restart", "continue")
 # steps are shorter (2 logreg workers: about 0.6 ms under diloco, 3 ms under allreduce, on a
 # 2-core machine), but an mtbf this short on the real clock is no experiment.
 UNMODELED_STEP_S = 0.01
+# Under `restart` a failure rolls the job back to its last checkpoint: a run is refused when
+# getting through the steps between two checkpoints is expected to take more than this many
+# times their failure-free time (about 6.5 failures expected in that span).
+HOPELESS_SLOWDOWN = 100.0
 
 
 @dataclass(frozen=True)
@@ -114,10 +119,12 @@ def node_of(rank: int, workers: int, nodes: int) -> int:
 
 def check_failures(failures: dict[str, Any] | None, aggregator_cls: type, path: str, *,
                    domains: FailureDomains, samples_budget: bool,
-                   step_seconds: float | None) -> None:
+                   step_seconds: float | None, total_steps: int | None = None) -> None:
     """Refuse a failure model the run cannot emulate: a fixed failure of a node that does not
     exist, an aggregator that cannot run under failures, a samples budget, failures that
-    would come faster than steps (`step_seconds`: the compute model's, None without one)."""
+    would come faster than steps (`step_seconds`: the compute model's, None without one), or
+    so often that a restart's rollback is hardly ever outrun (`total_steps`: the run's steps
+    per worker, None where unknown before the run)."""
     if failures is None:
         return
     nodes = domains.count
@@ -133,8 +140,12 @@ def check_failures(failures: dict[str, Any] | None, aggregator_cls: type, path: 
     if reason is not None:
         raise SpecError(f"aggregator {aggregator_cls.plugin_name!r} cannot run under failures: "
                         f"{reason}", path=path)
-    check_failures_leave_time_for_steps(failures["mtbf"], failure_mode(aggregator_cls), path,
+    mode = failure_mode(aggregator_cls)
+    check_failures_leave_time_for_steps(failures["mtbf"], mode, path,
                                         domains=domains, step_seconds=step_seconds)
+    if mode == "restart":
+        check_rollbacks_are_outrun(failures, path, domains=domains, step_seconds=step_seconds,
+                                   total_steps=total_steps)
 
 
 def failure_mode(aggregator_cls: type) -> str | None:
@@ -170,6 +181,44 @@ def check_failures_leave_time_for_steps(mtbf: float | None, mode: str, path: str
     if between <= step:
         raise SpecError(f"{failing}, not longer than one step ({readable_duration(step)}, "
                         f"{step_is}): {outcome}; raise mtbf", path=f"{path}.mtbf")
+
+
+def check_rollbacks_are_outrun(failures: dict[str, Any], path: str, *, domains: FailureDomains,
+                               step_seconds: float | None, total_steps: int | None) -> None:
+    """Refuse a `restart` job whose steps between two checkpoints (the whole run without
+    `checkpoint_every`) would see so many failures that getting past them is hopeless. With
+    failures at rate λ (nodes / mtbf), a span of T seconds and a restart of R, the expected
+    time to get through the span is (e^(λT) − 1)(1/λ + R) (each failure loses the attempt's
+    time and R): refused above HOPELESS_SLOWDOWN times T. T counts each step at its shortest
+    (`compute.step_seconds`, or UNMODELED_STEP_S), so only runs hopeless at that are refused."""
+    mtbf = failures["mtbf"]
+    every = failures["checkpoint_every"]
+    span_steps = every if total_steps is None else min(every or total_steps, total_steps)
+    if mtbf is None or span_steps is None:
+        return
+    step = step_seconds if step_seconds is not None else UNMODELED_STEP_S
+    span, rate = span_steps * step, domains.count / mtbf
+    try:
+        expected = math.expm1(rate * span) * (1 / rate + failures["restart"])
+    except OverflowError:
+        expected = math.inf
+    if expected <= HOPELESS_SLOWDOWN * span:
+        return
+    if every is None:
+        back_to = "to the start of training (no checkpoint_every)"
+    elif span_steps != every:
+        back_to = "to the start of training (checkpoint_every is longer than the run)"
+    else:
+        back_to = f"to its last checkpoint (every {every} steps)"
+    taking = ("forever (beyond any float)" if math.isinf(expected) else
+              f"{readable_duration(expected)}, {expected / span:.3g} times that")
+    raise SpecError(
+        f"the job would fail every {readable_duration(mtbf / domains.count)} on average (mtbf "
+        f"{readable_duration(mtbf)} / {domains.count} {domains.noun}s) and each failure rolls "
+        f"it back {back_to}: {span_steps} steps of at least {readable_duration(step)} "
+        f"({readable_duration(span)}) see {rate * span:.3g} failures on average, so getting "
+        f"past them is expected to take {taking}; raise mtbf or checkpoint more often",
+        path=f"{path}.mtbf")
 
 
 def unsupported_reason(aggregator_cls: type) -> str | None:
