@@ -150,3 +150,32 @@ def test_error_feedback_keeps_what_this_worker_did_not_transmit(spawned, name):
         gradients = [sum(g) for g in zip(*(_gradients(rank, s) for s in range(STEPS)))]
         for total, kept, g in zip(sent_total[rank], run[-1]["residuals"], gradients):
             torch.testing.assert_close(total + kept, g, rtol=1e-5, atol=1e-5)
+
+
+def _alone(rank, n):
+    """One worker, uncompressed: counts the collectives its steps issue."""
+    torch.set_num_threads(1)
+    calls = []
+    for name in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
+        original = getattr(Comm, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+        setattr(Comm, name, counted)
+    return {name: _run(rank, n, *SCENARIOS[name]) for name in ("overlap", "no-overlap")}, calls
+
+
+def test_a_world_of_one_applies_its_own_gradient_and_exchanges_nothing():
+    """With one worker the gradient is the average: the step applies it as it is (bit for
+    bit: the same tensors an SGD step without dsgd would apply) and no collective is issued."""
+    ((runs, calls),) = run_workers(_alone, 1, timeout=120)
+    assert calls == []
+    for run in runs.values():
+        model = run[0]["model"]
+        for step in range(STEPS):
+            gradients = _gradients(0, step)
+            assert all(torch.equal(got, expected)
+                       for got, expected in zip(run[step + 1]["grads"], gradients))
+            model = model - LR * flatten(gradients)
+            assert torch.equal(run[step + 1]["model"], model)

@@ -164,3 +164,31 @@ def test_more_workers_than_training_examples_is_named():
     with pytest.raises(ValueError, match="^4 training examples cannot be shared by 5 workers: "
                                          "each needs at least one$"):
         Shard(4, rank=0, world_size=5, seed=0)
+
+
+def test_messages_of_workers_sharing_a_gpu_are_staged_in_page_locked_host_memory(monkeypatch):
+    """gloo carries host tensors: a GPU tensor's message is copied into a pinned host buffer
+    (DMA, cached by torch), a host tensor goes as it is. No GPU here: the tensor is a stand-in
+    on device cuda:0 and torch.empty is watched."""
+    from types import SimpleNamespace
+
+    from dsgd_cli.comm import communicator
+
+    made = []
+    real_empty = torch.empty
+
+    def watched_empty(*shape, **kwargs):
+        made.append(kwargs.get("pin_memory"))
+        return real_empty(*shape, dtype=kwargs["dtype"])
+
+    copied = []
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0), shape=(3,), dtype=torch.float16)
+    monkeypatch.setattr(torch, "empty", watched_empty)
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, source: copied.append(source) or self)
+    comm = SimpleNamespace(_wire_device=lambda group: torch.device("cpu"))
+    wire = communicator.Comm.on_wire(comm, on_gpu, None)
+    assert made == [True] and copied == [on_gpu]
+    assert (wire.device.type, wire.dtype, tuple(wire.shape)) == ("cpu", torch.float16, (3,))
+    on_host = real_empty(3)
+    assert communicator.Comm.on_wire(comm, on_host, None) is on_host
+    assert communicator.host_buffer_like(on_host).is_pinned() is False

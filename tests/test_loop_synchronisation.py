@@ -109,3 +109,56 @@ def test_a_divergence_kept_on_the_device_is_found_at_its_exact_step(tmp_path):
     assert diverged == (5, "nan")
     (_, on_cpu), = run_workers(_train_counting_reads, 1, str(tmp_path), True, 5)
     assert on_cpu == diverged  # the same step either way
+
+
+READ_WAIT_S = 100.0  # what each read of an interval's losses waits, on the fake clock
+
+
+def _train_with_reads_that_wait(rank, world_size, directory, check_each_step):
+    """The loop on a clock that stands still except while an interval's losses are read,
+    which waits READ_WAIT_S (as a GPU finishing the work queued before the read would):
+    returns the run's training seconds and the step seconds its intervals recorded."""
+    import json
+    import types
+
+    from dsgd_cli.comm.events import EventWriter
+    from dsgd_cli.emulation.clock import Clock
+    from dsgd_cli.spec.experiments import load_spec
+    from dsgd_cli.worker import interval_metrics, training
+    from dsgd_cli.worker.parts import build_worker
+
+    spec = Path(directory) / "spec.yaml"
+    (config,) = [experiment.config for experiment in load_spec(spec)]
+    log = Path(directory) / f"rank{rank}-{check_each_step}.jsonl"
+    events = EventWriter(log, rank, Clock(1.0))
+    worker = build_worker(config, events, rank, world_size, torch.device("cpu"))
+    loop = training.TrainingLoop(worker, events, training.StopRequest(None, ""),
+                                 check_each_step=check_each_step)
+    now = [0.0]
+    read = interval_metrics.IntervalMetrics.read_losses
+
+    def waiting_read(self):
+        now[0] += READ_WAIT_S
+        return read(self)
+
+    training.time = types.SimpleNamespace(perf_counter=lambda: now[0], sleep=lambda s: None)
+    interval_metrics.IntervalMetrics.read_losses = waiting_read
+    totals = loop.run()
+    events.close()
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    recorded = [row["value"] for row in rows
+                if row["type"] == "metric" and row["name"] == "step_seconds"]
+    return totals.train_seconds, recorded
+
+
+def test_the_wait_for_the_devices_queued_work_is_the_steps_time(tmp_path):
+    """Steps whose host time is nothing (the GPU's work only queued) and reads that wait:
+    the run's training time is the reads' waits, one per log interval (24 steps, intervals
+    of 12: two reads), and each interval's mean step time is its wait over its 12 steps.
+    Where each step's loss is read on the host (the CPU) no interval read waits."""
+    _spec(tmp_path)
+    (seconds, recorded), = run_workers(_train_with_reads_that_wait, 1, str(tmp_path), False)
+    assert seconds == 2 * READ_WAIT_S
+    assert recorded == [READ_WAIT_S / LOG_INTERVAL] * 2
+    (seconds, _), = run_workers(_train_with_reads_that_wait, 1, str(tmp_path), True)
+    assert seconds == 0.0

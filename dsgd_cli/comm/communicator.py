@@ -87,6 +87,14 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def host_buffer_like(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor of `tensor`'s shape and dtype, for a message gloo carries: page-
+    locked when `tensor` is on a GPU, so that the copies to and from the device are DMA
+    transfers (torch caches such buffers: they are not allocated anew each time)."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype,
+                       pin_memory=tensor.device.type == "cuda")
+
+
 class Comm:
     """Communication for one worker. Built by the runtime; plugins get it as `ctx.comm`."""
 
@@ -288,7 +296,13 @@ class Comm:
     def on_wire(self, tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
         """`tensor`, or its copy where messages on `group` must be (see `_wire_device`)."""
         device = self._wire_device(group)
-        return tensor if tensor.device == device else tensor.to(device)
+        if tensor.device == device:
+            return tensor
+        if device.type == "cpu":
+            wire = host_buffer_like(tensor)
+            wire.copy_(tensor)  # waits for the copy: gloo reads the buffer next
+            return wire
+        return tensor.to(device)
 
     def _check(self, tensor: torch.Tensor, group: Group | None, operation: str) -> None:
         """NCCL fails obscurely, or hangs, on a CPU tensor: say which call was wrong."""
@@ -514,8 +528,13 @@ class Comm:
         # The sender pays the emulated transfer time; the receiver waits for the data.
         source = f"rank {src}" if src is not None else f"any of {self._members(group)}"
         counted = length is not None and self._tracking()
-        wire = tensor if self._wire_device(group) == tensor.device else torch.empty_like(
-            tensor, device=self._wire_device(group))
+        device = self._wire_device(group)
+        if tensor.device == device:
+            wire = tensor
+        elif device.type == "cpu":
+            wire = host_buffer_like(tensor)
+        else:
+            wire = torch.empty_like(tensor, device=device)
 
         def arrived():
             if wire is not tensor:
@@ -545,7 +564,7 @@ class Comm:
         as_bytes = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
         device = self._wire_device(group)
         body = torch.cat(as_bytes) if as_bytes else torch.empty(0, dtype=torch.uint8)
-        body = body.to(device)
+        body = self.on_wire(body, group)
         pg = self._pg(group)
         if uniform:
             return self._issue(lambda: dist.isend(body, dst, group=pg), sent=_nbytes(body),

@@ -200,7 +200,7 @@ class TrainingLoop:
             checkpointing = bool(every) and not done and (step % every == 0 or stopping)
             # The last step's metrics wait for the aggregator's finish() (below).
             if not done and (step % experiment.log_interval == 0 or end_of_epoch):
-                self._check_interval(step)
+                train_seconds += self._check_interval(step)
                 self._flush(step, epoch)
                 if launcher_gone():  # nobody reads the metrics, nobody would stop the run
                     raise LauncherGone()
@@ -226,7 +226,7 @@ class TrainingLoop:
         total_sent += drained.bytes_sent
         _add_levels(sent_by_level, drained)
         interval.add_bytes(drained)
-        self._check_interval(step)
+        train_seconds += self._check_interval(step)
         self._flush(step, epoch)
         if launcher_gone():
             raise LauncherGone()
@@ -285,15 +285,28 @@ class TrainingLoop:
             last = torch.tensor(math.nan, device=worker.device)
         return last, time.perf_counter() - started
 
-    def _check_interval(self, step: int) -> None:
+    def _check_interval(self, step: int) -> float:
         """Where losses stay on the device: read the interval's (one synchronisation) and
-        raise Diverged at the first that is not finite; `step` steps are done."""
+        raise Diverged at the first that is not finite; `step` steps are done. Returns the
+        seconds the read waited, counted in the interval's step time (added to it here).
+
+        Each step's time is the host's, which queues a GPU's work and goes on: the read
+        waits for the device to finish what was queued, so under a measured clock that wait
+        is the steps' time too (else samples/s would count queuing, not computing). Under a
+        compute model the steps last their modeled time, and the wait is not theirs."""
         if self.check_each_step:
-            return
-        bad = self.worker.interval.read_losses()
+            return 0.0
+        worker = self.worker
+        started = time.perf_counter()
+        bad = worker.interval.read_losses()
+        waited = 0.0
+        if worker.padding is None:
+            waited = worker.ctx.clock.to_modeled(time.perf_counter() - started)
+            worker.interval.step_seconds += waited
         if bad is not None:
             index, value = bad
-            raise Diverged(step - self.worker.interval.steps + index, value)
+            raise Diverged(step - worker.interval.steps + index, value)
+        return waited
 
     def _flush(self, step: int, epoch: int) -> None:
         self.worker.interval.flush(self.events, step, epoch,

@@ -148,12 +148,17 @@ class AllReduce(Aggregator):
             self.keys = [f"param{index}" for index in range(len(self.params))]
             return
         self.hierarchy = _Hierarchy(ctx.comm) if self.options.hierarchical else None
+        self.next_to_launch = 0
+        if ctx.world_size == 1:
+            # A world of one: its gradient is the average, its buffers are everyone's. No
+            # bucket, no collective, no hook (DDP at world size 1 still all-reduces each).
+            self.buckets, self.buffers = [], []
+            return
         # Backward produces gradients roughly from the last layer to the first.
         ordered = list(reversed(self.params))
         self.buckets = [_Bucket(i, group) for i, group in
                         enumerate(_bucket_params(ordered, self.options.bucket_mb * 2**20))]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self.next_to_launch = 0
         # With one bucket there is nothing to overlap: it can only go once backward is done.
         # Skipping the per-parameter Python hooks then saves their cost on every step. The
         # hierarchical all-reduce is three collectives in a row: it goes after backward.
