@@ -125,3 +125,23 @@ def test_a_run_completes_while_another_process_holds_the_lock(tmp_path, monkeypa
     losses = Store(str(db)).metric_history(run.id, "train_loss")
     assert sorted((m.rank, m.step) for m in losses) == [
         (rank, step) for rank in (0, 1) for step in range(1, 9)]
+
+
+def test_a_run_whose_workers_finished_is_not_called_stopped_when_recording_fails(
+        tmp_path, monkeypatch):
+    """The database failing after every worker said `done` (an interrupt during a wait for
+    a busy database): the run is left 'running' to be recovered, but was not stopped."""
+    from conftest import experiment_config
+    from dsgd_cli.launch import launcher, unrecorded
+
+    monkeypatch.setattr(unrecorded, "keep", lambda *args: tmp_path / "kept")
+    experiment = launcher.Experiment("e", experiment_config("e", workers=2))
+    running = launcher._Running(0, experiment, 7, tmp_path)
+    store = Store(str(tmp_path / "r.db"))
+    error = OperationalError("INSERT", {}, Exception("database is locked"))
+    running.events.done_ranks = {0}
+    assert "run 7 (e) was stopped and is left 'running'" in str(
+        launcher.recording_lost(error, running, store))
+    running.events.done_ranks = {0, 1}
+    assert "run 7 (e) had finished training and is left 'running'; " in str(
+        launcher.recording_lost(error, running, store))

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import dsgd_in_process, write_spec
 from dsgd_cli.launch import launch_dirs
-from dsgd_cli.launch.agent import check_owner
+from dsgd_cli.launch.agent import LocalAgent, check_owner
 
 NOBODY = 65534
 SPEC = """
@@ -92,6 +92,11 @@ def test_the_agent_sends_nothing_to_another_users_socket():
             connection.connect(str(path))
             with pytest.raises(PermissionError, match="is not this user's"):
                 check_owner(connection, path)
+        # The agent's own request for a worker checks it before sending the environment.
+        agent = LocalAgent(1, "dsgd_cli.worker.process", [], {"DSGD_SECRET": "x"},
+                           os.open(os.devnull, os.O_WRONLY), path)
+        with pytest.raises(PermissionError, match="is not this user's"):
+            agent._request(0, [])
     finally:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
@@ -124,6 +129,22 @@ def test_a_killed_launchers_directories_are_removed_and_no_other(tmp_path):
     assert sorted(removed) == sorted([gone, reused])
     assert not gone.exists() and not reused.exists()
     assert live.exists() and unmarked.exists() and used.exists()
+
+
+def test_dsgd_run_removes_what_a_killed_run_left_before_it_starts(tmp_path, tmpdir_at):
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    tmpdir_at(sticky)
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    left = sticky / "dsgd-launch-left"  # its launcher has exited
+    left.mkdir(mode=0o700)
+    (left / launch_dirs.OWNER_FILE).write_text(f"{finished.pid} 1")
+    spec = write_spec(tmp_path, SPEC)
+    result = dsgd_in_process("run", str(spec), "--db", str(tmp_path / "r.db"))
+    assert result.returncode == 0, result.stderr
+    assert list(sticky.glob("dsgd-launch-*")) == []
 
 
 def test_a_launch_directory_names_its_launcher(tmp_path, tmpdir_at):

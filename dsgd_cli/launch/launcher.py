@@ -398,7 +398,11 @@ def recording_lost(error: DBAPIError, running: _Running | None, store: Store) ->
     reason = one_line(getattr(error, "orig", None) or error)
     message = f"cannot write to results database {store.shown_url}: {reason}"
     if running is not None and running.run_id is not None and _records(running.experiment):
-        message += f"; run {running.run_id} ({running.experiment.name}) was stopped and is left 'running'"
+        # The database may fail after the workers finished (a write waiting for a busy
+        # database, interrupted): the run was not stopped then, only not recorded as ended.
+        ended = ("had finished training and is left 'running'" if running.complete
+                 else "was stopped and is left 'running'")
+        message += f"; run {running.run_id} ({running.experiment.name}) {ended}"
         try:
             kept = unrecorded.keep(running.run_id, running.experiment, running.events, reason)
         except OSError as keep_error:
