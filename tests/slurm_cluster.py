@@ -121,6 +121,7 @@ SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=1
 ReturnToService=2
+SlurmdParameters=config_overrides
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
@@ -133,8 +134,8 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 
 
 def start(cpus: int | None = None, timeout: float = 60) -> SlurmCluster:
-    """Start munged, slurmctld and slurmd with a node of `cpus` CPUs (the machine's);
-    SlurmUnavailable where that cannot be done."""
+    """Start munged, slurmctld and slurmd with a node of `cpus` CPUs (the machine's; more are
+    taken as configured: config_overrides); SlurmUnavailable where that cannot be done."""
     missing = [program for program in DAEMONS if find(program) is None]
     if missing:
         raise SlurmUnavailable(f"SLURM is not installed: no {', '.join(missing)} "

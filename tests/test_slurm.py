@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -133,6 +135,97 @@ def test_a_point_over_several_machines_runs_under_srun_meeting_on_its_first_node
                          '--db "$DB" "${NODES[@]}"')
 
 
+def interrupted_two_node_run(tmp_path) -> tuple[Path, str, int]:
+    """The spec of MULTI_NODE_SPEC, and a database where its point 0 has an interrupted run
+    over its 2 machines, with a sound checkpoint: all that a resume of one machine needs."""
+    from dsgd_cli.spec.experiments import load_spec
+    from dsgd_cli.worker import checkpoint
+
+    spec = write_spec(tmp_path, MULTI_NODE_SPEC)
+    first = load_spec(spec, launch={"node_rank": 0, "rdzv_endpoint": "node0:1"})[0]
+    assert first.config["nnodes"] == 2  # how the run records that it spans 2 machines
+    db = str(tmp_path / "r.db")
+    store = Store(db)
+    directory = tmp_path / "checkpoints" / "two_nodes"
+    run_id = store.create_run(first.name, first.config, str(spec), [],
+                              checkpoint_dir=str(directory))
+    for rank in range(4):
+        checkpoint.save(directory, 2, rank, {"step": 2, "rank": rank}, workers=4)
+    store.finish_run(run_id, "interrupted")
+    return spec, db, run_id
+
+
+def test_a_run_over_several_machines_is_refused_by_resume(tmp_path):
+    _, db, run_id = interrupted_two_node_run(tmp_path)
+    result = dsgd_in_process("run", "--resume", str(run_id), "--db", db)
+    assert (result.returncode, result.stdout, result.stderr) == (
+        2, "", f"dsgd: error: run {run_id} ran over 2 machines, and --resume continues a run on "
+               "one machine only: run its experiment again (a new run)\n")
+    result = dsgd_in_process("run", "--resume", str(run_id), "--db", db, "--nnodes", "2",
+                             "--node-rank", "1", "--rdzv-endpoint", "node0:1")
+    assert (result.returncode, result.stderr) == (
+        2, "dsgd: error: --resume continues a run on this machine alone: without --nnodes, "
+           "--node-rank, --rdzv-endpoint or --rdzv-timeout\n")
+
+
+def test_resubmitting_a_run_over_several_machines_starts_it_again_as_a_new_run(
+        tmp_path, monkeypatch, capsys):
+    from dsgd_cli.commands import submit as submit_command
+    from dsgd_cli.launch import slurm as slurm_jobs
+
+    spec, db, run_id = interrupted_two_node_run(tmp_path)
+    monkeypatch.setattr(slurm_jobs, "queued_points", lambda job_name: {})  # SLURM holds none
+    experiments = submit_command._validated(spec, None, None, [], None)
+    job = slurm_jobs.ArrayJob(
+        spec=spec.resolve(), point_count=2, indices=[0, 1], db_url=db, run_args=[],
+        resources=slurm_jobs.Resources(nodes=2), concurrency=None, job_name="dsgd-spec",
+        log_dir=tmp_path / "logs", workdir=tmp_path)
+    submit_command._keep_points_to_run(job, experiments, db, dry_run=True)
+    assert capsys.readouterr().err.splitlines() == [
+        f"dsgd: point 0 (two_nodes[seed=1]): run {run_id} interrupted over 2 machines, which "
+        f"--resume does not continue: from the start as a new run (run {run_id} stays as it is)",
+        "dsgd: point 1 (two_nodes[seed=2]): no run yet",
+        "dsgd: 0 of 2 points done; would submit 2"]
+    assert (job.indices, job.resumes) == ([0, 1], {})
+    lines = slurm_jobs.array_script(job).splitlines()
+    assert "#SBATCH --array=0-1" in lines
+    assert not [line for line in lines if "--resume" in line]
+    assert lines[-1].endswith('run "$SPEC" --point "$POINT" --db "$DB" "${NODES[@]}"')
+
+
+def most_at_once(intervals) -> int:
+    """The most of the half-open intervals [start, end) that overlap at any instant: one
+    ending when another starts does not overlap it (SLURM's times are whole seconds)."""
+    events = sorted([(end, -1) for _, end in intervals] + [(start, 1) for start, _ in intervals])
+    running = most = 0
+    for _, change in events:  # at the same instant, ends (-1) before starts
+        running += change
+        most = max(most, running)
+    return most
+
+
+def test_most_at_once_counts_overlapping_intervals_only():
+    assert most_at_once([]) == 0
+    assert most_at_once([(0, 5)]) == 1
+    assert most_at_once([(0, 2), (2, 4), (4, 6)]) == 1  # each starting as the previous ends
+    assert most_at_once([(0, 4), (1, 5), (4, 8), (5, 9)]) == 2  # two at a time, as %2 runs
+    assert most_at_once([(0, 4), (1, 5), (3, 8), (5, 9)]) == 3  # a third before one ended
+    assert most_at_once([(3, 8), (0, 10), (1, 2), (4, 5)]) == 3  # in any order
+    assert most_at_once([(0, 3)] * 3) == 3
+
+
+def task_intervals(slurm, array_id: str) -> dict[int, tuple[datetime, datetime]]:
+    """Each task of the array by its index, with SLURM's own start and end times of it (kept
+    by slurmctld for MinJobAge seconds after it ended; there is no accounting database)."""
+    shown = slurm.command("scontrol", "--oneliner", "show", "job", array_id).stdout
+    intervals = {}
+    for line in shown.splitlines():
+        fields = dict(re.findall(r"(ArrayTaskId|StartTime|EndTime)=(\S+)", line))
+        intervals[int(fields["ArrayTaskId"])] = (datetime.fromisoformat(fields["StartTime"]),
+                                                 datetime.fromisoformat(fields["EndTime"]))
+    return intervals
+
+
 # -- SLURM's ids on a run, without SLURM ---------------------------------------------------------
 
 def test_the_slurm_job_of_a_process_comes_from_its_environment():
@@ -173,7 +266,9 @@ def test_runs_carry_their_slurm_jobs_and_list_them(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def slurm():
     try:
-        cluster = slurm_cluster.start()
+        # At least 4 CPUs, even where the machine has fewer: SLURM itself would run 4 of the
+        # grid's 1-CPU tasks at once, so only the array's `%2` holds it to 2.
+        cluster = slurm_cluster.start(cpus=max(4, os.cpu_count() or 1))
     except slurm_cluster.SlurmUnavailable as why:
         if os.environ.get("DSGD_REQUIRE_SLURM") == "1":
             pytest.fail(f"DSGD_REQUIRE_SLURM=1 but {why}", pytrace=False)
@@ -221,6 +316,10 @@ def test_a_grid_lands_in_one_postgres_as_an_array_two_at_a_time(slurm, sweep_db,
         (f"sweep[seed={seed},workers={workers}]", "completed")
         for seed in (1, 2, 3) for workers in (1, 2)), task_outputs(spec)
     runs = {run.experiment: run for run in Results(sweep_db).runs()}
+    # At most 2 at once (--concurrency 2), by SLURM's own record of its tasks and by the runs'.
+    tasks = task_intervals(slurm, array_id)
+    assert sorted(tasks) == list(range(6)) and most_at_once(tasks.values()) <= 2, tasks
+    assert most_at_once((run.started_at, run.ended_at) for run in runs.values()) <= 2
     for index, name in enumerate(f"sweep[seed={s},workers={w}]" for s in (1, 2, 3) for w in (1, 2)):
         assert [str(job) for job in runs[name].slurm_jobs] == [f"{array_id}_{index}"]
     listing = dsgd_in_process("runs", "--db", sweep_db).stdout

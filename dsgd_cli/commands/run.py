@@ -130,6 +130,9 @@ def _run(spec, experiment, db, workers, isolate, dry_run, resume, launch, checkp
         if experiment or workers is not None or overrides:
             raise DsgdError("--resume continues a run with its own configuration: "
                             "without --experiment, --workers or --set")
+        if any(value is not None for value in launch.values()):
+            raise DsgdError("--resume continues a run on this machine alone: without --nnodes, "
+                            "--node-rank, --rdzv-endpoint or --rdzv-timeout")
         store = Store(db, create=False)  # a run is looked up: no database is made for it
         experiments = [resumable(store, resume, checkpoint_dir)]
     else:

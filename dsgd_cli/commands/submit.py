@@ -177,12 +177,21 @@ def _keep_points_to_run(job, experiments, db, dry_run: bool) -> None:
              "interrupted")
         return
     for point in chosen:
-        how = (f"resumes run {point.run_id}" if point.resumes else
-               "no run yet" if point.status == "missing" else
-               f"run {point.run_id} {point.status}, without a checkpoint: from the start")
-        _say(f"point {point.index} ({point.name}): {how}")
+        _say(f"point {point.index} ({point.name}): {_how_it_runs(point)}")
     verb = "would submit" if dry_run else "submitting"
     _say(f"{done} of {len(points)} points done; {verb} {len(chosen)}")
+
+
+def _how_it_runs(point) -> str:
+    if point.resumes:
+        return f"resumes run {point.run_id}"
+    if point.status == "missing":
+        return "no run yet"
+    if point.machines > 1:
+        return (f"run {point.run_id} {point.status} over {point.machines} machines, which "
+                f"--resume does not continue: from the start as a new run (run {point.run_id} "
+                "stays as it is)")
+    return f"run {point.run_id} {point.status}, without a checkpoint: from the start"
 
 
 def _check_database(db) -> None:

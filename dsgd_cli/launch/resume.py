@@ -31,6 +31,10 @@ def resumable(store: Store, run_id: int, checkpoint_dir: str | Path | None = Non
         raise DsgdError(f"no run with id {run_id} in {store.shown_url}")
     if run.status not in RESUMABLE:
         raise DsgdError(f"run {run_id} is {run.status}: only interrupted or failed runs resume")
+    machines = run.config.get("nnodes") or 1
+    if machines > 1:  # it would need every machine again, each with its ranks: not built
+        raise DsgdError(f"run {run_id} ran over {machines} machines, and --resume continues a "
+                        "run on one machine only: run its experiment again (a new run)")
     directory = locate(store.checkpoint_dir(run_id), checkpoint_dir)
     if directory is not None and os.path.lexists(directory):
         try:

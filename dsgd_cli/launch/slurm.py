@@ -4,9 +4,9 @@ submission, and which of its tasks SLURM still holds.
 Array task K runs the spec's K-th experiment (`dsgd run SPEC --point K`), so the array's
 indices are the spec's points: a resubmission of some points is an array of just those
 indices. Every task records its run in the one database the script names. A task whose point
-resumes an earlier run instead runs `dsgd run --resume RUN_ID`. An experiment over several
-machines runs under `srun`, one `dsgd run` per node, meeting in torchrun's rendezvous on the
-task's first node.
+resumes an earlier run instead runs `dsgd run --resume RUN_ID` (a run of one machine: `--resume`
+continues no other). An experiment over several machines runs under `srun`, one `dsgd run` per
+node, meeting in torchrun's rendezvous on the task's first node.
 """
 
 from __future__ import annotations
@@ -148,6 +148,8 @@ def _resume_lines(job: ArrayJob) -> list[str]:
     """A `case` sending each resumed point to `dsgd run --resume` of its run."""
     if not job.resumes:
         return [""]
+    if job.resources.nodes > 1:  # `dsgd run --resume` refuses a run over several machines
+        raise ValueError("only a point on one machine resumes; its run starts again instead")
     lines = ["", 'case "$POINT" in']
     for point, run_id in sorted(job.resumes.items()):
         command = f'"${{DSGD[@]}}" run --resume {run_id} --db "$DB"'

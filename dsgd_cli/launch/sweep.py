@@ -4,8 +4,9 @@ A point's runs are the runs of its experiment name whose configuration is the po
 (a run of an earlier version of the spec, or with other `--set` values, is another
 experiment). The newest of them says where the point stands: `completed` (or `diverged`: it
 ran to its end, and would diverge again) is done and never run again; `running` is being run;
-`failed` and `interrupted` go again, resuming the run from its checkpoint where it has one;
-a point without a run is `missing`, and goes too.
+`failed` and `interrupted` go again, resuming the run from its checkpoint where it has one
+(a run over several machines does not resume: it goes again as a new run); a point without a
+run is `missing`, and goes too.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Point:
     status: str  # `missing`, or its newest run's status
     run_id: int | None = None  # its newest run
     resumes: bool = False  # the run can go on from a checkpoint (`dsgd run --resume`)
+    machines: int = 1  # how many its run spanned
 
     @property
     def to_run(self) -> bool:
@@ -46,8 +48,9 @@ def points_in(experiments: list[Experiment], reader) -> list[Point]:
             points.append(Point(index, experiment.name, "missing"))
             continue
         run = same[-1]
-        points.append(Point(index, experiment.name, run.status, run.id,
-                            run.status in AGAIN and _can_resume(reader, run.id)))
+        machines = run.config.get("nnodes") or 1
+        resumes = run.status in AGAIN and machines == 1 and _can_resume(reader, run.id)
+        points.append(Point(index, experiment.name, run.status, run.id, resumes, machines))
     return points
 
 
