@@ -9,6 +9,7 @@ steps where it did not fit are recorded as overrun and left out where a test com
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import sqlite3
 import time
@@ -425,7 +426,10 @@ def test_a_run_that_overran_is_told_to_raise_the_time_scale(timeline):
     assert min(m.value for m in store.metric_history(overrun.id, "emulation_overrun")) > 1
     advice = ("100% of steps overran their modeled time by more than 5%, so its times are not "
               "the modeled cluster's: raise compute.time_scale (now 1)")
-    assert f"dsgd: run {overrun.id} (overrun): {advice}" in stderr.splitlines()
+    # On a loaded machine another of the timeline's runs may overrun too: "(and 1 more)".
+    told = re.compile(rf"dsgd: run {overrun.id} \(overrun\)( \(and \d+ more\))?: "
+                      + re.escape(advice))
+    assert any(told.fullmatch(line) for line in stderr.splitlines()), stderr
     shown = dsgd("show", str(overrun.id), "--db", str(db))
     assert f"emulation: {advice}" in shown.stdout.splitlines()
     for name in ("seed0-a", "scale4", "scale8"):  # those fit: no advice
