@@ -162,3 +162,51 @@ def test_the_wait_for_the_devices_queued_work_is_the_steps_time(tmp_path):
     assert recorded == [READ_WAIT_S / LOG_INTERVAL] * 2
     (seconds, _), = run_workers(_train_with_reads_that_wait, 1, str(tmp_path), True)
     assert seconds == 0.0
+
+
+def _diverge_recording(rank, world_size, directory, check_each_step, poison_at):
+    """The loop diverging at step `poison_at`; returns what it recorded: (name, step, epoch,
+    value) of the metrics that do not depend on timing."""
+    import json
+
+    from dsgd_cli.comm.events import EventWriter
+    from dsgd_cli.emulation.clock import Clock
+    from dsgd_cli.spec.experiments import load_spec
+    from dsgd_cli.worker import training
+    from dsgd_cli.worker.parts import build_worker
+
+    (config,) = [experiment.config for experiment in load_spec(Path(directory) / "spec.yaml")]
+    log = Path(directory) / f"diverging-{check_each_step}.jsonl"
+    events = EventWriter(log, rank, Clock(1.0))
+    worker = build_worker(config, events, rank, world_size, torch.device("cpu"))
+    loop = training.TrainingLoop(worker, events, training.StopRequest(None, ""),
+                                 check_each_step=check_each_step)
+    step = loop._step
+
+    def poisoned_step(index, x, y):
+        if index == poison_at:
+            with torch.no_grad():
+                next(worker.model.parameters()).fill_(math.nan)
+        return step(index, x, y)
+
+    loop._step = poisoned_step
+    with pytest.raises(training.Diverged):
+        loop.run()
+    events.close()
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    return [(row["name"], row["step"], row["epoch"], row["value"]) for row in rows
+            if row["type"] == "metric" and row["name"] in ("train_loss", "bytes_sent", "lr")]
+
+
+@pytest.mark.parametrize("poison_at", [5, 14])
+def test_a_divergence_found_at_the_intervals_end_keeps_the_steps_before_it(tmp_path, poison_at):
+    """Kept on the device, the losses of steps 0..11 are read after step 11: a divergence at
+    step 5 is found then, and the 5 sound steps before it are recorded as the CPU's immediate
+    check records them (at step 5), the steps after it not; at step 14, the first interval
+    and the 2 steps of the second before it."""
+    _spec(tmp_path)
+    (on_device,), (on_cpu,) = (run_workers(_diverge_recording, 1, str(tmp_path), check, poison_at)
+                               for check in (False, True))
+    assert on_device == on_cpu
+    assert {step for _, step, _, _ in on_device} == (
+        {5} if poison_at == 5 else {LOG_INTERVAL, 14})

@@ -34,6 +34,9 @@ class IntervalMetrics:
         self.sent_by_level: dict[str, int] = {}
         self.peak_rate_by_level: dict[str, float] = {}
         self.custom: dict[str, list[float]] = {}
+        # On a GPU, the sums after each step whose loss is still on the device, by step count:
+        # a divergence found when the losses are read keeps the steps before it (`_keep`).
+        self.marks: dict[int, tuple] = {0: self._mark()}
 
     def log(self, name: str, value: float) -> None:
         self.custom.setdefault(name, []).append(float(value))
@@ -51,10 +54,13 @@ class IntervalMetrics:
         first = self.steps - len(self.device_losses)
         values = torch.stack(self.device_losses).double().tolist()
         self.device_losses = []
-        self.loss += sum(values)
         for index, value in enumerate(values):
             if not math.isfinite(value):
+                self.loss += sum(values[:index])
+                self._keep(first + index)
                 return first + index, value
+        self.loss += sum(values)
+        self.marks = {self.steps: self._mark()}
         return None
 
     def add(self, loss: float | None, step_seconds: float, traffic: Traffic) -> None:
@@ -70,6 +76,27 @@ class IntervalMetrics:
         for level, sent in (traffic.sent_by_level or {}).items():
             rate = sent / step_seconds if step_seconds > 0 else 0.0
             self.peak_rate_by_level[level] = max(self.peak_rate_by_level.get(level, 0.0), rate)
+        if loss is None:
+            self.marks[self.steps] = self._mark()
+
+    def _mark(self) -> tuple:
+        return (self.step_seconds, self.comm_seconds, self.bytes_sent, self.bytes_received,
+                dict(self.sent_by_level), dict(self.peak_rate_by_level),
+                {name: len(values) for name, values in self.custom.items()})
+
+    def _keep(self, steps: int) -> None:
+        """Go back to the sums after the interval's first `steps` steps (their losses are
+        summed already), forgetting the steps after them, where they were marked."""
+        mark = self.marks.get(steps)
+        if mark is None:
+            return
+        (self.step_seconds, self.comm_seconds, self.bytes_sent, self.bytes_received,
+         levels, peaks, lengths) = mark
+        self.sent_by_level, self.peak_rate_by_level = dict(levels), dict(peaks)
+        self.custom = {name: values[:lengths[name]] for name, values in self.custom.items()
+                       if lengths.get(name)}
+        self.steps = steps
+        self.marks = {steps: mark}
 
     def add_bytes(self, traffic: Traffic) -> None:
         """Count bytes sent and received after the interval's last step, in that step (the
@@ -110,7 +137,8 @@ class IntervalMetrics:
     def state(self) -> dict:
         """The sums so far, for a checkpoint inside the interval."""
         self.read_losses()
-        state = {key: value for key, value in vars(self).items() if key != "device_losses"}
+        state = {key: value for key, value in vars(self).items()
+                 if key not in ("device_losses", "marks")}
         return {**state, "custom": {k: list(v) for k, v in self.custom.items()},
                 "sent_by_level": dict(self.sent_by_level),
                 "peak_rate_by_level": dict(self.peak_rate_by_level)}
@@ -118,3 +146,4 @@ class IntervalMetrics:
     def restore(self, state: dict) -> None:
         vars(self).update(state)
         self.device_losses = []
+        self.marks = {self.steps: self._mark()}

@@ -297,6 +297,7 @@ class TrainingLoop:
         if self.check_each_step:
             return 0.0
         worker = self.worker
+        counted = worker.interval.steps
         started = time.perf_counter()
         bad = worker.interval.read_losses()
         waited = 0.0
@@ -305,7 +306,10 @@ class TrainingLoop:
             worker.interval.step_seconds += waited
         if bad is not None:
             index, value = bad
-            raise Diverged(step - worker.interval.steps + index, value)
+            diverged = step - counted + index
+            if worker.interval.steps == index:  # it holds the steps before it: keep them
+                self._flush(diverged, diverged // worker.steps_per_epoch)
+            raise Diverged(diverged, value)
         return waited
 
     def _flush(self, step: int, epoch: int) -> None:
