@@ -12,6 +12,12 @@ once per epoch).
 
     python benchmarks/frontier.py --text corpus.txt [--epochs 6] [--time-scale 3] [--only demo]
     python benchmarks/frontier.py --dbdir DIR --no-run     # tables from earlier runs in DIR
+
+`--curve` adds, per comparison, the loss curve: at every evaluation (each epoch's end) each
+run's test loss, its train loss (the last logged, a mean over the log interval and the
+workers) and the bytes one worker has sent so far, so that loss reads against steps and
+against bytes (the issue's DeMo against AdamW-DDP: `--only demo --curve`; more evaluations
+with `--epochs 12 --steps-per-epoch 25`, the same 300 steps).
 """
 
 from __future__ import annotations
@@ -40,14 +46,16 @@ COMPARISONS = {
 }
 
 
-def run(spec: str, db: Path, text: Path, epochs: int, time_scale: float) -> None:
+def run(spec: str, db: Path, text: Path, epochs: int, time_scale: float,
+        steps_per_epoch: int | None = None) -> None:
     data = Path(tempfile.mkdtemp(prefix="dsgd-frontier-"))
     shutil.copy(text, data / "tinyshakespeare.txt")  # the specs' file name
     env = {**os.environ, "DSGD_DATA": str(data)}
+    cap = ["--set", f"steps_per_epoch={steps_per_epoch}"] if steps_per_epoch else []
     result = subprocess.run(
         [sys.executable, "-m", "dsgd_cli", "run", str(ROOT / "examples" / f"{spec}.yaml"),
-         "--db", str(db), "--set", f"epochs={epochs}", "--set", f"compute.time_scale={time_scale}"],
-        env=env, capture_output=True, text=True)
+         "--db", str(db), "--set", f"epochs={epochs}", "--set", f"compute.time_scale={time_scale}",
+         *cap], env=env, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"dsgd run {spec} failed:\n{result.stderr}")
 
@@ -88,6 +96,33 @@ def table(spec: str, db: Path) -> tuple[str, tuple[str, str]]:
     return "\n".join(lines), headline
 
 
+def curve(db: Path) -> str:
+    """The markdown table of every run's loss at each evaluation: step, then per run its test
+    loss, train loss and MB sent per worker so far."""
+    store = Results(str(db))
+    runs = store.runs()
+    columns = {}
+    for run in runs:
+        test = {step: value for step, value, _ in store.step_curves([run.id], "test_loss").get(run.id, [])}
+        train = store.step_curves([run.id], "train_loss").get(run.id, [])
+        sent = store.metric_history(run.id, "bytes_sent")  # per rank, per log interval
+        columns[run.experiment] = {
+            step: (loss,
+                   next((value for at, value, _ in reversed(train) if at <= step), float("nan")),
+                   sum(r.value for r in sent if r.step <= step) / run.config["workers"] / 1e6)
+            for step, loss in test.items()}
+    names = list(columns)
+    lines = ["| step | " + " | ".join(f"{name} test | {name} train | {name} MB/worker"
+                                       for name in names) + " |",
+             "|---|" + "---|---|---|" * len(names)]
+    for step in sorted({step for column in columns.values() for step in column}):
+        cells = [columns[name].get(step) for name in names]
+        lines.append(f"| {step} | " + " | ".join(
+            "— | — | —" if cell is None else f"{cell[0]:.3f} | {cell[1]:.3f} | {cell[2]:,.1f}"
+            for cell in cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--text", type=Path, help="a UTF-8 text file, in place of tiny Shakespeare")
@@ -97,6 +132,10 @@ def main() -> None:
     parser.add_argument("--only", action="append", choices=sorted(COMPARISONS))
     parser.add_argument("--dbdir", type=Path, help="where the results databases go (or are)")
     parser.add_argument("--no-run", action="store_true", help="only print the tables")
+    parser.add_argument("--curve", action="store_true",
+                        help="also print each comparison's loss at every evaluation")
+    parser.add_argument("--steps-per-epoch", type=int,
+                        help="steps_per_epoch: more, shorter epochs give more evaluations")
     args = parser.parse_args()
     dbdir = args.dbdir or Path(tempfile.mkdtemp(prefix="dsgd-frontier-db-"))
     headlines = []
@@ -105,10 +144,12 @@ def main() -> None:
         if not args.no_run:
             if args.text is None:
                 sys.exit("--text is needed to run")
-            run(spec, db, args.text, args.epochs, args.time_scale)
+            run(spec, db, args.text, args.epochs, args.time_scale, args.steps_per_epoch)
         text, headline = table(spec, db)
         headlines.append(headline)
         print(f"\n{spec}:\n\n{text}")
+        if args.curve:
+            print(f"\n{spec}, loss at each evaluation:\n\n{curve(db)}")
     print_rows(*headlines)
 
 

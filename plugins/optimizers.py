@@ -249,10 +249,12 @@ class MuonOptions:
     adamw_beta2: float = option(0.999, min=0.0, max=1.0, help="AdamW's second-moment decay, below 1")
     adamw_eps: float = option(1e-8, min=0.0, help="AdamW's denominator term")
     adamw_weight_decay: float = option(0.01, min=0.0, help="AdamW's decoupled weight decay")
-    adamw_first: int = option(0, min=0, help="the first N 2-D parameters in model order take "
-                                             "AdamW, not Muon: input embeddings (text_lm: 2)")
-    adamw_last: int = option(0, min=0, help="the last N 2-D parameters in model order take "
-                                            "AdamW, not Muon: an output layer not tied to the embedding")
+    adamw_first: int = option(1, min=0, help="the first N 2-D parameters in model order take "
+                                             "AdamW, not Muon: the input embedding or input layer "
+                                             "(text_lm: 2, its token and position tables)")
+    adamw_last: int = option(1, min=0, help="the last N 2-D parameters in model order take "
+                                            "AdamW, not Muon: the output layer (text_lm: 0, its "
+                                            "output layer is its embedding)")
 
     def __post_init__(self):
         _check_below_one(adamw_beta1=self.adamw_beta1, adamw_beta2=self.adamw_beta2)
@@ -261,10 +263,13 @@ class MuonOptions:
 class Muon(OptimizerPlugin):
     """Muon for 2-D weights (torch.optim.Muon), AdamW for the rest (torch.optim.AdamW).
 
-    The optimizer receives the parameters without their names, so "hidden" is decided by
-    shape and position: every parameter that is not 2-D (biases, norms, convolution kernels)
-    takes AdamW, and so do the first `adamw_first` and last `adamw_last` 2-D ones in model
-    order (embeddings, an output layer)."""
+    Muon's authors keep biases, norms, embeddings and the output layer on AdamW. An optimizer
+    plugin receives the parameters only, not the modules they belong to, so "hidden" is
+    decided by shape and position: every parameter that is not 2-D (biases, norms,
+    convolution kernels) takes AdamW, and so do the first `adamw_first` (default 1: the input
+    embedding or input layer) and the last `adamw_last` (default 1: the output layer) 2-D
+    ones in model order. A model with several embedding tables or a tied output layer sets
+    them (text_lm: `adamw_first: 2, adamw_last: 0`)."""
 
     Options = MuonOptions
 

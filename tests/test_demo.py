@@ -18,6 +18,15 @@ WORKERS = 2
 STEPS = 8
 LR = 0.05
 OPTIONS = dict(decay=0.9, topk=3, chunk=4, weight_decay=0.1)
+# checkpoints after steps 3 and 6; node 1 fails at 4.5 s, seen after step 5: back to step 3
+FAILURES = {"restart": 1, "checkpoint_every": 3, "at": [{"node": 1, "time": 4.5}]}
+
+
+def _lr(step: int) -> float:
+    """A schedule's rate at `step`: 2 steps of warm-up to LR, then a decay by 0.7 a step. It
+    varies, so that a δ ← βδ + g (lr left out) or a step by another lr is seen: the sign
+    step alone would hide a constant lr's scale."""
+    return LR * (step + 1) / 3 if step < 2 else LR * 0.7 ** (step - 2)
 
 
 def _sgd(params):
@@ -35,8 +44,9 @@ def _scenarios(rank, n):
     ctx = h.context(rank, n, _sgd)
     aggregator = _demo()
     aggregator.setup(ctx)
-    result = h.run(aggregator, ctx, STEPS)
-    result["resumed"] = h.resumed(rank, n, _demo, _sgd, stop=3, steps=STEPS)
+    result = h.run(aggregator, ctx, STEPS, lr=_lr)
+    result["resumed"] = h.resumed(rank, n, _demo, _sgd, stop=3, steps=STEPS, lr=_lr)
+    result["failed"] = h.failed(rank, n, _demo, _sgd, STEPS, FAILURES, lr=_lr)
     return result
 
 
@@ -94,16 +104,16 @@ def _reference(n: int = WORKERS) -> dict:
     deltas = [[numpy.zeros_like(x) for x in params] for _ in range(n)]
     history, shared = [], {1: 0, 2: 0}  # positions chosen by one worker, by both
     for step in range(STEPS):
-        grads = []
+        lr, grads = _lr(step), []
         for rank in range(n):
             for p, x in zip(net.parameters(), params):
                 p.data = torch.from_numpy(x.copy())
             grads.append([g.numpy() for g in h.gradients(net, rank, step)])
-        params = [x * (1 - LR * wd) for x in params]
+        params = [x * (1 - lr * wd) for x in params]
         sent = [[] for _ in params]
         for rank in range(n):
             for i, x in enumerate(params):
-                delta = deltas[rank][i] = beta * deltas[rank][i] + LR * grads[rank][i]
+                delta = deltas[rank][i] = beta * deltas[rank][i] + lr * grads[rank][i]
                 kept = _compress(delta, target, k)
                 deltas[rank][i] = delta - _decompress(kept, x.shape, target)
                 sent[i].append(kept)
@@ -115,7 +125,7 @@ def _reference(n: int = WORKERS) -> dict:
             for values in chosen.values():
                 shared[len(values)] += 1
             mean = {key: sum(values) / len(values) for key, values in chosen.items()}
-            params[i] = x - LR * numpy.sign(_decompress(mean, x.shape, target))
+            params[i] = x - lr * numpy.sign(_decompress(mean, x.shape, target))
         history.append(torch.from_numpy(numpy.concatenate([x.ravel() for x in params])))
     return {"models": history, "shared": shared}
 
@@ -143,6 +153,15 @@ def test_demo_sends_k_indices_and_values_per_chunk(scenarios):
 def test_a_resumed_demo_goes_on_as_if_never_stopped(scenarios):
     for result in scenarios:
         torch.testing.assert_close(result["resumed"], result["models"][-1], rtol=0, atol=1e-12)
+
+
+def test_a_failure_rolls_demo_back_to_the_checkpoint_with_its_momenta(scenarios):
+    """Under `restart`: after the failure every worker's δ is the checkpoint's (step 3), not
+    what it was at the failure (step 5), and the redone steps end on the model of the run
+    without a failure, the same on both workers."""
+    h.assert_rolled_back(scenarios, [1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8], failure_at=5, back_to=3)
+    for result in scenarios:
+        assert torch.equal(result["failed"]["model"], result["models"][-1])
 
 
 def test_chunk_sides_follow_the_divisor_rule():

@@ -16,6 +16,8 @@ from dsgd_cli.spec.experiments import load_spec
 WORKERS = 2
 STEPS = 13
 CASES = [(2, 3, 4), (2, None, None)]  # (K_x, K_u, K_v); None: the default 3·K_x, 6·K_x
+# checkpoints after steps 4, 8 and 12; node 1 fails at 6.5 s, seen after step 7: back to 4
+FAILURES = {"restart": 1, "checkpoint_every": 4, "at": [{"node": 1, "time": 6.5}]}
 
 
 def _adamw(params):
@@ -41,6 +43,7 @@ def _scenarios(rank, n):
         results[case]["moments"] = [(s["exp_avg"].clone(), s["exp_avg_sq"].clone())
                                     for s in ctx.optimizer.state.values()]
     results["resumed"] = h.resumed(rank, n, lambda: _desloc(CASES[0]), _adamw, stop=5, steps=STEPS)
+    results["failed"] = h.failed(rank, n, lambda: _desloc(CASES[0]), _adamw, STEPS, FAILURES)
     return results
 
 
@@ -110,6 +113,16 @@ def test_a_resumed_desloc_goes_on_as_if_never_stopped(scenarios):
         torch.testing.assert_close(result["resumed"], result[CASES[0]]["models"][-1], rtol=0, atol=1e-12)
 
 
+def test_a_failure_rolls_desloc_back_to_the_checkpoint_with_its_moments(scenarios):
+    """Under `restart`: after the failure every worker's Adam moments are the checkpoint's
+    (step 4), not those of step 7, and the redone steps end on the model of the run without
+    a failure (each worker's own: they differ between parameter averages)."""
+    h.assert_rolled_back(scenarios, [1, 2, 3, 4, 5, 6, 7, 4] + list(range(5, STEPS + 1)),
+                         failure_at=7, back_to=4)
+    for result in scenarios:
+        assert torch.equal(result["failed"]["model"], result[CASES[0]]["models"][-1])
+
+
 @pytest.mark.parametrize("make, name", [
     (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), "SGD"),
     (lambda params: _muon(params), "MuonWithAdamW")])
@@ -126,7 +139,7 @@ def test_desloc_refuses_an_optimizer_without_adams_moments_in_one_line(make, nam
 def _muon(params):
     from plugins.optimizers import Muon
 
-    return Muon(Muon.Options()).build(params)
+    return Muon(Muon.Options(adamw_first=0, adamw_last=0)).build(params)  # both matrices on Muon
 
 
 def test_desloc_records_the_default_moment_periods(tmp_path):

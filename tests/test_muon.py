@@ -53,8 +53,10 @@ def _plugin(**options) -> torch.optim.Optimizer:
     return Muon, {**OPTIONS, **options}
 
 
-def _torchs(model: nn.Module, first: int = 0, last: int = 0, **overrides):
-    """The reference: torch's own Muon over the chosen matrices and AdamW over the rest."""
+def _torchs(model: nn.Module, first: int = 1, last: int = 1, **overrides):
+    """The reference: torch's own Muon over the chosen matrices and AdamW over the rest; by
+    default, as Muon's authors split a model, the first 2-D weight (the input layer) and the
+    last (the output layer) on AdamW with every vector, the hidden ones on Muon."""
     o = {**OPTIONS, **overrides}
     matrices = [p for p in model.parameters() if p.ndim == 2]
     to_adamw = matrices[:first] + (matrices[len(matrices) - last:] if last else [])
@@ -76,11 +78,14 @@ def _assert_equal(a: nn.Module, b: nn.Module) -> None:
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("first, last", [(0, 0), (1, 1)])
-def test_muon_equals_torchs_muon_and_adamw(first, last):
+@pytest.mark.parametrize("split", [{}, dict(adamw_first=0, adamw_last=0),
+                                   dict(adamw_first=2, adamw_last=0)],
+                         ids=["default", "all-matrices-on-muon", "first-2"])
+def test_muon_equals_torchs_muon_and_adamw(split):
+    """By default the hidden Linear(8, 6) alone takes Muon."""
     ours, reference = _model(), _model()
-    _train(ours, [_ours(ours, adamw_first=first, adamw_last=last)])
-    _train(reference, _torchs(reference, first, last))
+    _train(ours, [_ours(ours, **split)])
+    _train(reference, _torchs(reference, split.get("adamw_first", 1), split.get("adamw_last", 1)))
     _assert_equal(ours, reference)
     assert not torch.allclose(next(ours.parameters()), next(_model().parameters()))
 
@@ -90,8 +95,8 @@ def test_muon_differs_from_adamw_on_the_matrices():
     ours, adamw = _model(), _model()
     optimizer = _ours(ours)
     kinds = {id(p): group["kind"] for group in optimizer.param_groups for p in group["params"]}
-    assert [kinds[id(p)] for p in ours.parameters()] == ["muon", "adamw"] * 2 + ["adamw"] * 2 + [
-        "muon", "adamw"]  # the LayerNorm's weight and bias are vectors
+    assert [kinds[id(p)] for p in ours.parameters()] == ["adamw"] * 2 + ["muon"] + ["adamw"] * 5
+    # the input layer, the hidden layer, the LayerNorm's weight and bias (vectors), the output layer
     _train(ours, [optimizer])
     _train(adamw, _torchs(adamw, first=3))
     assert not torch.allclose(ours[2].weight, adamw[2].weight, atol=1e-3)
@@ -122,11 +127,27 @@ def test_muon_resumes_from_its_state_dict():
     _assert_equal(resumed, whole)
 
 
+def test_muon_puts_embeddings_and_the_output_layer_on_adamw_by_default():
+    """A language model's shape: token table, hidden weight, output layer. By default only the
+    hidden weight takes Muon; the options move the split (text_lm sets adamw_first 2 for its
+    two tables and adamw_last 0, its output layer being its token table)."""
+    lm = nn.ModuleDict(dict(embedding=nn.Embedding(11, 6), hidden=nn.Linear(6, 6), output=nn.Linear(6, 11)))
+    kinds = lambda optimizer: {id(p): group["kind"] for group in optimizer.param_groups  # noqa: E731
+                               for p in group["params"]}
+    default = kinds(_ours(lm))
+    assert [default[id(p)] for p in (lm.embedding.weight, lm.hidden.weight, lm.output.weight)] == [
+        "adamw", "muon", "adamw"]
+    moved = kinds(_ours(lm, adamw_first=2, adamw_last=0))
+    assert [moved[id(p)] for p in (lm.embedding.weight, lm.hidden.weight, lm.output.weight)] == [
+        "adamw", "adamw", "muon"]
+
+
 def test_muon_without_matrices_or_without_others():
-    """A model of vectors only (all AdamW) or of one matrix only (all Muon) builds and steps."""
+    """A model of vectors only (all AdamW) or of one matrix only (all Muon, with no matrix
+    set aside: by default a lone matrix is the input and output layer, on AdamW) builds and steps."""
     for param in (torch.zeros(3, requires_grad=True), torch.ones(2, 3, requires_grad=True)):
         before = param.detach().clone()
-        cls, values = _plugin()
+        cls, values = _plugin(adamw_first=0, adamw_last=0)
         optimizer = cls(cls.Options(**values)).build([param])
         assert [group["kind"] for group in optimizer.param_groups] == (
             ["muon"] if param.ndim == 2 else ["adamw"])

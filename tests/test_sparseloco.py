@@ -17,6 +17,8 @@ WORKERS = 2
 STEPS = 11  # rounds after steps 3, 6 and 9; steps 10 and 11 stay local
 PERIOD, CHUNK, DECAY, OUTER_LR = 3, 4, 0.9, 0.8
 CASES = [("topk", 3, 2), ("density", 0.5, 4)]  # (how many, its value, bits)
+# checkpoints after steps 4 and 8; node 0 fails at 5.5 s, seen after step 6 (a round): back to 4
+FAILURES = {"restart": 1, "checkpoint_every": 4, "at": [{"node": 0, "time": 5.5}]}
 
 
 def _adamw(params):
@@ -41,6 +43,7 @@ def _scenarios(rank, n):
         results[case] = h.run(aggregator, ctx, STEPS)
         results[case]["rounds"] = ctx.metrics.values.get("outer_rounds")
     results["resumed"] = h.resumed(rank, n, lambda: _sparseloco(CASES[0]), _adamw, stop=4, steps=STEPS)
+    results["failed"] = h.failed(rank, n, lambda: _sparseloco(CASES[0]), _adamw, STEPS, FAILURES)
     return results
 
 
@@ -152,6 +155,16 @@ def test_a_resumed_sparseloco_goes_on_as_if_never_stopped(scenarios):
     """Stopped after step 4, inside the second round: θ_global and the error buffers travel."""
     for result in scenarios:
         torch.testing.assert_close(result["resumed"], result[CASES[0]]["models"][-1], rtol=0, atol=1e-12)
+
+
+def test_a_failure_rolls_sparseloco_back_to_the_checkpoint_with_its_error_buffers(scenarios):
+    """Under `restart`: after the failure (after the round of step 6) every worker's error
+    buffers, θ_global and AdamW moments are the checkpoint's (step 4), and the redone steps
+    end on the model of the run without a failure."""
+    h.assert_rolled_back(scenarios, [1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8, 9, 10, 11], failure_at=6,
+                         back_to=4)
+    for result in scenarios:
+        assert torch.equal(result["failed"]["model"], result[CASES[0]]["models"][-1])
 
 
 def test_pack_and_unpack_round_trip():

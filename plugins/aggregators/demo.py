@@ -149,8 +149,6 @@ class DeMo(Aggregator):
         super().setup(ctx)
         check_plain_sgd(ctx.optimizer, "demo")
         self.params = ctx.parameters()
-        self.groups = [group for p in self.params for group in ctx.optimizer.param_groups
-                       if any(p is q for q in group["params"])]  # each parameter's, for its lr
         self.codecs = [ChunkCodec(p.shape, self.options.chunk, True, p.dtype, p.device)
                        for p in self.params]
         self.momenta = [torch.zeros_like(p.detach()) for p in self.params]  # δ, one per parameter
@@ -167,8 +165,7 @@ class DeMo(Aggregator):
     def after_backward(self, step):
         o = self.options
         positions, values = [], []
-        for param, group, codec, delta in zip(self.params, self.groups, self.codecs, self.momenta):
-            lr = group["lr"]
+        for param, lr, codec, delta in zip(self.params, self.rates(), self.codecs, self.momenta):
             if o.weight_decay:
                 param.mul_(1 - lr * o.weight_decay)
             gradient = param.grad if param.grad is not None else torch.zeros_like(param)
@@ -190,6 +187,13 @@ class DeMo(Aggregator):
                 param.grad = update
             else:
                 param.grad.copy_(update)
+
+    def rates(self) -> list[float]:
+        """Each parameter's current learning rate. Looked up at every step: a schedule sets
+        it, and a rollback under failures (optimizer.load_state_dict) replaces the groups."""
+        lr_of = {id(p): group["lr"] for group in self.ctx.optimizer.param_groups
+                 for p in group["params"]}
+        return [lr_of[id(p)] for p in self.params]
 
     def after_step(self, step):
         if self.options.sync_buffers:
