@@ -7,8 +7,11 @@ one recent card):
 
 1. the versions (Python, torch and its CUDA, numba, numba-cuda, numpy), the card, and dsgd's
    own pre-launch check of numba.cuda (numba_kernels/cuda_check.py);
-2. every CUDA kernel family against the CPU kernel, bit for bit, at 1M and 16M elements
-   (random decisions included: the same seeds give the same draws on both);
+2. every CUDA kernel against the CPU kernel, bit for bit, at 1M and 16M elements (1M with
+   `--quick`; random decisions included: the same seeds give the same draws on both): the
+   cases of numba_kernels/crosscheck.py, one per public function whose CUDA backend
+   launches kernels (per-tensor and `*_segments`), the same cases the simulator tests run
+   (tests/test_kernels_cudasim.py checks that together they launch every kernel);
 3. the kernel table, `benchmarks/kernels.py --device cuda` (each numba kernel against plain
    torch and a device copy's bandwidth);
 4. a 1-GPU `allreduce` run of CIFAR ResNet-20, batch 128, no augmentation, against a
@@ -16,7 +19,13 @@ one recent card):
 5. each compressor's samples per second with `allreduce` on the same setting, as a ratio of
    plain `allreduce`'s;
 6. the shared-GPU example: 4 workers on one GPU (`device: cuda`), with a compute model, its
-   modeled seconds and bytes against the same spec's on the CPU.
+   modeled seconds and bytes against the same spec's on the CPU. The larger one, 8 workers
+   of examples/cifar10.yaml's four algorithms for 3 epochs, is benchmarks/shared_gpu.py
+   (minutes of its own).
+
+`--try-on-cpu` checks the script on a machine without a GPU: part 2 runs the same cases
+under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, in a process of its own) at 1,003
+elements, parts 4 to 6 on the CPU, tiny; parts 1 and 3 report what there is.
 
 CIFAR-10 cannot be downloaded on a machine without a registry: the check generates a set of
 its shape (uint8 images, 10 classes) in a temporary directory; speed does not depend on the
@@ -41,6 +50,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = (1 << 20, 16 << 20)
+SIMULATOR_SIZES = (1003,)  # --try-on-cpu: the simulator runs each GPU thread as a Python thread
 BATCH = 128
 COMPRESSORS = ("fp16", "bf16", "qsgd", "dqsgd", "terngrad", "sign", "ef_sign", "onebit", "topk",
                "randomk", "powersgd")
@@ -59,34 +69,30 @@ def versions() -> list[str]:
     return lines
 
 
-def kernel_bits(sizes=SIZES) -> list[str]:
-    """Each kernel family on CUDA and CPU tensors of the same values and seeds."""
-    import numba_kernels as nk
-
-    rows = ["| kernel | elements | CUDA = CPU |", "|---|---|---|"]
-    for size in sizes:
-        x = torch.randn(size, generator=torch.Generator().manual_seed(size))
-        others = [torch.randn(size, generator=torch.Generator().manual_seed(size + i))
-                  for i in range(1, 4)]
-        k = max(1, size // 100)
-        cases = {
-            "qsgd_quantize": lambda t: nk.qsgd_quantize(t, 127, 512, 7),
-            "terngrad_quantize": lambda t: nk.terngrad_quantize(t, 7),
-            "sign_pack": lambda t: nk.sign_pack(t),
-            "topk": lambda t: nk.topk(t, k),
-            "randomk": lambda t: nk.randomk(t, k, 7),
-            "weighted_sum": lambda t: nk.weighted_sum(
-                [t, *[o.to(t.device) for o in others]], [0.25] * 4),
-        }
-        for name, kernel in cases.items():
-            on_cpu, on_gpu = _as_tuple(kernel(x)), _as_tuple(kernel(x.cuda()))
-            same = all(torch.equal(a, b.cpu()) for a, b in zip(on_cpu, on_gpu))
-            rows.append(f"| {name} | {size:,} | {'yes' if same else '**no**'} |")
-    return rows
-
-
-def _as_tuple(result) -> tuple[torch.Tensor, ...]:
-    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+def kernel_bits(sizes=SIZES, simulator: bool = False) -> list[str]:
+    """Every CUDA kernel the compressors and aggregators call against the CPU kernel, bit for
+    bit: the cases of numba_kernels/crosscheck.py (the same the simulator tests run), in a
+    process of their own. `simulator`: under numba's CUDA simulator, on CPU tensors (numba
+    reads NUMBA_ENABLE_CUDASIM when it is imported, hence the process)."""
+    env = dict(os.environ)
+    command = [sys.executable, "-m", "numba_kernels.crosscheck",
+               "--sizes", ",".join(str(n) for n in sizes)]
+    if simulator:
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+        command += ["--device", "simulator"]
+    else:
+        env.pop("NUMBA_ENABLE_CUDASIM", None)
+        command += ["--device", "cuda"]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env,
+                                cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return ["failed: the comparison ran past 240 s"]
+    lines = result.stdout.strip().splitlines()
+    if result.returncode not in (0, 1) or not lines:
+        return [f"failed (exit {result.returncode}):", "```",
+                *(result.stderr.strip().splitlines()[-15:]), "```"]
+    return lines
 
 
 def kernel_table(quick: bool) -> list[str]:
@@ -221,8 +227,9 @@ def main() -> None:
     parser.add_argument("-o", "--output", default="gpu_check.md")
     parser.add_argument("--quick", action="store_true", help="fewer sizes, steps, compressors")
     parser.add_argument("--try-on-cpu", action="store_true",
-                        help="run parts 4 to 6 on the CPU, tiny: to check this script here "
-                             "before carrying it to a GPU machine (its figures mean nothing)")
+                        help="part 2 under numba's CUDA simulator at a small size, parts 4 to "
+                             "6 on the CPU, tiny: to check this script here before carrying "
+                             "it to a GPU machine (its figures mean nothing)")
     args = parser.parse_args()
     report = [f"# dsgd GPU check, {time.strftime('%Y-%m-%d')}", "", *versions(), ""]
     if not torch.cuda.is_available() and not args.try_on_cpu:
@@ -234,9 +241,13 @@ def main() -> None:
     steps = 3 if args.try_on_cpu else 40 if args.quick else 150
     compressors = COMPRESSORS[:2] if args.try_on_cpu else COMPRESSORS[:3] if args.quick \
         else COMPRESSORS
-    parts = [] if args.try_on_cpu else [
-        ("Kernels, CUDA against CPU", kernel_bits),
-        ("Kernel table", lambda: kernel_table(args.quick))]
+    if args.try_on_cpu:
+        parts = [("Kernels, CUDA (the simulator) against CPU",
+                  lambda: kernel_bits(SIMULATOR_SIZES, simulator=True))]
+    else:
+        parts = [("Kernels, CUDA against CPU", lambda: kernel_bits(SIZES[:1] if args.quick
+                                                                   else SIZES)),
+                 ("Kernel table", lambda: kernel_table(args.quick))]
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
         data_dir = generated_cifar(directory, *((512, 128) if args.try_on_cpu else ()))

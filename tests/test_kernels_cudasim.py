@@ -8,7 +8,9 @@ CUDA torch tensors, so the script calls the backend functions of
 ``numba_kernels._cuda`` on CPU tensors (which stand in for CUDA tensors there)
 and compares with NumPy references and with the CPU kernels -- the random
 decisions must be bit-identical.  Sizes stay small: the simulator runs every
-GPU thread as a Python thread.
+GPU thread as a Python thread.  ``shared_cases_match_cpu`` runs the cases of
+``numba_kernels/crosscheck.py``, the same that ``benchmarks/gpu_check.py`` runs on a GPU at
+real sizes, and fails when a kernel of ``numba_kernels._cuda`` is launched by none of them.
 """
 
 from __future__ import annotations
@@ -37,36 +39,9 @@ from numba_kernels import _host, _random, _cuda as C
 assert C.SIM, "not running under the CUDA simulator"
 
 
-def _shared_array_once_per_block():
-    """The simulator's `cuda.shared.array` looks up a block's array by the calling line and
-    creates it if absent, without a lock: two threads of a block that get there at once each
-    make their own, and one of them computes with memory the others never see (a NaN norm,
-    a wrong top-k). The same lookup, under a lock."""
-    import threading
-    from numba.core import types
-    from numba.cuda.simulator import kernelapi
-    from numba.np import numpy_support
-
-    lock = threading.Lock()
-    simulator_array = kernelapi.FakeCUDAShared.array
-
-    def array(self, shape, dtype, alignment=None):
-        if shape == 0 or alignment is not None:  # dynamic shared memory: no lookup
-            return simulator_array(self, shape, dtype, alignment)
-        caller = sys._getframe(1)
-        key = (caller.f_code.co_filename, caller.f_lineno)
-        if isinstance(dtype, types.Type):
-            dtype = numpy_support.as_dtype(dtype)
-        with lock:
-            arrays = self.__dict__.setdefault("arrays_by_line", {})
-            if key not in arrays:
-                arrays[key] = np.empty(shape, dtype)
-            return arrays[key]
-
-    kernelapi.FakeCUDAShared.array = array
-
-
-_shared_array_once_per_block()
+# The simulator's shared arrays, looked up under a lock (numba_kernels/crosscheck.py says why).
+from numba_kernels import crosscheck
+crosscheck.fix_simulator_shared_arrays()
 results = {}
 selected = set(sys.argv[1:])
 
@@ -400,6 +375,25 @@ def declared_signatures_refuse_other_types():
     _cuda.KERNELS["_k_seg_maxabs"][1, 32, 0](x, np.zeros(1, np.int64), np.zeros(1, np.float32))
 
 
+@check
+def shared_cases_match_cpu():
+    # numba_kernels/crosscheck.py: every case benchmarks/gpu_check.py runs on a GPU, here
+    # under the simulator, and together they launch every kernel of numba_kernels._cuda.
+    with crosscheck.launched_kernels() as launched:
+        outcomes = crosscheck.run_cases("simulator")
+    wrong = [f"{o.case}: {o.detail}" for o in outcomes if not o.ok]
+    assert not wrong, wrong
+    missed = crosscheck.all_kernels() - launched
+    assert not missed, f"kernels no case of numba_kernels/crosscheck.py launches: {sorted(missed)}"
+    assert {"_k_seg_qsgd_packed", "_k_wsum4", "_k_copy", "_k_sample"} <= launched
+    # a difference in the last bit is reported as one
+    a = torch.ones(4)
+    b = a.clone()
+    b[2] = float(np.nextafter(np.float32(1), np.float32(2)))
+    verdict, detail = crosscheck.compare((a,), (b,), crosscheck.CASES[0], ())
+    assert verdict == "differs" and "1 of 4" in detail and "1 ulp" in detail, (verdict, detail)
+
+
 print("RESULTS " + json.dumps(results))
 '''
 
@@ -418,6 +412,7 @@ CHECKS = [
     "segments_match_cpu",
     "fused_segments_match_cpu",
     "declared_signatures_refuse_other_types",
+    "shared_cases_match_cpu",
 ]
 # The checks split in two groups of about equal running time, one subprocess each.
 GROUPS = [
@@ -427,6 +422,7 @@ GROUPS = [
      "weighted_sum", "dequantize_add_matches_cpu", "segments_match_cpu",
      "declared_signatures_refuse_other_types"],
 ]
+GROUPS[0].append("shared_cases_match_cpu")
 assert sorted(sum(GROUPS, [])) == sorted(CHECKS)
 
 
