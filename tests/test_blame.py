@@ -298,3 +298,34 @@ def test_a_full_checkpoint_directory_is_named(tiny_tmpfs, tmp_path):
     assert run.status == "failed"
     assert "NoSpaceLeft: no space left on device for the checkpoint of step 2 in " \
            f"{tiny_tmpfs / 'ck'}" in run.reason, run.reason
+
+
+@pytest.mark.parametrize("rank_1_dies_of, named", [
+    (signal.SIGKILL, "rank 1: killed by SIGKILL"),  # someone else's kill, read late
+    (signal.SIGTERM, "rank 0: RuntimeError: all_reduce over all 2 workers: Connection reset "
+                     "by peer"),  # the agent's own stop
+])
+def test_a_kill_read_after_the_agent_began_stopping_its_worker_is_still_its_cause(
+        tmp_path, rank_1_dies_of, named):
+    """Rank 1 is killed; rank 0 fails on the broken link and its exit reaches the agent
+    first, so the agent starts stopping rank 1 (SIGTERM) before it reads rank 1's exit. A
+    death by another signal than the agent's is rank 1's own failure, named as the cause."""
+    import socket
+
+    from dsgd_cli.launch.agent import LocalAgent, _Worker
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid nobody has: the agent's SIGTERM finds no process
+    agent = LocalAgent(2, "m", [], {}, -1, tmp_path / "none.sock")
+    ends = [socket.socketpair() for _ in range(2)]
+    agent._ranks = [_Worker(rank, ours, pid=gone.pid) for rank, (ours, _) in enumerate(ends)]
+    ends[0][1].sendall(b"exit 1\n")
+    agent._read(agent._ranks[0])
+    agent._close_others(signal.SIGTERM)
+    ends[1][1].sendall(f"exit {-rank_1_dies_of}\n".encode())
+    agent._read(agent._ranks[1])
+    result = run_result(1, EXPERIMENT, [PEER_RESET], set(), 1, "", agent.failures())
+    assert result.reason == named
+    for ours, theirs in ends:
+        ours.close()
+        theirs.close()

@@ -69,7 +69,9 @@ class _Worker:
     connection: socket.socket
     pid: int | None = None
     exitcode: int | None = None
-    closed: bool = False  # stopped by the agent after another worker failed
+    # The signal the agent last sent it to stop it, after another worker failed; None if
+    # it sent none.
+    closed_with: signal.Signals | None = None
     replies: bytearray = field(default_factory=bytearray)
 
 
@@ -184,7 +186,7 @@ class LocalAgent:
         with self._lock:
             running = [w for w in self._ranks if w.exitcode is None and w.pid is not None]
             for worker in running:
-                worker.closed = True
+                worker.closed_with = sig
         for worker in running:
             try:
                 os.kill(worker.pid, sig)
@@ -210,7 +212,7 @@ class LocalAgent:
         with self._lock:
             by_rank = {w.rank: w for w in self._ranks}
             return [WorkerExit(rank, by_rank[rank].exitcode) for rank in self._order
-                    if not by_rank[rank].closed]
+                    if not _stopped_by_agent(by_rank[rank])]
 
     def exited_zero(self) -> set[int]:
         """The ranks seen to exit with code 0 so far."""
@@ -232,6 +234,15 @@ class LocalAgent:
             self.store.terminate()
             self.store.wait()
             self.store = None
+
+
+def _stopped_by_agent(worker: _Worker) -> bool:
+    """Whether `worker` died of the agent's signal. One that died of another signal after
+    the agent began stopping it (killed by someone else meanwhile: its exit may be read after
+    its peer's) failed by itself."""
+    if worker.closed_with is None:
+        return False
+    return worker.exitcode is None or worker.exitcode >= 0 or -worker.exitcode == worker.closed_with
 
 
 def check_owner(connection: socket.socket, path: Path) -> None:
