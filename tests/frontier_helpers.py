@@ -34,6 +34,15 @@ def gradients(net: nn.Module, rank: int, step: int) -> list[torch.Tensor]:
             for p in net.parameters()]
 
 
+def local_steps(nets: list[nn.Module], optimizers: list, step: int) -> None:
+    """The references' inner step: each worker applies its own `gradients` at `step`."""
+    for rank, (net, optimizer) in enumerate(zip(nets, optimizers)):
+        optimizer.zero_grad()
+        for p, g in zip(net.parameters(), gradients(net, rank, step)):
+            p.grad = g
+        optimizer.step()
+
+
 def context(rank: int, n: int, make_optimizer, dtype=torch.float64) -> WorkerContext:
     net = model(dtype)
     return WorkerContext(rank=rank, world_size=n, device=torch.device("cpu"), model=net,

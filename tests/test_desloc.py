@@ -59,11 +59,7 @@ def _reference(periods: tuple[int, int, int], n: int = WORKERS) -> dict:
     optimizers = [_adamw(net.parameters()) for net in nets]
     history = {rank: [] for rank in range(n)}
     for step in range(STEPS):
-        for rank, (net, optimizer) in enumerate(zip(nets, optimizers)):
-            optimizer.zero_grad()
-            for p, g in zip(net.parameters(), h.gradients(net, rank, step)):
-                p.grad = g
-            optimizer.step()
+        h.local_steps(nets, optimizers, step)
         tensors = list(zip(*[list(net.parameters()) for net in nets]))  # per parameter, per worker
         due = []
         if (step + 1) % periods[0] == 0:

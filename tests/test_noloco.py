@@ -61,11 +61,7 @@ def _reference(n: int, alpha: float, beta: float, gamma: float) -> dict:
     history = {rank: [] for rank in range(n)}
     rounds = 0
     for step in range(STEPS):
-        for rank, (net, optimizer) in enumerate(zip(nets, optimizers)):
-            optimizer.zero_grad()
-            for p, g in zip(net.parameters(), h.gradients(net, rank, step)):
-                p.grad = g
-            optimizer.step()
+        h.local_steps(nets, optimizers, step)
         if (step + 1) % PERIOD == 0:
             theta = [h.flat(net) for net in nets]
             new_phi = list(phi)

@@ -106,11 +106,7 @@ def _reference(case, n: int = WORKERS) -> dict:
     errors = [[numpy.zeros_like(x) for x in global_] for _ in range(n)]
     history = {rank: [] for rank in range(n)}
     for step in range(STEPS):
-        for rank, (net, optimizer) in enumerate(zip(nets, optimizers)):
-            optimizer.zero_grad()
-            for p, g in zip(net.parameters(), h.gradients(net, rank, step)):
-                p.grad = g
-            optimizer.step()
+        h.local_steps(nets, optimizers, step)
         if (step + 1) % PERIOD == 0:
             total = [numpy.zeros_like(x) for x in global_]
             for rank, net in enumerate(nets):
